@@ -1,0 +1,50 @@
+"""Every error weightcache reports, mapped to the exit codes of SPEC §2.2.
+
+Each message is one sentence that names the object (bucket, key, file, revision), says
+what happened and what to do. Library exceptions are chained with `from`; nothing from
+botocore or the HTTP stack escapes the transfer layer.
+"""
+
+from __future__ import annotations
+
+
+class WeightcacheError(Exception):
+    """Root of all weightcache errors; `exit_code` is the process exit status."""
+
+    exit_code = 1
+
+
+class UsageError(WeightcacheError):
+    """Bad option, bad models file, bad cache directory: fix the invocation (exit 2)."""
+
+    exit_code = 2
+
+
+class SourceError(WeightcacheError):
+    """Object not found, access denied, missing or invalid manifest (exit 3)."""
+
+    exit_code = 3
+
+
+class IntegrityError(WeightcacheError):
+    """Hash or size mismatch after the retry (exit 4)."""
+
+    exit_code = 4
+
+
+class NoSpaceError(WeightcacheError):
+    """The disk or the capacity bound cannot hold the revision (exit 5)."""
+
+    exit_code = 5
+
+
+class TransientError(WeightcacheError):
+    """Network, throttling or timeouts persisted past the retry budget (exit 6)."""
+
+    exit_code = 6
+
+
+class Interrupted(WeightcacheError):
+    """SIGTERM/SIGINT: work stopped, partial files left resumable (exit 143 like a shell)."""
+
+    exit_code = 143

@@ -1,0 +1,231 @@
+"""The fetch algorithm (SPEC §4): a hit touches no network; a miss downloads once per node.
+
+Hit: the marker is present and every file has its recorded size -> record the access and
+return. Nothing heavy is imported on this path (boto3 loads only on a miss).
+
+Miss: take the revision lock, re-check the marker (the waiter of a concurrent fetch finds
+it there), read and validate the manifest, list sizes, link blobs already on the node,
+download the rest (each under its blob lock), verify, publish each blob, assemble the
+revision aside and rename it into place with its marker inside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from weightcache.config import Source, StoreSettings
+from weightcache.errors import IntegrityError, NoSpaceError, SourceError
+from weightcache.index import Index
+from weightcache.layout import Layout
+from weightcache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
+from weightcache.progress import human
+from weightcache.store import FileLock, Marker, Store
+
+if TYPE_CHECKING:
+    from weightcache.transfer.ranged import RangedDownloader, TransferObserver
+    from weightcache.transfer.s3 import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    path: str
+    hit: bool
+    bytes_from_origin: int
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second from the origin (0 for a hit)."""
+        return self.bytes_from_origin / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "throughput": round(self.throughput, 1)}
+
+
+def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> FetchResult | None:
+    """The hit path: no network, no heavy import. None on a miss."""
+    start = time.monotonic()
+    marker = Store(layout).ready(source.name, source.revision)
+    if marker is None:
+        return None
+    Index(layout.state_db).record_access(source.name, source.revision, pod_uid=pod_uid)
+    path = str(layout.revision_dir(source.name, source.revision))
+    return FetchResult(path, True, 0, time.monotonic() - start)
+
+
+class Fetcher:
+    """Brings revisions into one cache directory. Reusable across fetches (the daemon)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        settings: StoreSettings,
+        observer: TransferObserver | None = None,
+        downloader: RangedDownloader | None = None,
+    ) -> None:
+        self.layout = layout
+        self.store = Store(layout)
+        self.index = Index(layout.state_db)
+        self.settings = settings
+        self._observer = observer
+        self._downloader = downloader
+
+    @property
+    def downloader(self) -> RangedDownloader:
+        if self._downloader is None:
+            from weightcache.transfer.ranged import RangedDownloader
+            from weightcache.transfer.s3 import ObjectStore
+
+            self._downloader = RangedDownloader(
+                ObjectStore(self.settings), self.settings, self._observer
+            )
+        return self._downloader
+
+    @property
+    def origin(self) -> ObjectStore:
+        return self.downloader.store
+
+    def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
+        """Make the revision ready; raises a WeightcacheError subclass on failure."""
+        start = time.monotonic()
+        self.layout.revision_dir(source.name, source.revision)  # validates, refuses symlinks
+        hit = check_hit(self.layout, source, pod_uid)
+        if hit is not None:
+            return hit
+        lock = FileLock(self.layout.revision_lock(source.name, source.revision), source.label)
+        with lock.held():
+            hit = check_hit(self.layout, source, pod_uid)  # a concurrent fetch finished it
+            if hit is not None:
+                return FetchResult(hit.path, True, 0, time.monotonic() - start)
+            manifest = self.read_manifest(source)
+            fetched = self._bring_blobs(source, manifest)
+            marker = Marker(
+                name=source.name,
+                revision=source.revision,
+                source=source.url,
+                manifest_sha256=manifest.digest,
+                files={e.path: (e.sha256, e.size) for e in manifest.entries},
+                created=time.time(),
+            )
+            path = self._assemble(source, marker, manifest)
+        self.index.record_access(source.name, source.revision, source=source.url,
+                                 size=manifest.total_size, pod_uid=pod_uid)  # fmt: skip
+        seconds = time.monotonic() - start
+        log.info("ready %s at %s: %s from origin in %.1fs", source.label, path,
+                 human(fetched), seconds)  # fmt: skip
+        return FetchResult(str(path), False, fetched, seconds)
+
+    def read_manifest(self, source: Source) -> Manifest:
+        """SHA256SUMS of the revision, validated, with each file's size from the listing."""
+        where = f"s3://{source.bucket}/{source.key(MANIFEST_NAME)}"
+        sizes = self.origin.list_sizes(source.bucket, source.prefix)
+        if MANIFEST_NAME not in sizes:
+            raise SourceError(
+                f"no {MANIFEST_NAME} at {where}; publish the model with `weightcache publish` "
+                "(or write the manifest with sha256sum) so that downloads can be verified"
+            )
+        manifest = parse(self.origin.get_bytes(source.bucket, source.key(MANIFEST_NAME)), where)
+        missing = [e.path for e in manifest.entries if e.path not in sizes]
+        if missing:
+            raise SourceError(
+                f"{where} lists {len(missing)} file(s) missing under {source.url}/, e.g. "
+                f"{missing[0]!r}; upload them or fix the manifest"
+            )
+        return manifest.with_sizes(sizes)
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def _bring_blobs(self, source: Source, manifest: Manifest) -> int:
+        """Ensure every blob of the manifest is in the store; return bytes downloaded."""
+        wanted: dict[str, ManifestEntry] = {}
+        for entry in manifest.entries:
+            if not self.store.has_blob(entry.sha256):
+                wanted.setdefault(entry.sha256, entry)
+        if not wanted:
+            return 0
+        self._check_space(list(wanted.values()))
+        fetched = 0
+        pending = list(wanted.values())
+        while pending:
+            mine, theirs = [], []
+            for entry in pending:
+                lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
+                (mine if lock.try_acquire() else theirs).append((entry, lock))
+            if not mine:  # another process downloads all we lack: wait for one, re-check
+                entry, lock = theirs.pop(0)
+                lock.acquire()
+                mine.append((entry, lock))
+                for _, other in theirs:
+                    other.release()
+            try:
+                todo = [e for e, _ in mine if not self.store.has_blob(e.sha256)]
+                fetched += self._download_verified(source, todo)
+            finally:
+                for _, lock in mine:
+                    lock.release()
+            pending = [e for e, _ in theirs if not self.store.has_blob(e.sha256)]
+        return fetched
+
+    def _download_verified(self, source: Source, entries: list[ManifestEntry]) -> int:
+        """Download, verify and publish; a mismatch is downloaded once more, then exit 4."""
+        from weightcache.transfer.ranged import BlobJob
+
+        fetched = 0
+        for attempt in (1, 2):
+            if not entries:
+                break
+            jobs = {
+                e.sha256: BlobJob(source.bucket, source.key(e.path), e.size, e.sha256,
+                                  self.layout.partial(e.sha256), e.path)  # fmt: skip
+                for e in entries
+            }
+            before = self.downloader.bytes_received
+            actual = self.downloader.download(list(jobs.values()))
+            fetched += self.downloader.bytes_received - before
+            bad = []
+            for e in entries:
+                got = actual[e.path]
+                if got == e.sha256:
+                    self.store.publish_blob(jobs[e.sha256].partial, e.sha256)
+                else:
+                    self.store.discard_partial(e.sha256)
+                    bad.append((e, got))
+            if bad and attempt == 2:
+                e, got = bad[0]
+                raise IntegrityError(
+                    f"sha256 mismatch for {e.path} in {source.label}: expected {e.sha256}, "
+                    f"got {got}; the object in {source.url}/{e.path} differs from "
+                    f"{MANIFEST_NAME} (checked twice)"
+                )
+            for e, got in bad:
+                log.warning("sha256 mismatch for %s (expected %s, got %s); downloading it "
+                            "once more", e.path, e.sha256, got)  # fmt: skip
+            entries = [e for e, _ in bad]
+        return fetched
+
+    def _check_space(self, entries: list[ManifestEntry]) -> None:
+        need = sum(e.size - min(self.store.partial_bytes(e.sha256), e.size) for e in entries)
+        st = os.statvfs(self.layout.tmp)
+        free = st.f_bavail * st.f_frsize
+        if need > free:
+            raise NoSpaceError(
+                f"the cache disk at {self.layout.root} has {human(free)} free but the "
+                f"download needs {human(need)} more; free space or evict old revisions "
+                "(weightcache gc)"
+            )
+
+    def _assemble(self, source: Source, marker: Marker, manifest: Manifest) -> str:
+        try:
+            return str(self.store.assemble(marker, manifest))
+        except FileNotFoundError:
+            # A blob was evicted between our check and our link: fetch it again, once.
+            log.warning("a blob of %s vanished while assembling it; fetching it again",
+                        source.label)  # fmt: skip
+            self._bring_blobs(source, manifest)
+            return str(self.store.assemble(marker, manifest))

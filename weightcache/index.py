@@ -1,0 +1,125 @@
+"""state.db: what the cache holds, when each revision was last used, pins and leases.
+
+SQLite in WAL mode so that the daemon and many `fetch` processes write concurrently.
+The index is advisory bookkeeping for eviction and `ls`; the truth about what is ready
+is the marker on disk (a lost index costs LRU precision, never correctness).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    name TEXT NOT NULL, revision TEXT NOT NULL, source TEXT NOT NULL DEFAULT '',
+    size INTEGER NOT NULL DEFAULT 0, last_access REAL NOT NULL, created REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (name, revision)
+);
+CREATE TABLE IF NOT EXISTS leases (
+    name TEXT NOT NULL, revision TEXT NOT NULL, pod_uid TEXT NOT NULL, since REAL NOT NULL,
+    PRIMARY KEY (name, revision, pod_uid)
+);
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    revision: str
+    source: str
+    size: int
+    last_access: float
+    pinned: bool
+    leases: tuple[str, ...] = ()
+
+
+class Index:
+    """Connection to state.db; cheap to construct, connects on first use."""
+
+    def __init__(self, path: Path, timeout: float = 5.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._db: sqlite3.Connection | None = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            self._db = db
+        return self._db
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def record_access(
+        self,
+        name: str,
+        revision: str,
+        *,
+        source: str = "",
+        size: int | None = None,
+        pod_uid: str | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Note a hit or a completed miss (and the Pod's lease). Never fails the caller."""
+        now = time.time() if now is None else now
+        try:
+            with self.db:
+                self.db.execute(
+                    "INSERT INTO entries (name, revision, source, size, last_access, created) "
+                    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name, revision) DO UPDATE SET "
+                    "last_access = excluded.last_access, "
+                    "source = CASE WHEN excluded.source = '' THEN source ELSE excluded.source END,"
+                    "size = CASE WHEN ? IS NULL THEN size ELSE excluded.size END",
+                    (name, revision, source, size or 0, now, now, size),
+                )
+                if pod_uid:
+                    self.db.execute(
+                        "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?)",
+                        (name, revision, pod_uid, now),
+                    )
+        except sqlite3.Error as e:
+            log.warning("could not record the access to %s/%s in %s: %s",
+                        name, revision, self.path, e)  # fmt: skip
+
+    def entries(self) -> list[Entry]:
+        leases: dict[tuple[str, str], list[str]] = {}
+        for name, rev, uid in self.db.execute("SELECT name, revision, pod_uid FROM leases"):
+            leases.setdefault((name, rev), []).append(uid)
+        return [
+            Entry(n, r, src, size, last, bool(pin), tuple(sorted(leases.get((n, r), ()))))
+            for n, r, src, size, last, pin in self.db.execute(
+                "SELECT name, revision, source, size, last_access, pinned FROM entries "
+                "ORDER BY name, revision"
+            )
+        ]
+
+    def set_pins(self, pinned: set[tuple[str, str]]) -> None:
+        with self.db:
+            self.db.execute("UPDATE entries SET pinned = 0")
+            self.db.executemany(
+                "UPDATE entries SET pinned = 1 WHERE name = ? AND revision = ?", sorted(pinned)
+            )
+
+    def lease_holders(self) -> set[str]:
+        return {uid for (uid,) in self.db.execute("SELECT DISTINCT pod_uid FROM leases")}
+
+    def end_leases(self, pod_uids: set[str]) -> None:
+        with self.db:
+            self.db.executemany("DELETE FROM leases WHERE pod_uid = ?", [(u,) for u in pod_uids])
+
+    def forget(self, name: str, revision: str) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM entries WHERE name = ? AND revision = ?", (name, revision))

@@ -1,0 +1,132 @@
+"""Every path of the cache, in one place.
+
+```
+DIR/<name>/<revision>/...             the files, as the engine reads them (hard links to blobs)
+DIR/<name>/<revision>/.weightcache    completion marker, written last (JSON: manifest digest,
+                                      files, sizes); present only on a verified revision
+DIR/.weightcache/blobs/sha256/<hex>   content-addressed blobs, read-only, one per content
+DIR/.weightcache/tmp/                 partial blobs (<hex>.part + <hex>.part.json, resumable),
+                                      revisions being assembled, revisions being deleted
+DIR/.weightcache/locks/               flock files: single-flight only, never correctness
+DIR/.weightcache/state.db             SQLite (WAL): entries, last access, pins, leases
+DIR/.weightcache/daemon.sock          the node daemon's Unix socket, when one runs
+```
+A revision appears by `rename(2)` of a directory assembled under tmp/ with its marker
+already inside, so a marked revision is always complete (SPEC §3, invariants 1 and 2).
+Everything lives on one filesystem so that links and renames are atomic.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightcache.errors import UsageError
+
+MARKER = ".weightcache"
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-+=@]{0,254}")
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def check_segment(value: str, what: str) -> str:
+    """A model name or revision must be one safe path segment."""
+    if not _SEGMENT.fullmatch(value) or value in (".", "..") or value == MARKER:
+        raise UsageError(
+            f"invalid {what} {value!r}: use letters, digits and . _ - + = @ "
+            "(one path segment, not starting with a dot)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The paths of one cache directory. Creating it makes the internal folders."""
+
+    root: Path
+
+    @classmethod
+    def open(cls, cache_dir: str | os.PathLike[str]) -> Layout:
+        root = Path(cache_dir).absolute()
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"cache directory {root} is not a directory")
+        try:
+            layout = cls(root.resolve())
+            for d in (layout.blobs, layout.tmp, layout.locks):
+                d.mkdir(parents=True, exist_ok=True)
+        except PermissionError as e:
+            raise UsageError(
+                f"cannot write to cache directory {root}: {e.strerror}; mount it writable "
+                "for this user"
+            ) from e
+        return layout
+
+    @property
+    def internal(self) -> Path:
+        return self.root / MARKER
+
+    @property
+    def blobs(self) -> Path:
+        return self.internal / "blobs" / "sha256"
+
+    @property
+    def tmp(self) -> Path:
+        return self.internal / "tmp"
+
+    @property
+    def locks(self) -> Path:
+        return self.internal / "locks"
+
+    @property
+    def state_db(self) -> Path:
+        return self.internal / "state.db"
+
+    @property
+    def socket(self) -> Path:
+        return self.internal / "daemon.sock"
+
+    def blob(self, sha256: str) -> Path:
+        if not _HEX.fullmatch(sha256):
+            raise ValueError(f"not a sha256 hex digest: {sha256!r}")
+        return self.blobs / sha256
+
+    def partial(self, sha256: str) -> Path:
+        return self.tmp / f"{sha256}.part"
+
+    def revision_dir(self, name: str, revision: str) -> Path:
+        """DIR/<name>/<revision>, refusing anything that would resolve outside DIR."""
+        check_segment(name, "model name")
+        check_segment(revision, "revision")
+        path = self.root / name / revision
+        self.check_inside(path)
+        return path
+
+    def marker(self, name: str, revision: str) -> Path:
+        return self.revision_dir(name, revision) / MARKER
+
+    def revision_lock(self, name: str, revision: str) -> Path:
+        return self.locks / f"rev-{name}@{revision}.lock"
+
+    def blob_lock(self, sha256: str) -> Path:
+        return self.locks / f"blob-{sha256}.lock"
+
+    def check_inside(self, path: Path) -> None:
+        """Reject a path that resolves (through symlinks) outside the cache dir (§3 inv. 5)."""
+        resolved = path.resolve()
+        if resolved != self.root and self.root not in resolved.parents:
+            raise UsageError(
+                f"{path} resolves to {resolved}, outside the cache directory {self.root}; "
+                "remove the symlink so that the cache stays inside its directory"
+            )
+
+    def revisions(self) -> list[tuple[str, str]]:
+        """Every (name, revision) directory present, with or without a marker."""
+        found = []
+        for name_dir in sorted(self.root.iterdir()):
+            if name_dir.name == MARKER or not name_dir.is_dir() or name_dir.is_symlink():
+                continue
+            for rev_dir in sorted(name_dir.iterdir()):
+                if rev_dir.is_dir() and not rev_dir.is_symlink():
+                    found.append((name_dir.name, rev_dir.name))
+        return found

@@ -1,0 +1,101 @@
+"""SHA256SUMS: parsing and validation of the manifest that is the source of truth (§2.1).
+
+Format: coreutils `sha256sum` output, one `<64 hex>  <relative path>` per line (`*` for
+binary mode is accepted too). Every listed file is downloaded and verified; nothing else is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from weightcache.errors import SourceError
+from weightcache.layout import MARKER
+
+MANIFEST_NAME = "SHA256SUMS"
+_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    path: str  # relative POSIX path, validated: no `..`, not absolute, no marker clash
+    sha256: str  # lowercase hex
+    size: int = -1  # filled from the object listing; -1 until known
+
+
+@dataclass(frozen=True)
+class Manifest:
+    entries: tuple[ManifestEntry, ...]
+    digest: str  # sha256 of the manifest bytes: the revision's content identity
+
+    @property
+    def total_size(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    def with_sizes(self, sizes: dict[str, int]) -> Manifest:
+        return Manifest(
+            tuple(ManifestEntry(e.path, e.sha256, sizes[e.path]) for e in self.entries),
+            self.digest,
+        )
+
+
+def parse(data: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; `where` names it in errors. Raises SourceError."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{where} is not UTF-8 text; regenerate it with sha256sum") from e
+    entries: list[ManifestEntry] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        m = _LINE.fullmatch(line)
+        if m is None:
+            raise SourceError(
+                f"{where} line {lineno} is malformed ({line[:80]!r}); each line must be "
+                "'<64 hex digits>  <relative path>' as written by sha256sum"
+            )
+        path = check_path(m.group(2), f"{where} line {lineno}")
+        if path in seen:
+            raise SourceError(f"{where} lists {path!r} twice (line {lineno}); list each file once")
+        seen.add(path)
+        entries.append(ManifestEntry(path, m.group(1).lower()))
+    if not entries:
+        raise SourceError(f"{where} lists no files; publish the model with its weight files")
+    _check_no_file_dir_clash(seen, where)
+    return Manifest(tuple(entries), hashlib.sha256(data).hexdigest())
+
+
+def check_path(raw: str, where: str) -> str:
+    """A manifest path must stay inside the revision directory (§3 invariant 5)."""
+    bad = (
+        raw.startswith("/")
+        or "\\" in raw
+        or any(ord(c) < 32 or ord(c) == 127 for c in raw)
+        or any(part in ("", ".", "..") for part in raw.split("/"))
+    )
+    if bad:
+        raise SourceError(
+            f"{where} has an unsafe path {raw!r}: paths must be relative, without '..', "
+            "'.', empty segments, backslashes or control characters"
+        )
+    if PurePosixPath(raw).parts[0] == MARKER:
+        raise SourceError(f"{where} lists {raw!r}, a name weightcache reserves for its marker")
+    return raw
+
+
+def _check_no_file_dir_clash(paths: set[str], where: str) -> None:
+    for path in paths:
+        for parent in PurePosixPath(path).parents:
+            if str(parent) in paths:
+                raise SourceError(
+                    f"{where} lists {str(parent)!r} as a file and as a directory of {path!r}"
+                )
+
+
+def render(entries: list[tuple[str, str]]) -> bytes:
+    """[(sha256, path)] -> manifest bytes in sha256sum format, sorted by path."""
+    return "".join(f"{h}  {p}\n" for h, p in sorted(entries, key=lambda e: e[1])).encode()

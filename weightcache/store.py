@@ -1,0 +1,273 @@
+"""The on-disk cache: blobs, atomic publish, revision assembly, markers, removal.
+
+Correctness comes from renames, never from locks (STYLE: atomic publish): a blob is
+published by renaming a verified, fsynced partial; a revision by renaming a directory
+assembled aside with its marker already inside. `FileLock` only avoids duplicate work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightcache.errors import WeightcacheError
+from weightcache.layout import MARKER, Layout
+from weightcache.manifest import Manifest
+
+log = logging.getLogger(__name__)
+MARKER_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Marker:
+    """The completion marker of a revision: what it holds, as verified."""
+
+    name: str
+    revision: str
+    source: str
+    manifest_sha256: str
+    files: dict[str, tuple[str, int]]  # path -> (sha256, size)
+    created: float
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, size in self.files.values())
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "version": MARKER_VERSION, "name": self.name, "revision": self.revision,
+            "source": self.source, "manifest_sha256": self.manifest_sha256,
+            "created": self.created,
+            "files": {p: {"sha256": h, "size": s} for p, (h, s) in sorted(self.files.items())},
+        }, indent=1)  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> Marker:
+        d = json.loads(text)
+        if d.get("version") != MARKER_VERSION:
+            raise ValueError(f"unknown marker version {d.get('version')!r}")
+        files = {p: (f["sha256"], int(f["size"])) for p, f in d["files"].items()}
+        return cls(d["name"], d["revision"], d["source"], d["manifest_sha256"], files,
+                   float(d["created"]))  # fmt: skip
+
+
+class Store:
+    """Blobs and revisions of one cache directory."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def read_marker(self, name: str, revision: str) -> Marker | None:
+        try:
+            text = self.layout.marker(name, revision).read_text()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            return Marker.from_json(text)
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring unreadable marker of %s/%s", name, revision)
+            return None
+
+    def ready(self, name: str, revision: str) -> Marker | None:
+        """The marker if the revision is complete: marker present, every file its size.
+
+        Sizes are checked (a stat per file, no read) so that a revision damaged after the
+        fact, or removed under our feet, is treated as a miss rather than served.
+        """
+        marker = self.read_marker(name, revision)
+        if marker is None or (marker.name, marker.revision) != (name, revision):
+            return None
+        root = self.layout.revision_dir(name, revision)
+        for path, (_, size) in marker.files.items():
+            try:
+                if os.stat(root / path).st_size != size:
+                    return None
+            except OSError:
+                return None
+        return marker
+
+    def has_blob(self, sha256: str) -> bool:
+        return self.layout.blob(sha256).is_file()
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def publish_blob(self, partial: Path, sha256: str) -> Path:
+        """Move a verified, fsynced partial into the blob store (atomic, idempotent)."""
+        blob = self.layout.blob(sha256)
+        os.chmod(partial, 0o444)
+        os.replace(partial, blob)
+        _fsync_dir(blob.parent)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial.with_name(partial.name + ".json"))
+        return blob
+
+    def discard_partial(self, sha256: str) -> None:
+        partial = self.layout.partial(sha256)
+        for p in (partial, partial.with_name(partial.name + ".json")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def partial_bytes(self, sha256: str) -> int:
+        """Bytes already reserved on disk by a partial of this blob (0 if none)."""
+        try:
+            return self.layout.partial(sha256).stat().st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def unreferenced_blobs(self) -> list[Path]:
+        """Blobs no revision links to (link count 1): free to delete."""
+        out = []
+        for blob in self.layout.blobs.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if blob.stat().st_nlink == 1:
+                    out.append(blob)
+        return out
+
+    def delete_unreferenced_blobs(self) -> int:
+        """Delete blobs no revision links to; return the bytes freed.
+
+        A fetch linking such a blob at the same instant keeps the data alive through its
+        new link; a fetch about to link it gets ENOENT and downloads it again.
+        """
+        freed = 0
+        for blob in self.unreferenced_blobs():
+            with contextlib.suppress(FileNotFoundError):
+                size = blob.stat().st_size
+                blob.unlink()
+                freed += size
+        return freed
+
+    # -- revisions -----------------------------------------------------------------------------
+
+    def assemble(self, marker: Marker, manifest: Manifest) -> Path:
+        """Link the revision's blobs into a directory aside, marker inside, rename into place.
+
+        Raises FileNotFoundError if a blob vanished (evicted) before it could be linked;
+        the caller downloads it again.
+        """
+        target = self.layout.revision_dir(marker.name, marker.revision)
+        staging = self.layout.tmp / f"rev-{marker.name}@{marker.revision}-{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            dirs = {staging}
+            for entry in manifest.entries:
+                dest = staging / entry.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dirs.add(dest.parent)
+                os.link(self.layout.blob(entry.sha256), dest)
+            marker_path = staging / MARKER
+            with open(marker_path, "w") as fh:
+                fh.write(marker.to_json())
+                fh.flush()
+                os.fsync(fh.fileno())
+            for d in dirs:
+                _fsync_dir(d)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.layout.check_inside(target)
+            self._move_aside(target)
+            os.rename(staging, target)
+            _fsync_dir(target.parent)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def remove_revision(self, name: str, revision: str) -> None:
+        """Make the revision vanish atomically (rename away), then delete its files."""
+        self._move_aside(self.layout.revision_dir(name, revision))
+        with contextlib.suppress(OSError):
+            self.layout.revision_dir(name, revision).parent.rmdir()  # only if now empty
+
+    def drop_marker(self, name: str, revision: str) -> None:
+        """Unmark a revision found damaged, so that the next fetch repairs it."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.layout.marker(name, revision))
+        _fsync_dir(self.layout.revision_dir(name, revision))
+
+    def _move_aside(self, path: Path) -> None:
+        if not path.exists() and not path.is_symlink():
+            return
+        trash = self.layout.tmp / f"trash-{uuid.uuid4().hex}"
+        os.rename(path, trash)
+        _fsync_dir(path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def clean_tmp(self, older_than: float = 3600.0) -> None:
+        """Remove staging and trash directories left by killed processes."""
+        cutoff = time.time() - older_than
+        for entry in self.layout.tmp.iterdir():
+            if entry.is_dir() and entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileLock:
+    """flock on a lock file, waiting politely. Avoids duplicate work, guarantees nothing.
+
+    Released by the kernel when the holder dies (kill -9 included). On filesystems where
+    flock silently does nothing, two fetches both download and the renames keep the
+    cache correct (SPEC §3 invariant 2).
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = path
+        self.what = what
+        self._fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def acquire(self, poll: float = 0.05, log_every: float = 30.0) -> None:
+        if self.try_acquire():
+            return
+        log.info("waiting for another fetch of %s on this node", self.what)
+        start = last_log = time.monotonic()
+        while not self.try_acquire():
+            time.sleep(poll)
+            poll = min(poll * 1.5, 0.5)
+            if time.monotonic() - last_log >= log_every:
+                last_log = time.monotonic()
+                log.info("still waiting for another fetch of %s (%.0fs)",
+                         self.what, last_log - start)  # fmt: skip
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+__all__ = ["FileLock", "Marker", "Store", "WeightcacheError"]

@@ -1,0 +1,401 @@
+"""The data plane: parallel ranged GETs written at their offsets, hashed as they land.
+
+Why plain `http.client` on threads rather than aiohttp or boto3 `get_object`: each worker
+`readinto`s a fixed 1 MiB buffer and `pwrite`s it, both releasing the GIL, so memory stays
+at workers × 1 MiB whatever the model size and no per-request botocore machinery runs
+(benchmarks/cold_fetch.py measures the result against s5cmd). boto3 still signs: every GET
+uses a presigned URL from `ObjectStore.presign_get`.
+
+sha256 is computed while the download runs, over the contiguous prefix of completed parts
+(read back from the page cache by whichever worker extends it), so there is no second
+pass after the last byte and the digest is ready when the last part lands.
+
+Retries (SPEC §4): 5xx, 429/503 SlowDown, resets, truncated bodies and socket timeouts are
+retried with full-jitter exponential backoff, resuming the part at the byte where it broke.
+Throttling halves the concurrency (AIMD). A part gives up after `max_attempts` failures
+without progress; the whole download gives up when no byte arrived for `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import http.client
+import logging
+import os
+import queue
+import ssl
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from weightcache.config import StoreSettings
+from weightcache.errors import (
+    IntegrityError,
+    Interrupted,
+    NoSpaceError,
+    SourceError,
+    TransientError,
+    WeightcacheError,
+)
+from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
+from weightcache.transfer.parts import PartState
+from weightcache.transfer.s3 import ObjectStore
+
+log = logging.getLogger(__name__)
+BUFFER = 1 << 20  # bytes per worker read; also the hashing read-back chunk
+HASH_CHUNK = 4 << 20
+
+
+class TransferObserver(Protocol):
+    """Hooks for progress and metrics; called from worker threads."""
+
+    def expect(self, nbytes: int) -> None: ...
+    def request_started(self) -> None: ...
+    def request_finished(self) -> None: ...
+    def received(self, nbytes: int) -> None: ...
+    def throttled(self) -> None: ...
+
+
+class NullObserver:
+    def expect(self, nbytes: int) -> None: ...
+    def request_started(self) -> None: ...
+    def request_finished(self) -> None: ...
+    def received(self, nbytes: int) -> None: ...
+    def throttled(self) -> None: ...
+
+
+@dataclass
+class BlobJob:
+    """One object to bring into `partial`; `sha256` None means "compute, don't check"."""
+
+    bucket: str
+    key: str
+    size: int
+    sha256: str | None
+    partial: Path
+    label: str  # the manifest path, for messages
+
+    @property
+    def state_path(self) -> Path:
+        return self.partial.with_name(self.partial.name + ".json")
+
+
+class _Retry(Exception):
+    """A retryable failure of one request; `throttle` if the store asked to slow down."""
+
+    def __init__(self, reason: str, throttle: bool = False) -> None:
+        super().__init__(reason)
+        self.throttle = throttle
+
+
+@dataclass
+class _File:
+    job: BlobJob
+    fd: int
+    state: PartState
+    hasher: hashlib._Hash = field(default_factory=hashlib.sha256)
+    hashed: int = 0
+    hashing: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RangedDownloader:
+    """Downloads blobs into resumable partial files. One instance per process."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        settings: StoreSettings,
+        observer: TransferObserver | None = None,
+        bucket: TokenBucket | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.observer = observer or NullObserver()
+        self.tokens = bucket or (TokenBucket(settings.bwlimit) if settings.bwlimit else None)
+        self.gate = AIMDGate(settings.max_concurrency)
+        self.backoff = backoff or Backoff()
+        self.stop = threading.Event()
+        self._local = threading.local()
+        self._last_progress = time.monotonic()
+        self._counter_lock = threading.Lock()
+        self.bytes_received = 0  # over the downloader's life, for "bytes from origin"
+
+    def download(self, jobs: list[BlobJob]) -> dict[str, str]:
+        """Fill every job's partial file; return {label: actual sha256}.
+
+        The partials are fsynced when this returns. A digest differing from the expected
+        one is reported, not raised: the caller decides whether to try again. Raises
+        TransientError, SourceError, NoSpaceError, Interrupted.
+        """
+        files = [self._open(job) for job in jobs]
+        tasks: queue.SimpleQueue[tuple[_File, int]] = queue.SimpleQueue()
+        for f in files:
+            for i in f.state.pending():
+                tasks.put((f, i))
+            self._advance_hash(f)  # a resumed file rehashes its completed prefix
+        self.observer.expect(sum(f.job.size - f.state.bytes_done() for f in files))
+        self._last_progress = time.monotonic()
+        errors: list[BaseException] = []
+        workers = [
+            threading.Thread(target=self._work, args=(tasks, errors), daemon=True)
+            for _ in range(min(self.settings.max_concurrency, max(1, tasks.qsize())))
+        ]
+        try:
+            for w in workers:
+                w.start()
+            for w in workers:
+                while w.is_alive():
+                    w.join(0.5)
+            if errors:
+                raise errors[0]
+            return {f.job.label: self._finish(f) for f in files}
+        finally:
+            self.stop.set()
+            for f in files:
+                os.close(f.fd)
+            self.stop = threading.Event()
+
+    def interrupt(self) -> None:
+        """Ask running workers to stop after their current read (SIGTERM)."""
+        self.stop.set()
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def _open(self, job: BlobJob) -> _File:
+        state = PartState.load(job.state_path, job.size, self.settings.part_size)
+        fd = os.open(job.partial, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not any(state.done) or os.fstat(fd).st_size != job.size:
+                state = PartState(job.size, self.settings.part_size)
+                os.ftruncate(fd, 0)
+                _preallocate(fd, job)
+                state.save(job.state_path)
+            elif state.bytes_done():
+                log.info("resuming %s: %d of %d bytes already on disk",
+                         job.label, state.bytes_done(), job.size)  # fmt: skip
+        except BaseException:
+            os.close(fd)
+            raise
+        return _File(job, fd, state)
+
+    def _finish(self, f: _File) -> str:
+        self._advance_hash(f)
+        if f.hashed != f.job.size:  # every part done, so only a bug can get here
+            raise WeightcacheError(f"internal error: {f.job.label} hashed {f.hashed} bytes")
+        os.fsync(f.fd)
+        return f.hasher.hexdigest()
+
+    def _advance_hash(self, f: _File) -> None:
+        """Hash the newly contiguous prefix; only one thread hashes a file at a time."""
+        with f.lock:
+            if f.hashing:
+                return
+            f.hashing = True
+        try:
+            while True:
+                with f.lock:
+                    end = f.state.contiguous_end()
+                    if end <= f.hashed:
+                        f.hashing = False
+                        return
+                while f.hashed < end:
+                    chunk = os.pread(f.fd, min(HASH_CHUNK, end - f.hashed), f.hashed)
+                    if not chunk:
+                        raise WeightcacheError(f"internal error: {f.job.partial} is short")
+                    f.hasher.update(chunk)
+                    f.hashed += len(chunk)
+        except BaseException:
+            with f.lock:
+                f.hashing = False
+            raise
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def _work(self, tasks: queue.SimpleQueue[tuple[_File, int]], errors: list[BaseException]) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    f, index = tasks.get_nowait()
+                except queue.Empty:
+                    return
+                self._fetch_part(f, index)
+                with f.lock:
+                    f.state.done[index] = True
+                    f.state.save(f.job.state_path)
+                self._advance_hash(f)
+        except BaseException as e:
+            errors.append(e)
+            self.stop.set()
+
+    def _fetch_part(self, f: _File, index: int) -> None:
+        start, end = f.state.parts[index]
+        pos = start
+        failures = 0
+        while pos < end:
+            if self.stop.is_set():
+                raise Interrupted("download interrupted; partial files are kept for resume")
+            if not self.gate.acquire(self.stop):
+                continue
+            self.observer.request_started()
+            before = pos
+            try:
+                pos = self._get_range(f, pos, end)
+                self.gate.on_success()
+            except _Retry as e:
+                pos = self._local.pos  # the byte where it broke
+                failures = 0 if pos > before else failures + 1
+                if e.throttle:
+                    self.gate.on_throttle()
+                    self.observer.throttled()
+                self._wait_before_retry(f, failures, str(e))
+            finally:
+                self.observer.request_finished()
+                self.gate.release()
+
+    def _wait_before_retry(self, f: _File, failures: int, reason: str) -> None:
+        stalled = time.monotonic() - self._last_progress
+        if failures >= self.settings.max_attempts or stalled >= self.settings.timeout:
+            raise TransientError(
+                f"giving up on {f.job.label} (s3://{f.job.bucket}/{f.job.key}) after "
+                f"{failures} attempts and {stalled:.0f}s without progress, last: {reason}; "
+                "partial data is kept, run the fetch again when the store recovers"
+            )
+        delay = min(self.backoff.delay(max(failures, 1)), self.settings.timeout - stalled)
+        log.warning("%s: attempt %d/%d failed (%s); retrying in %.1fs",
+                    f.job.label, failures + 1, self.settings.max_attempts, reason, delay)  # fmt: skip
+        self.stop.wait(delay)
+
+    def _get_range(self, f: _File, pos: int, end: int) -> int:
+        """GET [pos, end) and write it at its offset; returns `end`. Raises _Retry."""
+        self._local.pos = pos
+        if pos == end:
+            return end
+        url = urllib.parse.urlsplit(self.store.presign_get(f.job.bucket, f.job.key))
+        target = f"{url.path}?{url.query}"
+        conn = self._connection(url)
+        try:
+            conn.request("GET", target, headers={"Range": f"bytes={pos}-{end - 1}"})
+            resp = conn.getresponse()
+            self._check_status(f.job, resp, pos, end)
+            return self._write_body(f, resp, pos, end)
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_connection()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise
+            raise _Retry(f"{type(e).__name__}: {e}") from e
+        except _Retry:
+            self._drop_connection()
+            raise
+
+    def _write_body(self, f: _File, resp: http.client.HTTPResponse, pos: int, end: int) -> int:
+        view = memoryview(self._buffer())
+        while pos < end:
+            want = min(BUFFER, end - pos)
+            if self.tokens is not None:
+                self.tokens.take(want)
+            got = resp.readinto(view[:want])
+            if not got:
+                raise http.client.IncompleteRead(b"", end - pos)
+            try:
+                _pwrite_all(f.fd, view[:got], pos)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise NoSpaceError(
+                        f"no space left on the cache disk while writing {f.job.label}; free "
+                        "space or lower --capacity"
+                    ) from e
+                raise
+            pos += got
+            self._local.pos = pos
+            self._last_progress = time.monotonic()
+            with self._counter_lock:
+                self.bytes_received += got
+            self.observer.received(got)
+            if self.stop.is_set() and pos < end:
+                raise Interrupted("download interrupted; partial files are kept for resume")
+        return pos
+
+    def _check_status(
+        self, job: BlobJob, resp: http.client.HTTPResponse, pos: int, end: int
+    ) -> None:
+        where = f"s3://{job.bucket}/{job.key}"
+        if resp.status == 206:
+            total = resp.getheader("Content-Range", "").rpartition("/")[2]
+            if total.isdigit() and int(total) != job.size:
+                raise IntegrityError(
+                    f"{job.label}: {where} is {total} bytes now but was {job.size} when listed; "
+                    "the object changed during the fetch, run it again"
+                )
+            return
+        if resp.status == 200 and pos == 0 and end == job.size:
+            return  # a store that ignores Range for a whole-object read
+        body = resp.read(4096)
+        if resp.status in (429, 503) or b"SlowDown" in body:
+            raise _Retry(f"HTTP {resp.status} SlowDown", throttle=True)
+        if resp.status >= 500 or resp.status == 408:
+            raise _Retry(f"HTTP {resp.status}")
+        if resp.status == 403:
+            raise SourceError(f"GET {where}: access denied (403); check the credentials")
+        if resp.status in (404, 416):
+            raise SourceError(f"GET {where}: HTTP {resp.status}; the object changed or vanished")
+        raise SourceError(f"GET {where}: unexpected HTTP {resp.status}")
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _connection(self, url: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+        """This thread's keep-alive connection to the URL's host."""
+        key = (url.scheme, url.netloc)
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and getattr(self._local, "conn_key", None) == key:
+            return conn
+        self._drop_connection()
+        timeout = min(self.settings.timeout, 30.0)
+        if url.scheme == "https":
+            context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+            conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
+        self._local.conn, self._local.conn_key = conn, key
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def _buffer(self) -> bytearray:
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(BUFFER)
+        return buf
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _preallocate(fd: int, job: BlobJob) -> None:
+    """Reserve the blob's space now, so a full disk fails before the download, not after."""
+    if job.size == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, job.size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise NoSpaceError(
+                f"no space left on the cache disk for {job.label} ({job.size} bytes); free "
+                "space or lower --capacity"
+            ) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, job.size)
+
