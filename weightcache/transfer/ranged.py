@@ -92,11 +92,20 @@ class _Retry(Exception):
         self.throttle = throttle
 
 
+@dataclass(eq=False)
+class _Run:
+    """One `download()` call: its stop switch and its stall clock."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    last_progress: float = field(default_factory=time.monotonic)
+
+
 @dataclass
 class _File:
     job: BlobJob
     fd: int
     state: PartState
+    run: _Run
     hasher: hashlib._Hash = field(default_factory=hashlib.sha256)
     hashed: int = 0
     hashing: bool = False
@@ -120,9 +129,9 @@ class RangedDownloader:
         self.tokens = bucket or (TokenBucket(settings.bwlimit) if settings.bwlimit else None)
         self.gate = AIMDGate(settings.max_concurrency)
         self.backoff = backoff or Backoff()
-        self.stop = threading.Event()
         self._local = threading.local()
-        self._last_progress = time.monotonic()
+        self._runs: set[_Run] = set()
+        self._closing = False
         self._counter_lock = threading.Lock()
         self.bytes_received = 0  # over the downloader's life, for "bytes from origin"
 
@@ -133,41 +142,56 @@ class RangedDownloader:
         one is reported, not raised: the caller decides whether to try again. Raises
         TransientError, SourceError, NoSpaceError, Interrupted.
         """
-        files = [self._open(job) for job in jobs]
+        run = _Run()
+        with self._counter_lock:
+            if self._closing:
+                raise Interrupted("shutting down; the download was not started")
+            self._runs.add(run)
+        files: list[_File] = []
+        try:
+            for job in jobs:
+                files.append(self._open(job, run))
+            return self._download(files, run)
+        finally:
+            run.stop.set()
+            for f in files:
+                os.close(f.fd)
+            with self._counter_lock:
+                self._runs.discard(run)
+
+    def _download(self, files: list[_File], run: _Run) -> dict[str, str]:
         tasks: queue.SimpleQueue[tuple[_File, int]] = queue.SimpleQueue()
         for f in files:
             for i in f.state.pending():
                 tasks.put((f, i))
             self._advance_hash(f)  # a resumed file rehashes its completed prefix
         self.observer.expect(sum(f.job.size - f.state.bytes_done() for f in files))
-        self._last_progress = time.monotonic()
         errors: list[BaseException] = []
         workers = [
-            threading.Thread(target=self._work, args=(tasks, errors), daemon=True)
+            threading.Thread(target=self._work, args=(run, tasks, errors), daemon=True)
             for _ in range(min(self.settings.max_concurrency, max(1, tasks.qsize())))
         ]
-        try:
-            for w in workers:
-                w.start()
-            for w in workers:
-                while w.is_alive():
-                    w.join(0.5)
-            if errors:
-                raise errors[0]
-            return {f.job.label: self._finish(f) for f in files}
-        finally:
-            self.stop.set()
-            for f in files:
-                os.close(f.fd)
-            self.stop = threading.Event()
+        for w in workers:
+            w.start()
+        for w in workers:
+            while w.is_alive():
+                w.join(0.5)
+        if errors:
+            raise errors[0]
+        if run.stop.is_set():
+            raise Interrupted("download interrupted; partial files are kept for resume")
+        return {f.job.label: self._finish(f) for f in files}
 
     def interrupt(self) -> None:
-        """Ask running workers to stop after their current read (SIGTERM)."""
-        self.stop.set()
+        """Stop every download after its current read, now and for good (SIGTERM)."""
+        with self._counter_lock:
+            self._closing = True
+            for run in self._runs:
+                run.stop.set()
 
     # -- files ---------------------------------------------------------------------------------
 
-    def _open(self, job: BlobJob) -> _File:
+    def _open(self, job: BlobJob, run: _Run) -> _File:
         state = PartState.load(job.state_path, job.size, self.settings.part_size)
         fd = os.open(job.partial, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -182,7 +206,7 @@ class RangedDownloader:
         except BaseException:
             os.close(fd)
             raise
-        return _File(job, fd, state)
+        return _File(job, fd, state, run)
 
     def _finish(self, f: _File) -> str:
         self._advance_hash(f)
@@ -217,12 +241,16 @@ class RangedDownloader:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def _work(self, tasks: queue.SimpleQueue[tuple[_File, int]], errors: list[BaseException]) -> None:
+    def _work(
+        self, run: _Run, tasks: queue.SimpleQueue[tuple[_File, int]], errors: list[BaseException]
+    ) -> None:
         try:
-            while not self.stop.is_set():
+            while True:
                 try:
                     f, index = tasks.get_nowait()
                 except queue.Empty:
+                    return
+                if run.stop.is_set():
                     return
                 self._fetch_part(f, index)
                 with f.lock:
@@ -231,16 +259,16 @@ class RangedDownloader:
                 self._advance_hash(f)
         except BaseException as e:
             errors.append(e)
-            self.stop.set()
+            run.stop.set()
 
     def _fetch_part(self, f: _File, index: int) -> None:
         start, end = f.state.parts[index]
         pos = start
         failures = 0
         while pos < end:
-            if self.stop.is_set():
+            if f.run.stop.is_set():
                 raise Interrupted("download interrupted; partial files are kept for resume")
-            if not self.gate.acquire(self.stop):
+            if not self.gate.acquire(f.run.stop):
                 continue
             self.observer.request_started()
             before = pos
@@ -259,7 +287,7 @@ class RangedDownloader:
                 self.gate.release()
 
     def _wait_before_retry(self, f: _File, failures: int, reason: str) -> None:
-        stalled = time.monotonic() - self._last_progress
+        stalled = time.monotonic() - f.run.last_progress
         if failures >= self.settings.max_attempts or stalled >= self.settings.timeout:
             raise TransientError(
                 f"giving up on {f.job.label} (s3://{f.job.bucket}/{f.job.key}) after "
@@ -269,7 +297,7 @@ class RangedDownloader:
         delay = min(self.backoff.delay(max(failures, 1)), self.settings.timeout - stalled)
         log.warning("%s: attempt %d/%d failed (%s); retrying in %.1fs",
                     f.job.label, failures + 1, self.settings.max_attempts, reason, delay)  # fmt: skip
-        self.stop.wait(delay)
+        f.run.stop.wait(delay)
 
     def _get_range(self, f: _File, pos: int, end: int) -> int:
         """GET [pos, end) and write it at its offset; returns `end`. Raises _Retry."""
@@ -313,11 +341,11 @@ class RangedDownloader:
                 raise
             pos += got
             self._local.pos = pos
-            self._last_progress = time.monotonic()
+            f.run.last_progress = time.monotonic()
             with self._counter_lock:
                 self.bytes_received += got
             self.observer.received(got)
-            if self.stop.is_set() and pos < end:
+            if f.run.stop.is_set() and pos < end:
                 raise Interrupted("download interrupted; partial files are kept for resume")
         return pos
 
