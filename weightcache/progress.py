@@ -61,6 +61,9 @@ class Progress:
         with self._lock:
             self.throttles += 1
 
+    def verify_failed(self) -> None:
+        pass
+
     def received(self, nbytes: int) -> None:
         with self._lock:
             self.received_bytes += nbytes

@@ -15,11 +15,10 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightcache.errors import WeightcacheError
 from weightcache.layout import MARKER, Layout
 from weightcache.manifest import Manifest
 
@@ -125,28 +124,50 @@ class Store:
         except FileNotFoundError:
             return 0
 
-    def unreferenced_blobs(self) -> list[Path]:
-        """Blobs no revision links to (link count 1): free to delete."""
+    def unreferenced_blobs(self, min_age: float = 0.0) -> list[Path]:
+        """Blobs no revision links to (link count 1), published at least `min_age` ago.
+
+        The age guard spares blobs that a running fetch has just published and not yet
+        linked into its revision.
+        """
+        cutoff = time.time() - min_age
         out = []
         for blob in self.layout.blobs.iterdir():
             with contextlib.suppress(FileNotFoundError):
-                if blob.stat().st_nlink == 1:
+                st = blob.stat()
+                if st.st_nlink == 1 and st.st_ctime <= cutoff:
                     out.append(blob)
         return out
 
-    def delete_unreferenced_blobs(self) -> int:
-        """Delete blobs no revision links to; return the bytes freed.
+    def delete_blobs_if_unreferenced(self, hashes: Iterable[str] | None = None) -> int:
+        """Delete the given blobs (default: every orphan older than an hour) that no
+        revision links; return the bytes freed.
 
         A fetch linking such a blob at the same instant keeps the data alive through its
         new link; a fetch about to link it gets ENOENT and downloads it again.
         """
+        if hashes is None:
+            candidates = self.unreferenced_blobs(min_age=3600)
+        else:
+            candidates = [self.layout.blob(h) for h in hashes]
         freed = 0
-        for blob in self.unreferenced_blobs():
+        for blob in candidates:
             with contextlib.suppress(FileNotFoundError):
-                size = blob.stat().st_size
-                blob.unlink()
-                freed += size
+                st = blob.stat()
+                if st.st_nlink == 1:
+                    blob.unlink()
+                    freed += st.st_size
         return freed
+
+    def usage(self) -> int:
+        """Bytes the cache occupies on disk: blobs and partial downloads."""
+        total = 0
+        for d in (self.layout.blobs, self.layout.tmp):
+            for entry in os.scandir(d):
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+        return total
 
     # -- revisions -----------------------------------------------------------------------------
 
@@ -269,5 +290,3 @@ class FileLock:
         finally:
             self.release()
 
-
-__all__ = ["FileLock", "Marker", "Store", "WeightcacheError"]

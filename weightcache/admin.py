@@ -1,0 +1,104 @@
+"""Operator commands over a cache directory: ls, verify, gc."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from weightcache import eviction
+from weightcache.config import Capacity
+from weightcache.errors import IntegrityError, UsageError
+from weightcache.index import Index
+from weightcache.layout import Layout
+from weightcache.progress import human
+from weightcache.publish import sha256_file
+from weightcache.store import Store
+
+
+def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
+    """One row per revision directory on disk, with the index's bookkeeping."""
+    layout = Layout.open(cache_dir)
+    store = Store(layout)
+    index = {(e.name, e.revision): e for e in Index(layout.state_db).entries()}
+    rows = []
+    for name, revision in layout.revisions():
+        marker = store.read_marker(name, revision)
+        entry = index.get((name, revision))
+        rows.append({
+            "name": name,
+            "revision": revision,
+            "size": marker.size if marker else None,
+            "last_access": entry.last_access if entry else (marker.created if marker else None),
+            "pinned": bool(entry and entry.pinned),
+            "leases": list(entry.leases) if entry else [],
+            "ready": store.ready(name, revision) is not None,
+            "source": marker.source if marker else (entry.source if entry else ""),
+        })  # fmt: skip
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]]) -> str:
+    header = ("MODEL", "REVISION", "SIZE", "LAST USE", "PINNED", "LEASES", "READY")
+    lines = [header]
+    for r in rows:
+        last = r["last_access"]
+        lines.append((
+            r["name"], r["revision"], human(r["size"]) if r["size"] is not None else "-",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(last)) if last else "-",
+            "yes" if r["pinned"] else "no", str(len(r["leases"])), "yes" if r["ready"] else "no",
+        ))  # fmt: skip
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True))
+                     .rstrip() for line in lines)  # fmt: skip
+
+
+def verify(cache_dir: Path, target: str) -> list[str]:
+    """Re-hash every file of NAME/REV (or every revision of NAME); return verified paths.
+
+    A mismatch drops that revision's marker, so the next fetch repairs it, and raises
+    IntegrityError naming the file and both hashes.
+    """
+    layout = Layout.open(cache_dir)
+    store = Store(layout)
+    name, _, revision = target.partition("/")
+    revisions = [revision] if revision else [r for n, r in layout.revisions() if n == name]
+    if not revisions:
+        raise UsageError(f"no revision of {name!r} in {layout.root}; see `weightcache ls`")
+    verified = []
+    for rev in revisions:
+        marker = store.read_marker(name, rev)
+        root = layout.revision_dir(name, rev)
+        if marker is None:
+            raise IntegrityError(f"{name}/{rev} has no completion marker; fetch it again")
+        for path, (expected, size) in sorted(marker.files.items()):
+            actual = sha256_file(root / path) if (root / path).is_file() else "missing"
+            if actual != expected or os.stat(root / path).st_size != size:
+                store.drop_marker(name, rev)
+                raise IntegrityError(
+                    f"sha256 mismatch for {path} in {name}/{rev}: expected {expected}, got "
+                    f"{actual}; the marker was removed so the next fetch repairs it"
+                )
+        verified.append(str(root))
+    return verified
+
+
+def gc(cache_dir: Path, capacity: str, models_file: Path | None, dry_run: bool) -> str:
+    """Plan (and unless dry_run, execute) LRU eviction down to `capacity`."""
+    from weightcache.models import load
+
+    layout = Layout.open(cache_dir)
+    store = Store(layout)
+    index = Index(layout.state_db)
+    pinned = load(models_file).pinned if models_file else frozenset()
+    st = os.statvfs(layout.root)
+    target = Capacity.parse(capacity).resolve(st.f_blocks * st.f_frsize)
+    revisions, sizes, usage = eviction.survey(store, index, pinned)
+    plan = eviction.plan_eviction(revisions, sizes, usage, target)
+    if dry_run:
+        return "would " + plan.describe()
+    eviction.execute(plan, store, index)
+    orphans = store.delete_blobs_if_unreferenced()
+    store.clean_tmp()
+    return plan.describe() + f"; {orphans} bytes of orphaned blobs removed"

@@ -1,0 +1,104 @@
+"""Node coordination: `fetch` asks the node daemon over a Unix socket in the cache dir.
+
+Protocol: the client sends one JSON line `{"op": "fetch", "source": ..., "name": ...,
+"revision": ..., "pod_uid": ...}` (or `"op": "hit"`, fire and forget, for metrics). The
+daemon answers with JSON lines: `{"event": "accepted"}` at once, `{"event": "waiting"}`
+every HEARTBEAT seconds, and finally `{"event": "done", "result": {...}}` or
+`{"event": "error", "exit_code": N, "message": "..."}`.
+
+A hung daemon must not hang a Pod (SPEC §5): the client falls back to fetching alone when
+the socket is absent, refuses, does not accept within ACCEPT_TIMEOUT, or goes silent for
+SILENCE_TIMEOUT. Falling back is always safe: the cache's correctness never depends on
+who downloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+from weightcache.config import Source
+from weightcache.errors import WeightcacheError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT = 1.0
+ACCEPT_TIMEOUT = 2.0
+SILENCE_TIMEOUT = 10.0
+
+
+class DaemonError(WeightcacheError):
+    """An error the daemon reported for our fetch, with the daemon's exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def request(source: Source, pod_uid: str | None, op: str = "fetch") -> bytes:
+    payload = {"op": op, "source": source.url, "name": source.name,
+               "revision": source.revision, "pod_uid": pod_uid}  # fmt: skip
+    return json.dumps(payload).encode() + b"\n"
+
+
+def ask_daemon(
+    socket_path: Path,
+    source: Source,
+    pod_uid: str | None,
+    accept_timeout: float = ACCEPT_TIMEOUT,
+    silence_timeout: float = SILENCE_TIMEOUT,
+) -> dict[str, Any] | None:
+    """Have the daemon fetch; its result dict, or None to fall back to fetching alone.
+
+    Raises DaemonError when the daemon tried and failed (its verdict is final).
+    """
+    if not socket_path.exists():
+        return None
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(accept_timeout)
+        sock.connect(str(socket_path))
+        sock.sendall(request(source, pod_uid))
+        reader = sock.makefile("rb")
+    except OSError as e:
+        log.info("node daemon not reachable at %s (%s); fetching alone", socket_path, e)
+        return None
+    with contextlib.closing(sock), contextlib.closing(reader):
+        try:
+            first = _read_event(reader)
+            if first.get("event") != "accepted":
+                log.warning("node daemon answered %r; fetching alone", first)
+                return None
+            sock.settimeout(silence_timeout)
+            while True:
+                msg = _read_event(reader)
+                if msg.get("event") == "done":
+                    result: dict[str, Any] = msg["result"]
+                    return result
+                if msg.get("event") == "error":
+                    raise DaemonError(str(msg["message"]), int(msg["exit_code"]))
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("node daemon stopped answering (%s); fetching alone", e)
+            return None
+
+
+def notify_hit(socket_path: Path, source: Source, pod_uid: str | None) -> None:
+    """Tell the daemon about a hit, for its metrics; never waits more than 50 ms."""
+    if not socket_path.exists():
+        return
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.05)
+        s.connect(str(socket_path))
+        s.sendall(request(source, pod_uid, op="hit"))
+
+
+def _read_event(reader: Any) -> dict[str, Any]:
+    line = reader.readline(65536)
+    if not line:
+        raise ValueError("connection closed")
+    msg: dict[str, Any] = json.loads(line)
+    return msg

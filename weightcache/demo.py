@@ -1,0 +1,102 @@
+"""`weightcache demo`: the whole story on one machine, with nothing but `weed` installed.
+
+Starts a local SeaweedFS, publishes a generated model, fetches it cold (miss) and warm
+(hit) with the real CLI, then runs the node daemon on a second cache, lets a Pod-style
+fetch go through it, and prints the daemon's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from weightcache.devstore import LocalStore, free_port
+
+SHARDS = 4
+
+
+def generate_model(root: Path, size: int) -> None:
+    """A fake model: SHARDS random safetensors-named shards plus small JSON files."""
+    root.mkdir(parents=True, exist_ok=True)
+    shard = size // SHARDS
+    for i in range(SHARDS):
+        with open(root / f"model-{i + 1:05d}-of-{SHARDS:05d}.safetensors", "wb") as fh:
+            left = shard
+            while left:
+                n = min(left, 8 << 20)
+                fh.write(os.urandom(n))
+                left -= n
+    (root / "config.json").write_text(json.dumps({"architectures": ["DemoForCausalLM"]}))
+    (root / "tokenizer.json").write_text(json.dumps({"version": "1.0"}))
+
+
+def _say(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+def _run(args: list[str], env: dict[str, str]) -> str:
+    print("$ " + " ".join(args), flush=True)
+    out = subprocess.run(args, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+    print(out, end="", flush=True)
+    return out
+
+
+def run(workdir: Path | None, size: int) -> None:
+    base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
+    wc = [sys.executable, "-m", "weightcache"]
+    _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")
+    with LocalStore(base / "store") as store:
+        env = {**os.environ, **store.env}
+        print(f"S3 endpoint {store.endpoint_url}")
+        source = "s3://models/demo-model/rev-1"
+        _say(f"publishing a generated {size >> 20} MiB model to {source}")
+        generate_model(base / "model", size)
+        _run([*wc, "-q", "publish", str(base / "model"), source], env)
+        cache = base / "cache"
+        _say("fetch on a cold node: a miss downloads and verifies")
+        _run([*wc, "fetch", source, "--cache-dir", str(cache), "--json"], env)
+        _say("fetch again: a hit, no network")
+        _run([*wc, "fetch", source, "--cache-dir", str(cache), "--json"], env)
+        _say("ls")
+        _run([*wc, "ls", "--cache-dir", str(cache)], env)
+        _demo_daemon(base, source, env, wc)
+    _say(f"done; files are in {base}")
+
+
+def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) -> None:
+    node = base / "node2"
+    models = base / "models.yaml"
+    models.write_text(f"models:\n  - source: {source}\n    pin: true\n")
+    port = free_port()
+    _say(f"node daemon on a second, empty cache ({node}); metrics on 127.0.0.1:{port}")
+    args = [*wc, "daemon", "--cache-dir", str(node), "--models", str(models),
+            "--capacity", "90%", "--metrics-addr", f"127.0.0.1:{port}"]  # fmt: skip
+    print("$ " + " ".join(args), flush=True)
+    daemon = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        print("readyz: ready (the pinned model was prefetched)")
+        _say("a Pod's fetch on that node: a hit, counted by the daemon")
+        _run([*wc, "fetch", source, "--cache-dir", str(node), "--json"], env)
+        time.sleep(0.2)
+        _say("the daemon's metrics")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("weightcache_") and "_bucket" not in line:
+                    print(line)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)

@@ -1,0 +1,94 @@
+"""The models file (SPEC §2.3): the daemon's desired state, usually a mounted ConfigMap.
+
+```yaml
+models:
+  - source: s3://models/qwen3-70b/2026-10-01
+    name: qwen3-70b        # optional
+    revision: 2026-10-01   # optional
+    pin: true              # never evicted while listed
+```
+A bad entry is reported and skipped; the valid ones still converge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from weightcache.config import Source
+from weightcache.errors import UsageError
+from weightcache.layout import check_segment
+
+_KEYS = {"source", "name", "revision", "pin"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: Source
+    pin: bool = False
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    models: tuple[ModelSpec, ...]
+    problems: tuple[str, ...] = field(default=())  # one sentence per rejected entry
+    digest: str = ""  # xxh64 of the file, to notice changes cheaply
+
+    @property
+    def pinned(self) -> frozenset[tuple[str, str]]:
+        return frozenset((m.source.name, m.source.revision) for m in self.models if m.pin)
+
+
+def load(path: Path) -> DesiredState:
+    """Read and validate the models file. A missing or unparsable file is a UsageError;
+    bad entries only become `problems`."""
+    import xxhash
+    import yaml
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read the models file {path}: {e.strerror}") from e
+    try:
+        doc = yaml.safe_load(data) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"the models file {path} is not valid YAML: {e}") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("models", []), list):
+        raise UsageError(f"the models file {path} must be a mapping with a 'models' list")
+    models: list[ModelSpec] = []
+    problems: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for i, raw in enumerate(doc.get("models") or [], 1):
+        try:
+            spec = parse_entry(raw)
+        except UsageError as e:
+            problems.append(f"{path} entry {i}: {e}")
+            continue
+        key = (spec.source.name, spec.source.revision)
+        if key in seen:
+            problems.append(f"{path} entry {i}: {key[0]}/{key[1]} is listed twice; skipped")
+            continue
+        seen.add(key)
+        models.append(spec)
+    return DesiredState(tuple(models), tuple(problems), xxhash.xxh64(data).hexdigest())
+
+
+def parse_entry(raw: Any) -> ModelSpec:
+    if not isinstance(raw, dict) or "source" not in raw:
+        raise UsageError("each entry needs at least 'source: s3://bucket/prefix/<name>/<rev>'")
+    unknown = set(raw) - _KEYS
+    if unknown:
+        raise UsageError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_KEYS)}")
+    pin = raw.get("pin", False)
+    if not isinstance(pin, bool):
+        raise UsageError(f"'pin' must be true or false, not {pin!r}")
+    name, revision = raw.get("name"), raw.get("revision")
+    source = Source.parse(
+        str(raw["source"]),
+        None if name is None else str(name),
+        None if revision is None else str(revision),
+    )
+    check_segment(source.name, "model name")
+    check_segment(source.revision, "revision")
+    return ModelSpec(source, pin)
