@@ -26,16 +26,18 @@ def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
     for name, revision in layout.revisions():
         marker = store.read_marker(name, revision)
         entry = index.get((name, revision))
-        rows.append({
-            "name": name,
-            "revision": revision,
-            "size": marker.size if marker else None,
-            "last_access": entry.last_access if entry else (marker.created if marker else None),
-            "pinned": bool(entry and entry.pinned),
-            "leases": list(entry.leases) if entry else [],
-            "ready": store.ready(name, revision) is not None,
-            "source": marker.source if marker else (entry.source if entry else ""),
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": name,
+                "revision": revision,
+                "size": marker.size if marker else None,
+                "last_access": entry.last_access if entry else (marker.created if marker else None),
+                "pinned": bool(entry and entry.pinned),
+                "leases": list(entry.leases) if entry else [],
+                "ready": store.ready(name, revision) is not None,
+                "source": marker.source if marker else (entry.source if entry else ""),
+            }
+        )
     return rows
 
 
@@ -44,14 +46,22 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     lines = [header]
     for r in rows:
         last = r["last_access"]
-        lines.append((
-            r["name"], r["revision"], human(r["size"]) if r["size"] is not None else "-",
-            time.strftime("%Y-%m-%d %H:%M", time.localtime(last)) if last else "-",
-            "yes" if r["pinned"] else "no", str(len(r["leases"])), "yes" if r["ready"] else "no",
-        ))  # fmt: skip
+        lines.append(
+            (
+                r["name"],
+                r["revision"],
+                human(r["size"]) if r["size"] is not None else "-",
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(last)) if last else "-",
+                "yes" if r["pinned"] else "no",
+                str(len(r["leases"])),
+                "yes" if r["ready"] else "no",
+            )
+        )
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True))
-                     .rstrip() for line in lines)  # fmt: skip
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
 
 
 def verify(cache_dir: Path, target: str) -> list[str]:

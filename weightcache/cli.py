@@ -44,21 +44,42 @@ def _converter(parse: Callable[[str, str], Any], what: str) -> Callable[..., Any
 def store_options(fn: F) -> F:
     """The object-store options every store-facing command shares."""
     options = [
-        click.option("--endpoint-url", envvar=[_env("endpoint-url"), "AWS_ENDPOINT_URL"],
-                     help="S3-compatible endpoint (default: the AWS chain's)."),
-        click.option("--bwlimit", envvar=_env("bwlimit"),
-                     callback=_converter(parse_rate, "--bwlimit"),
-                     help="Bytes per second over all connections, e.g. 2G (default: none)."),
-        click.option("--max-concurrency", envvar=_env("max-concurrency"), type=int,
-                     default=StoreSettings.max_concurrency, show_default=True,
-                     help="Ranged GETs in flight at most."),
-        click.option("--part-size", envvar=_env("part-size"), default="16MiB",
-                     show_default=True, callback=_converter(parse_size, "--part-size"),
-                     help="Size of each ranged GET."),
-        click.option("--timeout", envvar=_env("timeout"), default="5m", show_default=True,
-                     callback=_converter(parse_duration, "--timeout"),
-                     help="Give up (exit 6) after this long without a byte from the store."),
-    ]  # fmt: skip
+        click.option(
+            "--endpoint-url",
+            envvar=[_env("endpoint-url"), "AWS_ENDPOINT_URL"],
+            help="S3-compatible endpoint (default: the AWS chain's).",
+        ),
+        click.option(
+            "--bwlimit",
+            envvar=_env("bwlimit"),
+            callback=_converter(parse_rate, "--bwlimit"),
+            help="Bytes per second over all connections, e.g. 2G (default: none).",
+        ),
+        click.option(
+            "--max-concurrency",
+            envvar=_env("max-concurrency"),
+            type=int,
+            default=StoreSettings.max_concurrency,
+            show_default=True,
+            help="Ranged GETs in flight at most.",
+        ),
+        click.option(
+            "--part-size",
+            envvar=_env("part-size"),
+            default="16MiB",
+            show_default=True,
+            callback=_converter(parse_size, "--part-size"),
+            help="Size of each ranged GET.",
+        ),
+        click.option(
+            "--timeout",
+            envvar=_env("timeout"),
+            default="5m",
+            show_default=True,
+            callback=_converter(parse_duration, "--timeout"),
+            help="Give up (exit 6) after this long without a byte from the store.",
+        ),
+    ]
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -66,9 +87,12 @@ def store_options(fn: F) -> F:
 
 def cache_dir_option(fn: F) -> F:
     return click.option(
-        "--cache-dir", envvar=_env("cache-dir"), required=True,
-        type=click.Path(file_okay=False, path_type=Path), help="The node's cache directory.",
-    )(fn)  # fmt: skip
+        "--cache-dir",
+        envvar=_env("cache-dir"),
+        required=True,
+        type=click.Path(file_okay=False, path_type=Path),
+        help="The node's cache directory.",
+    )(fn)
 
 
 def settings_from(kw: dict[str, Any]) -> StoreSettings:
@@ -92,8 +116,11 @@ def reports_errors(fn: F) -> F:
             _fail(e)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                _fail(NoSpaceError(f"no space left on the cache disk ({e}); free space or "
-                                   "lower --capacity"))  # fmt: skip
+                _fail(
+                    NoSpaceError(
+                        f"no space left on the cache disk ({e}); free space or lower --capacity"
+                    )
+                )
             raise
         except KeyboardInterrupt:
             click.echo("weightcache: interrupted; partial files are kept for resume", err=True)
@@ -125,18 +152,43 @@ def main(verbose: int, quiet: bool) -> None:
 @main.command()
 @click.argument("source")
 @cache_dir_option
-@click.option("--name", envvar=_env("name"), help="Model name (default: SOURCE's next-to-last segment).")
-@click.option("--revision", envvar=_env("revision"), help="Revision (default: SOURCE's last segment).")
+@click.option(
+    "--name", envvar=_env("name"), help="Model name (default: SOURCE's next-to-last segment)."
+)
+@click.option(
+    "--revision", envvar=_env("revision"), help="Revision (default: SOURCE's last segment)."
+)
 @store_options
-@click.option("--json", "as_json", is_flag=True, envvar=_env("json"),
-              help="Print one JSON object (path, hit, bytes_from_origin, seconds, throughput).")
-@click.option("--pod-uid", envvar=["POD_UID", _env("pod-uid")],
-              help="The Pod's UID (downward API); leases the revision while the Pod lives.")
-@click.option("--daemon/--no-daemon", "use_daemon", default=True, envvar=_env("daemon"),
-              help="Let the node daemon download when it runs (default) or fetch alone.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    envvar=_env("json"),
+    help="Print one JSON object (path, hit, bytes_from_origin, seconds, throughput).",
+)
+@click.option(
+    "--pod-uid",
+    envvar=["POD_UID", _env("pod-uid")],
+    help="The Pod's UID (downward API); leases the revision while the Pod lives.",
+)
+@click.option(
+    "--daemon/--no-daemon",
+    "use_daemon",
+    default=True,
+    envvar=_env("daemon"),
+    help="Let the node daemon download when it runs (default) or fetch alone.",
+)
 @reports_errors
-def fetch(source: str, cache_dir: Path, name: str | None, revision: str | None,
-          as_json: bool, pod_uid: str | None, use_daemon: bool, **store: Any) -> None:  # fmt: skip
+def fetch(
+    source: str,
+    cache_dir: Path,
+    name: str | None,
+    revision: str | None,
+    as_json: bool,
+    pod_uid: str | None,
+    use_daemon: bool,
+    **store: Any,
+) -> None:
     """Make SOURCE ready in the cache and print its local path (InitContainer mode)."""
     from weightcache.coord import notify_hit
     from weightcache.fetch import check_hit
@@ -198,20 +250,40 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
 def node_options(fn: F) -> F:
     """Options shared by `daemon` and `prefetch`."""
     options = [
-        click.option("--models", "models_file", envvar=_env("models"), required=True,
-                     type=click.Path(dir_okay=False, path_type=Path),
-                     help="The models file (SPEC 2.3), usually a mounted ConfigMap."),
-        click.option("--high-watermark", envvar=_env("high-watermark"), type=float,
-                     default=0.95, show_default=True,
-                     help="Evict when usage passes this fraction of --capacity..."),
-        click.option("--low-watermark", envvar=_env("low-watermark"), type=float,
-                     default=0.85, show_default=True, help="...down to this fraction."),
-        click.option("--kubelet-pods-dir", envvar=_env("kubelet-pods-dir"),
-                     default="/var/lib/kubelet/pods", show_default=True,
-                     type=click.Path(file_okay=False, path_type=Path),
-                     help="Read-only kubelet pod directories: a lease ends when its Pod's "
-                          "directory is gone."),
-    ]  # fmt: skip
+        click.option(
+            "--models",
+            "models_file",
+            envvar=_env("models"),
+            required=True,
+            type=click.Path(dir_okay=False, path_type=Path),
+            help="The models file (SPEC 2.3), usually a mounted ConfigMap.",
+        ),
+        click.option(
+            "--high-watermark",
+            envvar=_env("high-watermark"),
+            type=float,
+            default=0.95,
+            show_default=True,
+            help="Evict when usage passes this fraction of --capacity...",
+        ),
+        click.option(
+            "--low-watermark",
+            envvar=_env("low-watermark"),
+            type=float,
+            default=0.85,
+            show_default=True,
+            help="...down to this fraction.",
+        ),
+        click.option(
+            "--kubelet-pods-dir",
+            envvar=_env("kubelet-pods-dir"),
+            default="/var/lib/kubelet/pods",
+            show_default=True,
+            type=click.Path(file_okay=False, path_type=Path),
+            help="Read-only kubelet pod directories: a lease ends when its Pod's "
+            "directory is gone.",
+        ),
+    ]
     for option in reversed(options):
         fn = option(fn)
     return fn
@@ -237,15 +309,19 @@ def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
 @main.command()
 @cache_dir_option
 @node_options
-@click.option("--capacity", envvar=_env("capacity"),
-              help="Optional bound while prefetching: bytes (500G) or percent (85%).")
+@click.option(
+    "--capacity",
+    envvar=_env("capacity"),
+    help="Optional bound while prefetching: bytes (500G) or percent (85%).",
+)
 @store_options
 @reports_errors
 def prefetch(cache_dir: Path, **kw: Any) -> None:
     """Converge once to the models file, then exit 0 when every listed revision is ready."""
 
-    store = {k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency",
-                                    "part_size", "timeout")}  # fmt: skip
+    store = {
+        k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency", "part_size", "timeout")
+    }
     daemon = _daemon(cache_dir, store, **kw)
     daemon.reload()
     if not daemon.desired.models and not daemon.desired.problems:
@@ -254,9 +330,11 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
     errors: list[WeightcacheError] = [UsageError(p) for p in daemon.desired.problems]
     errors += list(daemon.failures.values())
     for spec in daemon.desired.models:
-        click.echo(str(daemon.layout.revision_dir(spec.source.name, spec.source.revision))
-                   if (spec.source.name, spec.source.revision) not in daemon.failures
-                   else "")  # fmt: skip
+        click.echo(
+            str(daemon.layout.revision_dir(spec.source.name, spec.source.revision))
+            if (spec.source.name, spec.source.revision) not in daemon.failures
+            else ""
+        )
     if errors:
         raise errors[0]
 
@@ -264,23 +342,41 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
 @main.command()
 @cache_dir_option
 @node_options
-@click.option("--capacity", envvar=_env("capacity"), required=True,
-              help="Cache bound: bytes (500G) or percent of the filesystem (85%).")
-@click.option("--metrics-addr", envvar=_env("metrics-addr"), default="0.0.0.0:9400",
-              show_default=True, help="HOST:PORT for /metrics, /healthz and /readyz.")
-@click.option("--node-name", envvar=_env("node-name"),
-              help="Label this node weightcache.io/<name>=<revision> when ready (needs RBAC).")
-@click.option("--interval", envvar=_env("interval"), default="2s", show_default=True,
-              callback=_converter(parse_duration, "--interval"),
-              help="How often to check the models file, leases and capacity.")
+@click.option(
+    "--capacity",
+    envvar=_env("capacity"),
+    required=True,
+    help="Cache bound: bytes (500G) or percent of the filesystem (85%).",
+)
+@click.option(
+    "--metrics-addr",
+    envvar=_env("metrics-addr"),
+    default="0.0.0.0:9400",
+    show_default=True,
+    help="HOST:PORT for /metrics, /healthz and /readyz.",
+)
+@click.option(
+    "--node-name",
+    envvar=_env("node-name"),
+    help="Label this node weightcache.io/<name>=<revision> when ready (needs RBAC).",
+)
+@click.option(
+    "--interval",
+    envvar=_env("interval"),
+    default="2s",
+    show_default=True,
+    callback=_converter(parse_duration, "--interval"),
+    help="How often to check the models file, leases and capacity.",
+)
 @store_options
 @reports_errors
 def daemon(cache_dir: Path, metrics_addr: str, **kw: Any) -> None:
     """Run the node agent: prefetch, evict, coordinate fetches, serve metrics."""
     import signal
 
-    store = {k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency",
-                                    "part_size", "timeout")}  # fmt: skip
+    store = {
+        k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency", "part_size", "timeout")
+    }
     host, _, port = metrics_addr.rpartition(":")
     if not port.isdigit():
         raise UsageError(f"invalid --metrics-addr {metrics_addr!r}: use HOST:PORT")
@@ -323,11 +419,19 @@ def verify(target: str, cache_dir: Path) -> None:
 
 @main.command()
 @cache_dir_option
-@click.option("--capacity", envvar=_env("capacity"), required=True,
-              help="Target: evict LRU revisions until the cache fits (bytes or percent).")
-@click.option("--models", "models_file", envvar=_env("models"),
-              type=click.Path(dir_okay=False, path_type=Path),
-              help="Also protect the revisions this models file pins.")
+@click.option(
+    "--capacity",
+    envvar=_env("capacity"),
+    required=True,
+    help="Target: evict LRU revisions until the cache fits (bytes or percent).",
+)
+@click.option(
+    "--models",
+    "models_file",
+    envvar=_env("models"),
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also protect the revisions this models file pins.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
 @reports_errors
 def gc(cache_dir: Path, capacity: str, models_file: Path | None, dry_run: bool) -> None:
@@ -338,10 +442,18 @@ def gc(cache_dir: Path, capacity: str, models_file: Path | None, dry_run: bool) 
 
 
 @main.command()
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where to keep the store, model and cache (default: a temp dir).")
-@click.option("--size", default="256MiB", show_default=True,
-              callback=_converter(parse_size, "--size"), help="Size of the generated model.")
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where to keep the store, model and cache (default: a temp dir).",
+)
+@click.option(
+    "--size",
+    default="256MiB",
+    show_default=True,
+    callback=_converter(parse_size, "--size"),
+    help="Size of the generated model.",
+)
 @reports_errors
 def demo(workdir: Path | None, size: int) -> None:
     """Start a local SeaweedFS, publish a generated model, fetch it (miss, then hit) and

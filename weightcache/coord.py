@@ -40,8 +40,13 @@ class DaemonError(WeightcacheError):
 
 
 def request(source: Source, pod_uid: str | None, op: str = "fetch") -> bytes:
-    payload = {"op": op, "source": source.url, "name": source.name,
-               "revision": source.revision, "pod_uid": pod_uid}  # fmt: skip
+    payload = {
+        "op": op,
+        "source": source.url,
+        "name": source.name,
+        "revision": source.revision,
+        "pod_uid": pod_uid,
+    }
     return json.dumps(payload).encode() + b"\n"
 
 

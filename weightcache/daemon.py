@@ -63,8 +63,9 @@ class Daemon:
         self.metrics = Metrics()
         self.store = Store(layout)
         self.index = Index(layout.state_db)
-        self.fetcher = Fetcher(layout, store_settings, observer=self.metrics,
-                               reserve=self.make_room)  # fmt: skip
+        self.fetcher = Fetcher(
+            layout, store_settings, observer=self.metrics, reserve=self.make_room
+        )
         self.desired = DesiredState(())
         self.stopping = threading.Event()
         self._inflight: dict[tuple[str, str], Future[FetchResult]] = {}
@@ -178,8 +179,7 @@ class Daemon:
             log.error("skipping a bad models entry: %s", problem)
         self.desired = desired
         self.index.set_pins(set(desired.pinned))
-        log.info("desired state: %d model(s), %d pinned",
-                 len(desired.models), len(desired.pinned))  # fmt: skip
+        log.info("desired state: %d model(s), %d pinned", len(desired.models), len(desired.pinned))
         return True
 
     def converge_once(self) -> None:
@@ -221,8 +221,11 @@ class Daemon:
     def _update_labels(self) -> None:
         if not self.settings.node_name:
             return
-        ready = [(m.source.name, m.source.revision) for m in self.desired.models
-                 if self.store.ready(m.source.name, m.source.revision)]  # fmt: skip
+        ready = [
+            (m.source.name, m.source.revision)
+            for m in self.desired.models
+            if self.store.ready(m.source.name, m.source.revision)
+        ]
         wanted = labels.node_labels(ready)
         if wanted != self._labels:
             try:
@@ -346,8 +349,11 @@ def _make_http_handler(daemon: Daemon) -> type[BaseHTTPRequestHandler]:
                 self._send(200, b"ok\n")
             elif self.path == "/readyz":
                 ok = daemon.ready()
-                missing = [f"{n}/{r}" for n, r in sorted(daemon.desired.pinned)
-                           if daemon.store.ready(n, r) is None]  # fmt: skip
+                missing = [
+                    f"{n}/{r}"
+                    for n, r in sorted(daemon.desired.pinned)
+                    if daemon.store.ready(n, r) is None
+                ]
                 body = b"ready\n" if ok else ("missing: " + " ".join(missing) + "\n").encode()
                 self._send(200 if ok else 503, body)
             else:

@@ -75,8 +75,18 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
     models.write_text(f"models:\n  - source: {source}\n    pin: true\n")
     port = free_port()
     _say(f"node daemon on a second, empty cache ({node}); metrics on 127.0.0.1:{port}")
-    args = [*wc, "daemon", "--cache-dir", str(node), "--models", str(models),
-            "--capacity", "90%", "--metrics-addr", f"127.0.0.1:{port}"]  # fmt: skip
+    args = [
+        *wc,
+        "daemon",
+        "--cache-dir",
+        str(node),
+        "--models",
+        str(models),
+        "--capacity",
+        "90%",
+        "--metrics-addr",
+        f"127.0.0.1:{port}",
+    ]
     print("$ " + " ".join(args), flush=True)
     daemon = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
     try:

@@ -74,11 +74,18 @@ class LocalStore:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.ports = {flag: free_port() for flag in _PORT_FLAGS}
         args = [
-            weed, "mini", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            weed,
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-master.telemetry=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
-        ]  # fmt: skip
+        ]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - lives as long as weed
         self.process = subprocess.Popen(

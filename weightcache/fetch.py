@@ -109,7 +109,13 @@ class Fetcher:
         if hit is not None:
             return hit
         lock = FileLock(self.layout.revision_lock(source.name, source.revision), source.label)
-        with lock.held():
+        if not lock.acquire(give_up=self._holder_stalled()):
+            log.warning(
+                "the fetch holding %s made no progress for %.0fs; going ahead without its lock",
+                source.label,
+                self.settings.timeout,
+            )
+        try:
             hit = check_hit(self.layout, source, pod_uid)  # a concurrent fetch finished it
             if hit is not None:
                 return FetchResult(hit.path, True, 0, time.monotonic() - start)
@@ -124,11 +130,19 @@ class Fetcher:
                 created=time.time(),
             )
             path = self._assemble(source, marker, manifest)
-        self.index.record_access(source.name, source.revision, source=source.url,
-                                 size=manifest.total_size, pod_uid=pod_uid)  # fmt: skip
+        finally:
+            lock.release()
+        self.index.record_access(
+            source.name,
+            source.revision,
+            source=source.url,
+            size=manifest.total_size,
+            pod_uid=pod_uid,
+        )
         seconds = time.monotonic() - start
-        log.info("ready %s at %s: %s from origin in %.1fs", source.label, path,
-                 human(fetched), seconds)  # fmt: skip
+        log.info(
+            "ready %s at %s: %s from origin in %.1fs", source.label, path, human(fetched), seconds
+        )
         return FetchResult(str(path), False, fetched, seconds)
 
     def read_manifest(self, source: Source) -> Manifest:
@@ -152,7 +166,11 @@ class Fetcher:
     # -- blobs ---------------------------------------------------------------------------------
 
     def _bring_blobs(self, source: Source, manifest: Manifest) -> int:
-        """Ensure every blob of the manifest is in the store; return bytes downloaded."""
+        """Ensure every blob of the manifest is in the store; return bytes downloaded.
+
+        Blobs are claimed by their locks: ours are downloaded together; for those another
+        process is downloading we wait (bounded by its progress) and re-check.
+        """
         wanted: dict[str, ManifestEntry] = {}
         for entry in manifest.entries:
             if not self.store.has_blob(entry.sha256):
@@ -163,61 +181,80 @@ class Fetcher:
         fetched = 0
         pending = list(wanted.values())
         while pending:
-            mine, theirs = [], []
+            mine: list[tuple[ManifestEntry, FileLock | None]] = []
+            theirs: list[ManifestEntry] = []
             for entry in pending:
                 lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
-                (mine if lock.try_acquire() else theirs).append((entry, lock))
-            if not mine:  # another process downloads all we lack: wait for one, re-check
-                entry, lock = theirs.pop(0)
-                lock.acquire()
-                mine.append((entry, lock))
-                for _, other in theirs:
-                    other.release()
+                if lock.try_acquire():
+                    mine.append((entry, lock))
+                else:
+                    theirs.append(entry)
+            if not mine:  # others download all we lack: wait for the first, then re-check
+                entry = theirs.pop(0)
+                lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
+                mine.append((entry, lock if lock.acquire(self._holder_stalled()) else None))
             try:
-                todo = [e for e, _ in mine if not self.store.has_blob(e.sha256)]
+                todo = [(e, lock is None) for e, lock in mine if not self.store.has_blob(e.sha256)]
                 fetched += self._download_verified(source, todo)
             finally:
-                for _, lock in mine:
-                    lock.release()
-            pending = [e for e, _ in theirs if not self.store.has_blob(e.sha256)]
+                for _, held in mine:
+                    if held is not None:
+                        held.release()
+            pending = [e for e in theirs if not self.store.has_blob(e.sha256)]
         return fetched
 
-    def _download_verified(self, source: Source, entries: list[ManifestEntry]) -> int:
-        """Download, verify and publish; a mismatch is downloaded once more, then exit 4."""
+    def _holder_stalled(self) -> Callable[[], bool]:
+        """A give-up test for lock waits: true once no download on this node has made
+        progress for `--timeout` (a hung daemon or a stopped process holds the lock)."""
+        last = (self.store.progress_signature(), time.monotonic())
+
+        def stalled() -> bool:
+            nonlocal last
+            now = self.store.progress_signature()
+            if now != last[0]:
+                last = (now, time.monotonic())
+            return time.monotonic() - last[1] >= self.settings.timeout
+
+        return stalled
+
+    def _download_verified(self, source: Source, todo: list[tuple[ManifestEntry, bool]]) -> int:
+        """Download, verify and publish; a mismatch is downloaded once more, then exit 4.
+
+        Each entry comes with `private`: download into a partial of this process's own,
+        because the lock holder of the shared partial is stalled.
+        """
         from weightcache.transfer.ranged import BlobJob
 
         fetched = 0
         for attempt in (1, 2):
-            if not entries:
+            if not todo:
                 break
-            jobs = {
-                e.sha256: BlobJob(source.bucket, source.key(e.path), e.size, e.sha256,
-                                  self.layout.partial(e.sha256), e.path)  # fmt: skip
-                for e in entries
-            }
+            jobs = [
+                BlobJob(source.bucket, source.key(e.path), e.size, e.sha256,
+                        self.layout.partial(e.sha256, private), e.path)
+                for e, private in todo
+            ]  # fmt: skip
             before = self.downloader.bytes_received
-            actual = self.downloader.download(list(jobs.values()))
+            actual = self.downloader.download(jobs)
             fetched += self.downloader.bytes_received - before
             bad = []
-            for e in entries:
-                got = actual[e.path]
+            for job, (e, private) in zip(jobs, todo, strict=True):
+                got = actual[job.label]
                 if got == e.sha256:
-                    self.store.publish_blob(jobs[e.sha256].partial, e.sha256)
-                else:
-                    self.store.discard_partial(e.sha256)
-                    self.downloader.observer.verify_failed()
-                    bad.append((e, got))
+                    self.store.publish_blob(job.partial, e.sha256)
+                    continue
+                self.store.discard_partial(job.partial)
+                self.downloader.observer.verify_failed()
+                log.warning("sha256 mismatch for %s (expected %s, got %s)", e.path, e.sha256, got)
+                bad.append((e, private, got))
             if bad and attempt == 2:
-                e, got = bad[0]
+                e, _, got = bad[0]
                 raise IntegrityError(
                     f"sha256 mismatch for {e.path} in {source.label}: expected {e.sha256}, "
                     f"got {got}; the object in {source.url}/{e.path} differs from "
                     f"{MANIFEST_NAME} (checked twice)"
                 )
-            for e, got in bad:
-                log.warning("sha256 mismatch for %s (expected %s, got %s); downloading it "
-                            "once more", e.path, e.sha256, got)  # fmt: skip
-            entries = [e for e, _ in bad]
+            todo = [(e, private) for e, private, _ in bad]
         return fetched
 
     def _check_space(self, entries: list[ManifestEntry]) -> None:
@@ -238,7 +275,8 @@ class Fetcher:
             return str(self.store.assemble(marker, manifest))
         except FileNotFoundError:
             # A blob was evicted between our check and our link: fetch it again, once.
-            log.warning("a blob of %s vanished while assembling it; fetching it again",
-                        source.label)  # fmt: skip
+            log.warning(
+                "a blob of %s vanished while assembling it; fetching it again", source.label
+            )
             self._bring_blobs(source, manifest)
             return str(self.store.assemble(marker, manifest))

@@ -88,8 +88,9 @@ class Index:
                         (name, revision, pod_uid, now),
                     )
         except sqlite3.Error as e:
-            log.warning("could not record the access to %s/%s in %s: %s",
-                        name, revision, self.path, e)  # fmt: skip
+            log.warning(
+                "could not record the access to %s/%s in %s: %s", name, revision, self.path, e
+            )
 
     def entries(self) -> list[Entry]:
         leases: dict[tuple[str, str], list[str]] = {}

@@ -54,8 +54,10 @@ def patch_node(node: str, wanted: dict[str, str], previous: dict[str, str]) -> N
         f"https://{host}:{port}/api/v1/nodes/{node}",
         data=json.dumps(merge_patch(wanted, previous)).encode(),
         method="PATCH",
-        headers={"Authorization": f"Bearer {token}",
-                 "Content-Type": "application/merge-patch+json"},  # fmt: skip
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/merge-patch+json",
+        },
     )
     context = ssl.create_default_context(cafile=f"{_SA}/ca.crt")
     with urllib.request.urlopen(req, context=context, timeout=10) as resp:

@@ -91,8 +91,11 @@ class Layout:
             raise ValueError(f"not a sha256 hex digest: {sha256!r}")
         return self.blobs / sha256
 
-    def partial(self, sha256: str) -> Path:
-        return self.tmp / f"{sha256}.part"
+    def partial(self, sha256: str, private: bool = False) -> Path:
+        """The shared, resumable partial of a blob; or one private to this process, used
+        only when the lock holder of the shared one is stalled."""
+        self.blob(sha256)  # validates the digest
+        return self.tmp / (f"{sha256}.{os.getpid()}.part" if private else f"{sha256}.part")
 
     def revision_dir(self, name: str, revision: str) -> Path:
         """DIR/<name>/<revision>, refusing anything that would resolve outside DIR."""

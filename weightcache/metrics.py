@@ -18,12 +18,31 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-disable_created_metrics()  # the *_created series only add noise to every scrape
+disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series only add noise to every scrape
 
 #: Fetch durations range from a 20 ms hit to hours for a cold 140 GB model on a shared
 #: link; buckets stopping at 51 s (OME) hide exactly the slow tail that matters.
-DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
-                    3600, 7200, 14400, 28800)  # fmt: skip
+DURATION_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+    1200,
+    1800,
+    3600,
+    7200,
+    14400,
+    28800,
+)
 
 
 class Metrics:
@@ -32,43 +51,63 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.origin_get_inflight = Gauge(
-            "weightcache_origin_get_inflight", "Object-store GETs in flight from this node.",
-            registry=r)  # fmt: skip
+            "weightcache_origin_get_inflight",
+            "Object-store GETs in flight from this node.",
+            registry=r,
+        )
         self.replica_fetches_inflight = Gauge(
             "weightcache_replica_fetches_inflight",
-            "Pods currently waiting in `weightcache fetch` on this node.", registry=r)  # fmt: skip
+            "Pods currently waiting in `weightcache fetch` on this node.",
+            registry=r,
+        )
         self.ratio = Gauge(
             "weightcache_get_concurrency_per_replica",
             "origin_get_inflight / replica_fetches_inflight (0 when no replica waits).",
-            registry=r)  # fmt: skip
+            registry=r,
+        )
         self.ratio.set_function(self._ratio)
         self.fetches = Counter(
-            "weightcache_fetches", "Fetches by result (hit, miss, error).", ["result"],
-            registry=r)  # fmt: skip
+            "weightcache_fetches", "Fetches by result (hit, miss, error).", ["result"], registry=r
+        )
         self.bytes = Counter(
             "weightcache_bytes",
             "Bytes made ready by where they came from: origin (object store), peer "
             "(another node), local (already on this node: hits and linked blobs).",
-            ["source"], registry=r)  # fmt: skip
+            ["source"],
+            registry=r,
+        )
         self.throttles = Counter(
-            "weightcache_origin_throttled", "Object-store answers asking to slow down (503/429).",
-            registry=r)  # fmt: skip
+            "weightcache_origin_throttled",
+            "Object-store answers asking to slow down (503/429).",
+            registry=r,
+        )
         self.verify_failures = Counter(
-            "weightcache_verify_failures", "Downloads whose sha256 did not match the manifest.",
-            registry=r)  # fmt: skip
+            "weightcache_verify_failures",
+            "Downloads whose sha256 did not match the manifest.",
+            registry=r,
+        )
         self.evictions = Counter(
-            "weightcache_evictions", "Revisions evicted to stay under capacity.", registry=r)
+            "weightcache_evictions", "Revisions evicted to stay under capacity.", registry=r
+        )
         self.cache_bytes = Gauge(
-            "weightcache_cache_bytes", "Bytes the cache occupies (blobs and partials).",
-            registry=r)  # fmt: skip
+            "weightcache_cache_bytes", "Bytes the cache occupies (blobs and partials).", registry=r
+        )
         self.capacity_bytes = Gauge(
-            "weightcache_cache_capacity_bytes", "The capacity bound in bytes.", registry=r)
+            "weightcache_cache_capacity_bytes", "The capacity bound in bytes.", registry=r
+        )
         self.duration = Histogram(
-            "weightcache_fetch_duration_seconds", "Time from fetch request to ready.",
-            ["result"], buckets=DURATION_BUCKETS, registry=r)  # fmt: skip
+            "weightcache_fetch_duration_seconds",
+            "Time from fetch request to ready.",
+            ["result"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.ready = Gauge(
-            "weightcache_revision_ready", "1 when a listed revision is ready on this node.",
-            ["name", "revision"], registry=r)  # fmt: skip
+            "weightcache_revision_ready",
+            "1 when a listed revision is ready on this node.",
+            ["name", "revision"],
+            registry=r,
+        )
         for result in ("hit", "miss", "error"):
             self.fetches.labels(result)
         for source in ("origin", "peer", "local"):

@@ -87,9 +87,17 @@ class Progress:
             )
             self.stream.flush()
         else:
-            log.info("progress revision=%s bytes=%d total=%d percent=%.1f rate_bps=%.0f "
-                     "inflight=%d throttled=%d", self.label, self.received_bytes, self.total,
-                     pct, rate, self.inflight, self.throttles)  # fmt: skip
+            log.info(
+                "progress revision=%s bytes=%d total=%d percent=%.1f rate_bps=%.0f "
+                "inflight=%d throttled=%d",
+                self.label,
+                self.received_bytes,
+                self.total,
+                pct,
+                rate,
+                self.inflight,
+                self.throttles,
+            )
 
     def close(self) -> None:
         if self.tty and self.received_bytes:

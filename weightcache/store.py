@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,12 +42,18 @@ class Marker:
         return sum(size for _, size in self.files.values())
 
     def to_json(self) -> str:
-        return json.dumps({
-            "version": MARKER_VERSION, "name": self.name, "revision": self.revision,
-            "source": self.source, "manifest_sha256": self.manifest_sha256,
-            "created": self.created,
-            "files": {p: {"sha256": h, "size": s} for p, (h, s) in sorted(self.files.items())},
-        }, indent=1)  # fmt: skip
+        return json.dumps(
+            {
+                "version": MARKER_VERSION,
+                "name": self.name,
+                "revision": self.revision,
+                "source": self.source,
+                "manifest_sha256": self.manifest_sha256,
+                "created": self.created,
+                "files": {p: {"sha256": h, "size": s} for p, (h, s) in sorted(self.files.items())},
+            },
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Marker:
@@ -55,8 +61,9 @@ class Marker:
         if d.get("version") != MARKER_VERSION:
             raise ValueError(f"unknown marker version {d.get('version')!r}")
         files = {p: (f["sha256"], int(f["size"])) for p, f in d["files"].items()}
-        return cls(d["name"], d["revision"], d["source"], d["manifest_sha256"], files,
-                   float(d["created"]))  # fmt: skip
+        return cls(
+            d["name"], d["revision"], d["source"], d["manifest_sha256"], files, float(d["created"])
+        )
 
 
 class Store:
@@ -111,11 +118,19 @@ class Store:
             os.unlink(partial.with_name(partial.name + ".json"))
         return blob
 
-    def discard_partial(self, sha256: str) -> None:
-        partial = self.layout.partial(sha256)
+    def discard_partial(self, partial: Path) -> None:
         for p in (partial, partial.with_name(partial.name + ".json")):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+
+    def progress_signature(self) -> tuple[int, int]:
+        """(newest mtime, entry count) of tmp/: changes while any download makes progress."""
+        newest, count = 0, 0
+        for entry in os.scandir(self.layout.tmp):
+            with contextlib.suppress(FileNotFoundError):
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
+                count += 1
+        return newest, count
 
     def partial_bytes(self, sha256: str) -> int:
         """Bytes already reserved on disk by a partial of this blob (0 if none)."""
@@ -224,12 +239,24 @@ class Store:
         _fsync_dir(path.parent)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def clean_tmp(self, older_than: float = 3600.0) -> None:
-        """Remove staging and trash directories left by killed processes."""
-        cutoff = time.time() - older_than
+    def clean_tmp(self, older_than: float = 3600.0, partials_older_than: float = 86400.0) -> None:
+        """Remove what killed processes left in tmp/: staging and trash directories and
+        private partials after `older_than`, shared (resumable) partials after
+        `partials_older_than` seconds without a write."""
+        now = time.time()
         for entry in self.layout.tmp.iterdir():
-            if entry.is_dir() and entry.stat().st_mtime < cutoff:
-                shutil.rmtree(entry, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                age = now - entry.lstat().st_mtime
+                if entry.is_dir():
+                    if age > older_than:
+                        shutil.rmtree(entry, ignore_errors=True)
+                elif age > (older_than if _is_private(entry.name) else partials_older_than):
+                    entry.unlink()
+
+
+def _is_private(filename: str) -> bool:
+    """`<hex>.<pid>.part[.json]`: a partial private to one process."""
+    return filename.split(".")[1].isdigit() if filename.count(".") >= 2 else False
 
 
 def _fsync_dir(path: Path) -> None:
@@ -263,30 +290,31 @@ class FileLock:
         self._fd = fd
         return True
 
-    def acquire(self, poll: float = 0.05, log_every: float = 30.0) -> None:
+    def acquire(
+        self,
+        give_up: Callable[[], bool] | None = None,
+        poll: float = 0.05,
+        log_every: float = 30.0,
+    ) -> bool:
+        """Wait for the lock; False if `give_up()` turned true first (a stalled holder)."""
         if self.try_acquire():
-            return
+            return True
         log.info("waiting for another fetch of %s on this node", self.what)
         start = last_log = time.monotonic()
         while not self.try_acquire():
+            if give_up is not None and give_up():
+                return False
             time.sleep(poll)
             poll = min(poll * 1.5, 0.5)
             if time.monotonic() - last_log >= log_every:
                 last_log = time.monotonic()
-                log.info("still waiting for another fetch of %s (%.0fs)",
-                         self.what, last_log - start)  # fmt: skip
+                log.info(
+                    "still waiting for another fetch of %s (%.0fs)", self.what, last_log - start
+                )
+        return True
 
     def release(self) -> None:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
-

@@ -56,8 +56,11 @@ class PartState:
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        data = {"size": self.size, "part_size": self.part_size,
-                "done": [i for i, d in enumerate(self.done) if d]}  # fmt: skip
+        data = {
+            "size": self.size,
+            "part_size": self.part_size,
+            "done": [i for i, d in enumerate(self.done) if d],
+        }
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
 

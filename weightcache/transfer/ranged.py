@@ -2,7 +2,7 @@
 
 Why plain `http.client` on threads rather than aiohttp or boto3 `get_object`: each worker
 `readinto`s a fixed 1 MiB buffer and `pwrite`s it, both releasing the GIL, so memory stays
-at workers × 1 MiB whatever the model size and no per-request botocore machinery runs
+at workers x 1 MiB whatever the model size and no per-request botocore machinery runs
 (benchmarks/cold_fetch.py measures the result against s5cmd). boto3 still signs: every GET
 uses a presigned URL from `ObjectStore.presign_get`.
 
@@ -203,8 +203,12 @@ class RangedDownloader:
                 _preallocate(fd, job)
                 state.save(job.state_path)
             elif state.bytes_done():
-                log.info("resuming %s: %d of %d bytes already on disk",
-                         job.label, state.bytes_done(), job.size)  # fmt: skip
+                log.info(
+                    "resuming %s: %d of %d bytes already on disk",
+                    job.label,
+                    state.bytes_done(),
+                    job.size,
+                )
         except BaseException:
             os.close(fd)
             raise
@@ -297,8 +301,14 @@ class RangedDownloader:
                 "partial data is kept, run the fetch again when the store recovers"
             )
         delay = min(self.backoff.delay(max(failures, 1)), self.settings.timeout - stalled)
-        log.warning("%s: attempt %d/%d failed (%s); retrying in %.1fs",
-                    f.job.label, failures + 1, self.settings.max_attempts, reason, delay)  # fmt: skip
+        log.warning(
+            "%s: attempt %d/%d failed (%s); retrying in %.1fs",
+            f.job.label,
+            failures + 1,
+            self.settings.max_attempts,
+            reason,
+            delay,
+        )
         f.run.stop.wait(delay)
 
     def _get_range(self, f: _File, pos: int, end: int) -> int:
@@ -428,4 +438,3 @@ def _preallocate(fd: int, job: BlobJob) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, job.size)
-

@@ -24,12 +24,32 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Error codes that mean "slow down": they count as throttling and lower concurrency.
-THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                            "TooManyRequests", "RequestThrottled"})  # fmt: skip
-_TRANSIENT_CODES = THROTTLE_CODES | {"RequestTimeout", "InternalError", "ServiceUnavailable",
-                                     "RequestTimeTooSkewed"}  # fmt: skip
-_DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                           "ExpiredToken", "InvalidToken", "AllAccessDisabled"})  # fmt: skip
+THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestThrottled",
+    }
+)
+_TRANSIENT_CODES = THROTTLE_CODES | {
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeTooSkewed",
+}
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "AllAccessDisabled",
+    }
+)
 PRESIGN_SECONDS = 3600
 
 
@@ -80,8 +100,14 @@ class ObjectStore:
                         f"{what} failed {attempt} times over {self.settings.timeout:.0f}s, "
                         f"last: {error}; check that the object store is reachable"
                     ) from e
-                log.warning("%s: attempt %d/%d failed (%s); retrying in %.1fs",
-                            what, attempt, self.settings.max_attempts, error, delay)  # fmt: skip
+                log.warning(
+                    "%s: attempt %d/%d failed (%s); retrying in %.1fs",
+                    what,
+                    attempt,
+                    self.settings.max_attempts,
+                    error,
+                    delay,
+                )
                 time.sleep(delay)
 
     # -- operations ---------------------------------------------------------------------------
