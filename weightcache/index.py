@@ -7,10 +7,12 @@ is the marker on disk (a lost index costs LRU precision, never correctness).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,19 @@ class Index:
             self._local.db = db
         return db
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE .. COMMIT: autocommit mode makes `with db:` a no-op, and
+        readers must never see pins cleared but not yet set again."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
     def record_access(
         self,
         name: str,
@@ -73,7 +88,7 @@ class Index:
         """Note a hit or a completed miss (and the Pod's lease). Never fails the caller."""
         now = time.time() if now is None else now
         try:
-            with self.db:
+            with self._transaction():
                 self.db.execute(
                     "INSERT INTO entries (name, revision, source, size, last_access, created) "
                     "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (name, revision) DO UPDATE SET "
@@ -105,7 +120,7 @@ class Index:
         ]
 
     def set_pins(self, pinned: set[tuple[str, str]]) -> None:
-        with self.db:
+        with self._transaction():
             self.db.execute("UPDATE entries SET pinned = 0")
             self.db.executemany(
                 "UPDATE entries SET pinned = 1 WHERE name = ? AND revision = ?", sorted(pinned)
@@ -119,9 +134,9 @@ class Index:
         return list(self.db.execute("SELECT pod_uid, MAX(since) FROM leases GROUP BY pod_uid"))
 
     def end_leases(self, pod_uids: set[str]) -> None:
-        with self.db:
+        with self._transaction():
             self.db.executemany("DELETE FROM leases WHERE pod_uid = ?", [(u,) for u in pod_uids])
 
     def forget(self, name: str, revision: str) -> None:
-        with self.db:
+        with self._transaction():
             self.db.execute("DELETE FROM entries WHERE name = ? AND revision = ?", (name, revision))

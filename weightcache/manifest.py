@@ -49,7 +49,10 @@ def parse(data: bytes, where: str) -> Manifest:
         raise SourceError(f"{where} is not UTF-8 text; regenerate it with sha256sum") from e
     entries: list[ManifestEntry] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # sha256sum separates lines by \n only; str.splitlines() would also split on \v, \f,
+    # U+2028... which may legitimately appear in a file name.
+    for lineno, line in enumerate(text.removesuffix("\n").split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         m = _LINE.fullmatch(line)
@@ -58,7 +61,8 @@ def parse(data: bytes, where: str) -> Manifest:
                 f"{where} line {lineno} is malformed ({line[:80]!r}); each line must be "
                 "'<64 hex digits>  <relative path>' as written by sha256sum"
             )
-        path = check_path(m.group(2), f"{where} line {lineno}")
+        # `find . -exec sha256sum {} +` writes ./model.safetensors: same file.
+        path = check_path(m.group(2).removeprefix("./"), f"{where} line {lineno}")
         if path in seen:
             raise SourceError(f"{where} lists {path!r} twice (line {lineno}); list each file once")
         seen.add(path)
@@ -74,7 +78,7 @@ def check_path(raw: str, where: str) -> str:
     bad = (
         raw.startswith("/")
         or "\\" in raw
-        or any(ord(c) < 32 or ord(c) == 127 for c in raw)
+        or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in raw)
         or any(part in ("", ".", "..") for part in raw.split("/"))
     )
     if bad:

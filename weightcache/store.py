@@ -81,7 +81,7 @@ class Store:
             return None
         try:
             return Marker.from_json(text)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("ignoring unreadable marker of %s/%s", name, revision)
             return None
 

@@ -122,4 +122,5 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         """Delay before retry number `attempt` (1 for the first retry)."""
-        return self.rng.uniform(0, min(self.cap, self.base * 2 ** (attempt - 1)))
+        exponent = min(max(attempt - 1, 0), 62)  # 2**62 is past any cap; no overflow
+        return self.rng.uniform(0, min(self.cap, self.base * 2**exponent))

@@ -73,6 +73,8 @@ class PartState:
             if data["size"] != size or data["part_size"] != part_size:
                 return fresh
             for i in data["done"]:
+                if not 0 <= int(i) < len(fresh.done):
+                    return cls(size, part_size)
                 fresh.done[int(i)] = True
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             return cls(size, part_size)

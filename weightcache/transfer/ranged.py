@@ -46,8 +46,10 @@ from weightcache.transfer.parts import PartState
 from weightcache.transfer.s3 import ObjectStore
 
 log = logging.getLogger(__name__)
-BUFFER = 1 << 20  # bytes per worker read; also the hashing read-back chunk
-HASH_CHUNK = 4 << 20
+#: Bytes per worker read and per hashing read-back, into one preallocated buffer per
+#: thread: no large allocation per chunk, so RSS stays flat (glibc arenas per thread
+#: otherwise hoard freed chunks).
+BUFFER = 1 << 20
 
 
 class TransferObserver(Protocol):
@@ -234,12 +236,13 @@ class RangedDownloader:
                     if end <= f.hashed:
                         f.hashing = False
                         return
+                view = memoryview(self._buffer())
                 while f.hashed < end:
-                    chunk = os.pread(f.fd, min(HASH_CHUNK, end - f.hashed), f.hashed)
-                    if not chunk:
+                    n = os.preadv(f.fd, [view[: min(BUFFER, end - f.hashed)]], f.hashed)
+                    if not n:
                         raise WeightcacheError(f"internal error: {f.job.partial} is short")
-                    f.hasher.update(chunk)
-                    f.hashed += len(chunk)
+                    f.hasher.update(view[:n])
+                    f.hashed += n
         except BaseException:
             with f.lock:
                 f.hashing = False

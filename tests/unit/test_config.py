@@ -1,0 +1,305 @@
+"""config: sizes, rates, durations, capacity, store settings and source URLs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from weightcache.config import (
+    Capacity,
+    Source,
+    StoreSettings,
+    parse_duration,
+    parse_rate,
+    parse_size,
+)
+from weightcache.errors import UsageError
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4096", 4096),
+        ("0", 0),
+        ("1b", 1),
+        ("1B", 1),
+        ("8k", 8 * KiB),
+        ("8K", 8 * KiB),
+        ("8Ki", 8 * KiB),
+        ("8KiB", 8 * KiB),
+        ("8KB", 8_000),
+        ("500MiB", 500 * MiB),
+        ("500M", 500 * MiB),
+        ("500MB", 500_000_000),
+        ("2G", 2 * GiB),
+        ("2g", 2 * GiB),
+        ("2GiB", 2 * GiB),
+        ("2GB", 2_000_000_000),
+        ("1.5GB", 1_500_000_000),
+        ("1.5G", 3 * GiB // 2),
+        ("3T", 3 * TiB),
+        ("3TB", 3 * 10**12),
+        ("  16 MiB  ", 16 * MiB),
+    ],
+)
+def test_parse_size_valid(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+def test_parse_size_accepts_an_int() -> None:
+    assert parse_size(4096) == 4096  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "G",
+        "2X",
+        "2PB",
+        "-1G",
+        "+1G",
+        "1e9",
+        "2 G B",
+        "1.G",
+        ".5G",
+        "2G/s",
+        "two",
+        "2,5G",
+        "0x10",
+    ],
+)
+def test_parse_size_invalid(text: str) -> None:
+    with pytest.raises(UsageError) as info:
+        parse_size(text)
+    assert repr(text) in str(info.value)
+    assert info.value.exit_code == 2
+
+
+def test_parse_size_names_what_was_parsed() -> None:
+    with pytest.raises(UsageError, match=r"^invalid --part-size 'big'"):
+        parse_size("big", "--part-size")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2G", 2 * GiB), ("2G/s", 2 * GiB), ("100MB/s", 100_000_000), ("512", 512), ("512/s", 512)],
+)
+def test_parse_rate_valid(text: str, expected: int) -> None:
+    assert parse_rate(text) == expected
+
+
+@pytest.mark.parametrize("text", ["fast", "2G/h", "2G/s/s", "/s", "-2G/s"])
+def test_parse_rate_invalid(text: str) -> None:
+    with pytest.raises(UsageError, match="invalid --bwlimit"):
+        parse_rate(text, "--bwlimit")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("30s", 30.0),
+        ("10m", 600.0),
+        ("1h", 3600.0),
+        ("250ms", 0.25),
+        ("5", 5.0),
+        ("1.5m", 90.0),
+        ("0.5h", 1800.0),
+        (" 10 s ", 10.0),
+        ("0s", 0.0),
+    ],
+)
+def test_parse_duration_valid(text: str, expected: float) -> None:
+    assert parse_duration(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "s", "10d", "-5s", "1h30m", "10 minutes", "10S", "1e3s", "abc", "5mss"],
+)
+def test_parse_duration_invalid(text: str) -> None:
+    with pytest.raises(UsageError) as info:
+        parse_duration(text, "--timeout")
+    assert str(info.value).startswith(f"invalid --timeout {text!r}")
+
+
+# -- Capacity ----------------------------------------------------------------------------------
+
+
+def test_capacity_bytes() -> None:
+    cap = Capacity.parse("200G")
+    assert cap == Capacity(bytes=200 * GiB)
+    assert cap.resolve(filesystem_bytes=10) == 200 * GiB  # absolute: the filesystem is moot
+
+
+@pytest.mark.parametrize(
+    ("text", "percent", "fs", "expected"),
+    [
+        ("50%", 50.0, 1000, 500),
+        ("100%", 100.0, 1234, 1234),
+        ("12.5%", 12.5, 800, 100),
+        (" 80 % ", 80.0, 1001, 800),
+        ("50%", 50.0, 1001, 500),
+    ],
+)
+def test_capacity_percent(text: str, percent: float, fs: int, expected: int) -> None:
+    cap = Capacity.parse(text)
+    assert cap.percent == percent
+    assert cap.bytes is None
+    assert cap.resolve(fs) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["0%", "-5%", "100.1%", "%", "x%", "nan%", "inf%", "0", "0G", "-1G", "lots", ""],
+)
+def test_capacity_invalid(text: str) -> None:
+    with pytest.raises(UsageError, match="capacity"):
+        Capacity.parse(text)
+
+
+# -- StoreSettings -----------------------------------------------------------------------------
+
+
+def test_store_settings_defaults_are_valid_and_frozen() -> None:
+    s = StoreSettings()
+    assert (s.endpoint_url, s.bwlimit, s.max_concurrency) == (None, None, 16)
+    assert (s.part_size, s.timeout, s.max_attempts) == (16 * MiB, 300.0, 8)
+    assert 8 * MiB <= s.part_size <= 64 * MiB  # SPEC §4 default range
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.max_concurrency = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"endpoint_url": "http://127.0.0.1:8333"},
+        {"endpoint_url": "https://s3.example.com"},
+        {"bwlimit": 1},
+        {"max_concurrency": 1},
+        {"max_concurrency": 1024},
+        {"part_size": 256 * KiB},
+        {"part_size": 5 * GiB},
+        {"timeout": 0.001},
+        {"max_attempts": 1},
+    ],
+)
+def test_store_settings_accepts_bounds(kwargs: dict[str, object]) -> None:
+    s = StoreSettings(**kwargs)  # type: ignore[arg-type]
+    for key, value in kwargs.items():
+        assert getattr(s, key) == value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"endpoint_url": "127.0.0.1:8333"}, "endpoint URL"),
+        ({"endpoint_url": "ftp://x"}, "endpoint URL"),
+        ({"endpoint_url": ""}, "endpoint URL"),
+        ({"bwlimit": 0}, "--bwlimit"),
+        ({"bwlimit": -1}, "--bwlimit"),
+        ({"max_concurrency": 0}, "--max-concurrency"),
+        ({"max_concurrency": 1025}, "--max-concurrency"),
+        ({"part_size": 256 * KiB - 1}, "--part-size"),
+        ({"part_size": 5 * GiB + 1}, "--part-size"),
+        ({"timeout": 0}, "--timeout"),
+        ({"timeout": -1.0}, "--timeout"),
+        ({"max_attempts": 0}, "attempt"),
+    ],
+)
+def test_store_settings_rejects(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        StoreSettings(**kwargs)  # type: ignore[arg-type]
+
+
+# -- Source ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "bucket", "prefix", "name", "revision"),
+    [
+        (
+            "s3://models/qwen3-70b/2026-10-01",
+            "models",
+            "qwen3-70b/2026-10-01",
+            "qwen3-70b",
+            "2026-10-01",
+        ),
+        (
+            "s3://models/qwen3-70b/2026-10-01/",
+            "models",
+            "qwen3-70b/2026-10-01",
+            "qwen3-70b",
+            "2026-10-01",
+        ),
+        (
+            "s3://models/qwen3-70b/2026-10-01///",
+            "models",
+            "qwen3-70b/2026-10-01",
+            "qwen3-70b",
+            "2026-10-01",
+        ),
+        ("  s3://models/a/b  ", "models", "a/b", "a", "b"),
+        (
+            "s3://my.bucket-01/org/team/llama/v3.1",
+            "my.bucket-01",
+            "org/team/llama/v3.1",
+            "llama",
+            "v3.1",
+        ),
+        ("s3://abc/x/y", "abc", "x/y", "x", "y"),
+    ],
+)
+def test_source_parse(url: str, bucket: str, prefix: str, name: str, revision: str) -> None:
+    src = Source.parse(url)
+    assert (src.bucket, src.prefix, src.name, src.revision) == (bucket, prefix, name, revision)
+    assert src.url == f"s3://{bucket}/{prefix}"
+    assert src.label == f"{name}/{revision}"
+    assert src.key("SHA256SUMS") == f"{prefix}/SHA256SUMS"
+    assert src.key("sub/model.safetensors") == f"{prefix}/sub/model.safetensors"
+
+
+def test_source_parse_overrides() -> None:
+    src = Source.parse("s3://models/org/qwen3-70b/2026-10-01", name="qwen", revision="prod")
+    assert (src.name, src.revision) == ("qwen", "prod")
+    assert src.prefix == "org/qwen3-70b/2026-10-01"  # the key prefix is not overridden
+    assert src.label == "qwen/prod"
+    only_name = Source.parse("s3://models/org/qwen3-70b/2026-10-01", name="qwen")
+    assert (only_name.name, only_name.revision) == ("qwen", "2026-10-01")
+    only_rev = Source.parse("s3://models/org/qwen3-70b/2026-10-01", revision="prod")
+    assert (only_rev.name, only_rev.revision) == ("qwen3-70b", "prod")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "models/a/b",
+        "http://models/a/b",
+        "s3:/models/a/b",
+        "s3://models",
+        "s3://models/",
+        "s3://models/only-one",
+        "s3://models/only-one/",
+        "s3://models//a/b",
+        "s3://models/a//b",
+        "s3://models/a/./b",
+        "s3://models/a/..",
+        "s3://models/../b",
+        "s3://Models/a/b",  # bucket names are lowercase
+        "s3://ab/a/b",  # bucket names have 3 to 63 characters
+        "s3://" + "b" * 64 + "/a/b",
+        "s3://-models/a/b",
+        "s3://models-/a/b",
+        "s3://mod_els/a/b",
+    ],
+)
+def test_source_parse_invalid(url: str) -> None:
+    with pytest.raises(UsageError) as info:
+        Source.parse(url)
+    assert repr(url) in str(info.value)
+    assert "s3://bucket/prefix/<name>/<revision>" in str(info.value)

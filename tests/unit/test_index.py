@@ -1,0 +1,147 @@
+"""index: state.db bookkeeping of entries, last access, pins and leases."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from weightcache.index import Entry, Index
+
+SRC = "s3://models/m/r"
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Index:
+    return Index(tmp_path / "state.db")
+
+
+def test_empty(index: Index) -> None:
+    assert index.entries() == []
+    assert index.lease_holders() == set()
+
+
+def test_uses_wal(index: Index) -> None:
+    assert index.db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_record_access_creates_an_entry(index: Index) -> None:
+    index.record_access("m", "r", source=SRC, size=1234, now=1000.0)
+    assert index.entries() == [Entry("m", "r", SRC, 1234, 1000.0, False, ())]
+
+
+def test_record_access_updates_last_access_and_keeps_what_is_not_given(index: Index) -> None:
+    index.record_access("m", "r", source=SRC, size=1234, now=1000.0)
+    index.record_access("m", "r", now=2000.0)  # a hit: no source, no size
+    assert index.entries() == [Entry("m", "r", SRC, 1234, 2000.0, False, ())]
+    index.record_access("m", "r", source="s3://other/m/r", size=99, now=3000.0)
+    assert index.entries() == [Entry("m", "r", "s3://other/m/r", 99, 3000.0, False, ())]
+    index.record_access("m", "r", size=0, now=4000.0)  # zero is a size, not "unknown"
+    assert index.entries() == [Entry("m", "r", "s3://other/m/r", 0, 4000.0, False, ())]
+    created = index.db.execute("SELECT created FROM entries").fetchone()
+    assert created == (1000.0,)
+
+
+def test_record_access_without_size_starts_at_zero(index: Index) -> None:
+    index.record_access("m", "r", now=5.0)
+    assert index.entries() == [Entry("m", "r", "", 0, 5.0, False, ())]
+
+
+def test_entries_are_sorted_by_name_and_revision(index: Index) -> None:
+    for name, rev, t in [("b", "2", 1.0), ("a", "9", 2.0), ("b", "1", 3.0), ("a", "10", 4.0)]:
+        index.record_access(name, rev, now=t)
+    assert [(e.name, e.revision, e.last_access) for e in index.entries()] == [
+        ("a", "10", 4.0), ("a", "9", 2.0), ("b", "1", 3.0), ("b", "2", 1.0)
+    ]  # fmt: skip
+
+
+def test_leases(index: Index) -> None:
+    index.record_access("m", "r", size=10, pod_uid="uid-b", now=1.0)
+    index.record_access("m", "r", pod_uid="uid-a", now=2.0)
+    index.record_access("m", "r", pod_uid="uid-a", now=3.0)  # same Pod again: one lease
+    index.record_access("n", "r", pod_uid="uid-a", now=4.0)
+    index.record_access("o", "r", now=5.0)
+    by_key = {(e.name, e.revision): e.leases for e in index.entries()}
+    assert by_key == {("m", "r"): ("uid-a", "uid-b"), ("n", "r"): ("uid-a",), ("o", "r"): ()}
+    assert index.lease_holders() == {"uid-a", "uid-b"}
+    assert index.db.execute("SELECT COUNT(*) FROM leases").fetchone() == (3,)
+
+    index.end_leases({"uid-a"})
+    by_key = {(e.name, e.revision): e.leases for e in index.entries()}
+    assert by_key == {("m", "r"): ("uid-b",), ("n", "r"): (), ("o", "r"): ()}
+    assert index.lease_holders() == {"uid-b"}
+
+    index.end_leases({"uid-b", "uid-unknown"})
+    index.end_leases(set())
+    assert index.lease_holders() == set()
+    assert [e.leases for e in index.entries()] == [(), (), ()]
+    assert len(index.entries()) == 3  # ending leases forgets no entry
+
+
+def test_set_pins_replaces_the_pinned_set(index: Index) -> None:
+    for name in ("a", "b", "c"):
+        index.record_access(name, "r", now=1.0)
+    index.set_pins({("a", "r"), ("c", "r")})
+    assert {e.name: e.pinned for e in index.entries()} == {"a": True, "b": False, "c": True}
+    index.set_pins({("b", "r"), ("zz", "absent")})
+    assert {e.name: e.pinned for e in index.entries()} == {"a": False, "b": True, "c": False}
+    assert len(index.entries()) == 3  # pinning an unknown revision creates no entry
+    index.set_pins(set())
+    assert [e.pinned for e in index.entries()] == [False, False, False]
+
+
+def test_pins_survive_an_access(index: Index) -> None:
+    index.record_access("a", "r", now=1.0)
+    index.set_pins({("a", "r")})
+    index.record_access("a", "r", source=SRC, size=5, now=2.0)
+    assert index.entries() == [Entry("a", "r", SRC, 5, 2.0, True, ())]
+
+
+def test_forget(index: Index) -> None:
+    index.record_access("a", "r", now=1.0)
+    index.record_access("b", "r", now=1.0)
+    index.forget("a", "r")
+    assert [e.name for e in index.entries()] == ["b"]
+
+
+def test_state_persists_across_connections(tmp_path: Path) -> None:
+    first = Index(tmp_path / "state.db")
+    first.record_access("m", "r", source=SRC, size=7, pod_uid="uid", now=9.0)
+    first.set_pins({("m", "r")})
+    second = Index(tmp_path / "state.db")
+    assert second.entries() == [Entry("m", "r", SRC, 7, 9.0, True, ("uid",))]
+    second.end_leases({"uid"})
+    assert first.entries()[0].leases == ()
+    assert Index(tmp_path / "state.db").entries()[0].leases == ()
+
+
+def test_lease_ages_are_the_latest_per_pod(index: Index) -> None:
+    index.record_access("m", "r", pod_uid="uid-a", now=10.0)
+    index.record_access("n", "r", pod_uid="uid-a", now=30.0)
+    index.record_access("m", "r", pod_uid="uid-b", now=20.0)
+    assert sorted(index.lease_ages()) == [("uid-a", 30.0), ("uid-b", 20.0)]
+
+
+def test_record_access_never_fails_the_caller(tmp_path: Path) -> None:
+    broken = Index(tmp_path)  # a directory: sqlite cannot open it
+    broken.record_access("m", "r", size=1, pod_uid="uid", now=1.0)  # logs, does not raise
+    with pytest.raises(sqlite3.Error):
+        broken.entries()
+
+
+def test_set_pins_is_atomic_for_a_concurrent_reader(tmp_path: Path) -> None:
+    writer = Index(tmp_path / "state.db")
+    reader = Index(tmp_path / "state.db")  # another process, e.g. `weightcache ls`
+    writer.record_access("m", "r", now=1.0)
+    writer.set_pins({("m", "r")})
+    seen: list[bool] = []
+
+    def between_statements(sql: str) -> None:
+        # Runs as the writer starts each statement: look from another connection.
+        if sql.startswith("UPDATE entries SET pinned = 1"):
+            seen.extend(e.pinned for e in reader.entries())
+
+    writer.db.set_trace_callback(between_statements)
+    writer.set_pins({("m", "r")})  # the pinned set does not change
+    assert seen == [True]

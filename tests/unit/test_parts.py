@@ -1,0 +1,157 @@
+"""parts: range planning and the resumable part state of a partial blob."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from weightcache.transfer.parts import PartState, plan_parts
+
+
+@pytest.mark.parametrize(
+    ("size", "part_size", "expected"),
+    [
+        (0, 4, [(0, 0)]),
+        (1, 4, [(0, 1)]),
+        (3, 4, [(0, 3)]),
+        (4, 4, [(0, 4)]),
+        (8, 4, [(0, 4), (4, 8)]),
+        (10, 4, [(0, 4), (4, 8), (8, 10)]),
+        (9, 4, [(0, 4), (4, 8), (8, 9)]),
+        (5, 1, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+    ],
+)
+def test_plan_parts_literal(size: int, part_size: int, expected: list[tuple[int, int]]) -> None:
+    assert plan_parts(size, part_size) == expected
+
+
+@pytest.mark.parametrize("part_size", [1, 3, 7, 16, 4096])
+@pytest.mark.parametrize("size", [1, 2, 15, 16, 17, 1000, 4095, 4097, 3 * 4096])
+def test_plan_parts_covers_exactly(size: int, part_size: int) -> None:
+    parts = plan_parts(size, part_size)
+    assert parts[0][0] == 0
+    assert parts[-1][1] == size
+    for (_, end), (start, _) in itertools.pairwise(parts):
+        assert end == start  # contiguous, no gap, no overlap
+    assert all(end - start == part_size for start, end in parts[:-1])
+    assert 0 < parts[-1][1] - parts[-1][0] <= part_size  # only the last part may be short
+    assert len(parts) == -(-size // part_size)
+
+
+def test_plan_parts_of_a_large_shard() -> None:
+    size = 5 * (1 << 30) + 123  # a 5 GiB safetensors shard and change
+    parts = plan_parts(size, 16 << 20)
+    assert len(parts) == 321
+    assert parts[-1] == (320 * (16 << 20), size)
+    assert sum(end - start for start, end in parts) == size
+
+
+def _state(size: int, part_size: int, done: set[int]) -> PartState:
+    state = PartState(size, part_size)
+    for i in done:
+        state.done[i] = True
+    return state
+
+
+def test_part_state_fresh() -> None:
+    state = PartState(10, 4)
+    assert state.parts == [(0, 4), (4, 8), (8, 10)]
+    assert state.done == [False, False, False]
+    assert state.pending() == [0, 1, 2]
+    assert state.contiguous_end() == 0
+    assert state.bytes_done() == 0
+
+
+@pytest.mark.parametrize(
+    ("done", "contiguous_end", "pending", "bytes_done"),
+    [
+        ({0}, 4, [1, 2], 4),
+        ({1}, 0, [0, 2], 4),
+        ({2}, 0, [0, 1], 2),
+        ({0, 2}, 4, [1], 6),
+        ({0, 1}, 8, [2], 8),
+        ({1, 2}, 0, [0], 6),
+        ({0, 1, 2}, 10, [], 10),
+    ],
+)
+def test_part_state_progress(
+    done: set[int], contiguous_end: int, pending: list[int], bytes_done: int
+) -> None:
+    state = _state(10, 4, done)
+    assert state.contiguous_end() == contiguous_end
+    assert state.pending() == pending
+    assert state.bytes_done() == bytes_done
+
+
+def test_part_state_empty_object() -> None:
+    state = PartState(0, 4)
+    assert state.parts == [(0, 0)]
+    assert state.pending() == [0]
+    assert (state.contiguous_end(), state.bytes_done()) == (0, 0)
+    state.done[0] = True
+    assert state.pending() == []
+    assert (state.contiguous_end(), state.bytes_done()) == (0, 0)
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "x.part.json"
+    state = _state(10, 4, {0, 2})
+    state.save(path)
+    assert json.loads(path.read_text()) == {"size": 10, "part_size": 4, "done": [0, 2]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.part.json"]  # no temp left
+    loaded = PartState.load(path, 10, 4)
+    assert loaded.parts == state.parts
+    assert loaded.done == [True, False, True]
+    assert loaded.bytes_done() == 6
+
+    _state(10, 4, {0, 1, 2}).save(path)  # overwrite
+    assert PartState.load(path, 10, 4).pending() == []
+
+
+def test_load_missing_file_is_fresh(tmp_path: Path) -> None:
+    state = PartState.load(tmp_path / "absent.json", 10, 4)
+    assert state.done == [False, False, False]
+
+
+@pytest.mark.parametrize(("size", "part_size"), [(11, 4), (10, 5), (10, 2)])
+def test_load_mismatched_geometry_is_fresh(tmp_path: Path, size: int, part_size: int) -> None:
+    path = tmp_path / "x.part.json"
+    _state(10, 4, {0, 1}).save(path)
+    state = PartState.load(path, size, part_size)
+    assert state.parts == plan_parts(size, part_size)
+    assert state.done == [False] * len(state.parts)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"not json",
+        b'{"size": 10, "part_size": 4, "done": [0, 1',  # torn write
+        b"\xff\xfe\x00garbage",
+        b"[]",
+        b"null",
+        b"42",
+        b"{}",
+        b'{"size": 10, "part_size": 4}',
+        b'{"size": 10, "part_size": 4, "done": [0, 99]}',  # out of range, after a valid one
+        b'{"size": 10, "part_size": 4, "done": [0, "x"]}',
+        b'{"size": 10, "part_size": 4, "done": [0, null]}',
+        b'{"size": 10, "part_size": 4, "done": 3}',
+    ],
+)
+def test_load_garbage_is_fresh(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "x.part.json"
+    path.write_bytes(content)
+    state = PartState.load(path, 10, 4)
+    assert state.parts == [(0, 4), (4, 8), (8, 10)]
+    assert state.done == [False, False, False]
+
+
+def test_load_negative_index_is_fresh(tmp_path: Path) -> None:
+    path = tmp_path / "x.part.json"
+    path.write_text('{"size": 10, "part_size": 4, "done": [-1]}')
+    assert PartState.load(path, 10, 4).done == [False, False, False]

@@ -1,0 +1,337 @@
+"""store: markers, revision assembly, readiness, removal, blob GC and the file lock."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from weightcache import manifest
+from weightcache.layout import MARKER, Layout
+from weightcache.manifest import Manifest
+from weightcache.store import FileLock, Marker, Store
+
+PutBlob = Callable[[bytes], str]
+
+
+def _revision(
+    put_blob: PutBlob, files: dict[str, bytes], name: str = "m", revision: str = "r"
+) -> tuple[Marker, Manifest]:
+    """Put the files' blobs in the store; return the marker and manifest of a revision."""
+    hashes = {path: put_blob(data) for path, data in files.items()}
+    data = manifest.render([(h, p) for p, h in hashes.items()])
+    m = manifest.parse(data, "test").with_sizes({p: len(d) for p, d in files.items()})
+    marker = Marker(
+        name=name, revision=revision, source=f"s3://models/{name}/{revision}",
+        manifest_sha256=m.digest,
+        files={p: (hashes[p], len(d)) for p, d in files.items()},
+        created=1_700_000_000.5,
+    )  # fmt: skip
+    return marker, m
+
+
+FILES = {
+    "model-00001-of-00002.safetensors": b"A" * 1000,
+    "model-00002-of-00002.safetensors": b"B" * 777,
+    "tokenizer/tokenizer.json": b'{"v": 1}',
+    "empty.txt": b"",
+}
+
+
+# -- Marker ------------------------------------------------------------------------------------
+
+
+def test_marker_json_round_trip() -> None:
+    marker = Marker(
+        "qwen3-70b",
+        "2026-10-01",
+        "s3://models/qwen3-70b/2026-10-01",
+        "d" * 64,
+        {"b.bin": ("1" * 64, 20), "a/x.bin": ("2" * 64, 0)},
+        1_700_000_000.25,
+    )
+    text = marker.to_json()
+    assert Marker.from_json(text) == marker
+    d = json.loads(text)
+    assert d["version"] == 1
+    assert list(d["files"]) == ["a/x.bin", "b.bin"]  # sorted, stable on disk
+    assert d["files"]["b.bin"] == {"sha256": "1" * 64, "size": 20}
+    assert marker.size == 20
+
+
+@pytest.mark.parametrize("version", [None, 0, 2, "1"])
+def test_marker_unknown_version(version: object) -> None:
+    d = json.loads(Marker("m", "r", "s", "d", {}, 0.0).to_json())
+    d["version"] = version
+    with pytest.raises(ValueError, match="unknown marker version"):
+        Marker.from_json(json.dumps(d))
+
+
+# -- assemble / ready --------------------------------------------------------------------------
+
+
+def test_assemble_links_blobs_and_writes_the_marker(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, FILES)
+    target = store.assemble(marker, m)
+    assert target == layout.root / "m" / "r"
+    on_disk = sorted(str(p.relative_to(target)) for p in target.rglob("*") if p.is_file())
+    assert on_disk == sorted([*FILES, MARKER])
+    for path, data in FILES.items():
+        file = target / path
+        assert file.read_bytes() == data
+        blob = layout.blob(hashlib.sha256(data).hexdigest())
+        assert file.stat().st_ino == blob.stat().st_ino  # a hard link, not a copy
+        assert blob.stat().st_nlink == 2
+    assert Marker.from_json((target / MARKER).read_text()) == marker
+    assert list(layout.tmp.iterdir()) == []  # staging renamed away, nothing left behind
+    assert store.ready("m", "r") == marker
+
+
+def test_two_revisions_share_a_blob(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+    shared = b"S" * 100
+    m1, man1 = _revision(put_blob, {"a.bin": shared, "b.bin": b"one"}, revision="r1")
+    m2, man2 = _revision(put_blob, {"a.bin": shared, "b.bin": b"two"}, revision="r2")
+    store.assemble(m1, man1)
+    store.assemble(m2, man2)
+    assert layout.blob(hashlib.sha256(shared).hexdigest()).stat().st_nlink == 3
+    assert len(list(layout.blobs.iterdir())) == 3
+    assert store.ready("m", "r1") == m1
+    assert store.ready("m", "r2") == m2
+
+
+def test_assemble_replaces_an_existing_revision(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    old, old_m = _revision(put_blob, {"a.bin": b"old", "stale.bin": b"gone"})
+    store.assemble(old, old_m)
+    new, new_m = _revision(put_blob, {"a.bin": b"new"})
+    store.assemble(new, new_m)
+    target = layout.root / "m" / "r"
+    assert sorted(p.name for p in target.iterdir()) == [MARKER, "a.bin"]
+    assert (target / "a.bin").read_bytes() == b"new"
+    assert store.ready("m", "r") == new
+    assert list(layout.tmp.iterdir()) == []
+
+
+def test_assemble_with_a_missing_blob_leaves_nothing(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, {"a.bin": b"here", "b.bin": b"evicted"})
+    layout.blob(hashlib.sha256(b"evicted").hexdigest()).unlink()
+    with pytest.raises(FileNotFoundError):
+        store.assemble(marker, m)
+    assert not (layout.root / "m" / "r").exists()
+    assert list(layout.tmp.iterdir()) == []
+    assert store.ready("m", "r") is None
+
+
+def test_ready_none_without_a_marker(store: Store, layout: Layout) -> None:
+    assert store.ready("m", "r") is None
+    (layout.root / "m" / "r").mkdir(parents=True)
+    (layout.root / "m" / "r" / "a.bin").write_bytes(b"x")
+    assert store.ready("m", "r") is None
+
+
+@pytest.mark.parametrize("change", ["append", "truncate", "delete", "replace_by_dir"])
+def test_ready_none_when_a_file_changed(
+    store: Store, layout: Layout, put_blob: PutBlob, change: str
+) -> None:
+    marker, m = _revision(put_blob, FILES)
+    target = store.assemble(marker, m)
+    assert store.ready("m", "r") == marker
+    victim = target / "model-00002-of-00002.safetensors"
+    if change == "append":
+        with open(victim, "ab") as fh:
+            fh.write(b"!")
+    elif change == "truncate":
+        os.truncate(victim, 776)
+    elif change == "delete":
+        victim.unlink()
+    else:
+        victim.unlink()
+        victim.mkdir()
+    assert store.ready("m", "r") is None
+
+
+def test_ready_none_when_the_marker_names_another_revision(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, {"a.bin": b"x"})
+    target = store.assemble(marker, m)
+    copy = layout.root / "m" / "copy"
+    copy.mkdir()
+    os.link(target / "a.bin", copy / "a.bin")
+    (copy / MARKER).write_text((target / MARKER).read_text())
+    assert store.ready("m", "copy") is None
+    assert store.ready("m", "r") == marker
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "",
+        "{",
+        '{"version": 1}',
+        '{"version": 2, "files": {}}',
+        '{"version": 1, "name": "m", "revision": "r", "source": "", '
+        '"manifest_sha256": "", "created": 0, "files": {"a.bin": {"size": "x"}}}',
+    ],
+)
+def test_ready_none_for_an_unreadable_marker(store: Store, layout: Layout, content: str) -> None:
+    (layout.root / "m" / "r").mkdir(parents=True)
+    (layout.root / "m" / "r" / MARKER).write_text(content)
+    assert store.read_marker("m", "r") is None
+    assert store.ready("m", "r") is None
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[]",
+        "null",
+        "1",
+        '{"version": 1, "name": "m", "revision": "r", '
+        '"source": "", "manifest_sha256": "", "created": 0, "files": []}',
+    ],
+)
+def test_ready_none_for_a_marker_that_is_not_an_object(
+    store: Store, layout: Layout, content: str
+) -> None:
+    (layout.root / "m" / "r").mkdir(parents=True)
+    (layout.root / "m" / "r" / MARKER).write_text(content)
+    assert store.ready("m", "r") is None
+
+
+# -- remove / GC -------------------------------------------------------------------------------
+
+
+def test_remove_revision(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+    m1, man1 = _revision(put_blob, {"a.bin": b"1"}, revision="r1")
+    m2, man2 = _revision(put_blob, {"a.bin": b"2"}, revision="r2")
+    store.assemble(m1, man1)
+    store.assemble(m2, man2)
+    store.remove_revision("m", "r1")
+    assert not (layout.root / "m" / "r1").exists()
+    assert store.ready("m", "r1") is None
+    assert store.ready("m", "r2") == m2
+    assert (layout.root / "m").is_dir()  # still holds r2
+    assert layout.blob(hashlib.sha256(b"1").hexdigest()).stat().st_nlink == 1
+    assert list(layout.tmp.iterdir()) == []  # the trash is gone too
+    store.remove_revision("m", "r2")
+    assert not (layout.root / "m").exists()  # the empty name directory goes with it
+    store.remove_revision("m", "r2")  # removing what is absent is fine
+    store.remove_revision("other", "r")
+
+
+def test_unreferenced_blobs_are_those_with_one_link(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, {"kept.bin": b"K" * 50})
+    store.assemble(marker, m)
+    orphan_a = put_blob(b"orphan" * 10)
+    orphan_b = put_blob(b"")
+    assert sorted(p.name for p in store.unreferenced_blobs()) == sorted([orphan_a, orphan_b])
+    # Just-published orphans may be about to be linked by a running fetch: spared by age.
+    assert store.unreferenced_blobs(min_age=3600) == []
+
+
+def test_delete_blobs_if_unreferenced(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+    marker, m = _revision(put_blob, {"kept.bin": b"K" * 50})
+    store.assemble(marker, m)
+    kept = hashlib.sha256(b"K" * 50).hexdigest()
+    orphan_a = put_blob(b"orphan" * 10)
+    orphan_b = put_blob(b"")
+    never_stored = hashlib.sha256(b"never stored").hexdigest()
+
+    assert store.delete_blobs_if_unreferenced([kept, orphan_a, orphan_b, never_stored]) == 60
+    assert sorted(p.name for p in layout.blobs.iterdir()) == [kept]  # the linked one stays
+    assert store.ready("m", "r") == marker
+    assert store.delete_blobs_if_unreferenced([kept]) == 0
+
+    store.remove_revision("m", "r")
+    assert store.delete_blobs_if_unreferenced([kept]) == 50
+    assert list(layout.blobs.iterdir()) == []
+
+
+def test_delete_blobs_if_unreferenced_default_spares_fresh_orphans(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    orphan = put_blob(b"just published")
+    assert store.delete_blobs_if_unreferenced() == 0
+    assert [p.name for p in layout.blobs.iterdir()] == [orphan]
+
+
+def test_usage_counts_blobs_and_partials(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+    assert store.usage() == 0
+    marker, m = _revision(put_blob, {"a.bin": b"a" * 100, "b.bin": b"b" * 20})
+    store.assemble(marker, m)  # links add no bytes
+    layout.partial("0" * 64).write_bytes(b"p" * 7)
+    assert store.usage() == 127
+
+
+def test_has_blob_and_partials(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+    digest = put_blob(b"data")
+    assert store.has_blob(digest)
+    missing = hashlib.sha256(b"missing").hexdigest()
+    assert not store.has_blob(missing)
+    assert store.partial_bytes(missing) == 0
+    partial = layout.partial(missing)
+    partial.write_bytes(b"\0" * 8192)
+    partial.with_name(partial.name + ".json").write_text("{}")
+    assert store.partial_bytes(missing) >= 8192
+    store.discard_partial(partial)
+    assert list(layout.tmp.iterdir()) == []
+    store.discard_partial(partial)  # idempotent
+
+
+def test_publish_blob(store: Store, layout: Layout) -> None:
+    data = b"published"
+    digest = hashlib.sha256(data).hexdigest()
+    partial = layout.partial(digest)
+    partial.write_bytes(data)
+    partial.with_name(partial.name + ".json").write_text("{}")
+    blob = store.publish_blob(partial, digest)
+    assert blob == layout.blob(digest)
+    assert blob.read_bytes() == data
+    assert blob.stat().st_mode & 0o777 == 0o444
+    assert list(layout.tmp.iterdir()) == []
+
+
+# -- FileLock ----------------------------------------------------------------------------------
+
+
+def test_file_lock_is_exclusive_between_lock_objects(tmp_path: Path) -> None:
+    path = tmp_path / "rev-m@r.lock"
+    first, second = FileLock(path, "m/r"), FileLock(path, "m/r")
+    try:
+        assert first.try_acquire() is True
+        assert second.try_acquire() is False  # flock is per open file description
+        assert second.try_acquire() is False
+        first.release()
+        assert second.try_acquire() is True
+        assert first.try_acquire() is False
+    finally:
+        first.release()
+        second.release()
+    assert path.exists()
+
+
+def test_file_lock_acquire_gives_up_while_held(tmp_path: Path) -> None:
+    path = tmp_path / "x.lock"
+    holder, waiter = FileLock(path, "x"), FileLock(path, "x")
+    try:
+        assert holder.acquire() is True
+        assert waiter.acquire(give_up=lambda: True) is False  # a stalled holder: give up
+        holder.release()
+        holder.release()  # releasing twice is harmless
+        assert waiter.acquire(give_up=lambda: True) is True  # free: no waiting, no giving up
+        assert holder.try_acquire() is False
+    finally:
+        holder.release()
+        waiter.release()
