@@ -94,7 +94,7 @@ def verify(cache_dir: Path, target: str) -> list[str]:
     return verified
 
 
-def gc(cache_dir: Path, capacity: str, models_file: Path | None, dry_run: bool) -> str:
+def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> str:
     """Plan (and unless dry_run, execute) LRU eviction down to `capacity`."""
     from weightcache.models import load
 
@@ -103,7 +103,7 @@ def gc(cache_dir: Path, capacity: str, models_file: Path | None, dry_run: bool) 
     index = Index(layout.state_db)
     pinned = load(models_file).pinned if models_file else frozenset()
     st = os.statvfs(layout.root)
-    target = Capacity.parse(capacity).resolve(st.f_blocks * st.f_frsize)
+    target = capacity.resolve(st.f_blocks * st.f_frsize)
     revisions, sizes, usage = eviction.survey(store, index, pinned)
     plan = eviction.plan_eviction(revisions, sizes, usage, target)
     if dry_run:

@@ -18,7 +18,14 @@ from typing import Any, TypeVar
 
 import click
 
-from weightcache.config import Source, StoreSettings, parse_duration, parse_rate, parse_size
+from weightcache.config import (
+    Capacity,
+    Source,
+    StoreSettings,
+    parse_duration,
+    parse_rate,
+    parse_size,
+)
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -290,7 +297,6 @@ def node_options(fn: F) -> F:
 
 
 def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
-    from weightcache.config import Capacity
     from weightcache.daemon import Daemon, DaemonSettings
     from weightcache.eviction import Watermarks
     from weightcache.layout import Layout
@@ -299,10 +305,7 @@ def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
         watermarks = Watermarks(kw.pop("high_watermark"), kw.pop("low_watermark"))
     except ValueError as e:
         raise UsageError(f"invalid watermarks: {e}") from e
-    capacity = kw.pop("capacity")
-    settings = DaemonSettings(
-        capacity=Capacity.parse(capacity) if capacity else None, watermarks=watermarks, **kw
-    )
+    settings = DaemonSettings(watermarks=watermarks, **kw)
     return Daemon(Layout.open(cache_dir), settings_from(store), settings)
 
 
@@ -312,6 +315,7 @@ def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
 @click.option(
     "--capacity",
     envvar=_env("capacity"),
+    callback=_converter(lambda text, _: Capacity.parse(text), "--capacity"),
     help="Optional bound while prefetching: bytes (500G) or percent (85%).",
 )
 @store_options
@@ -345,6 +349,7 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
 @click.option(
     "--capacity",
     envvar=_env("capacity"),
+    callback=_converter(lambda text, _: Capacity.parse(text), "--capacity"),
     required=True,
     help="Cache bound: bytes (500G) or percent of the filesystem (85%).",
 )
@@ -422,6 +427,7 @@ def verify(target: str, cache_dir: Path) -> None:
 @click.option(
     "--capacity",
     envvar=_env("capacity"),
+    callback=_converter(lambda text, _: Capacity.parse(text), "--capacity"),
     required=True,
     help="Target: evict LRU revisions until the cache fits (bytes or percent).",
 )
@@ -434,7 +440,7 @@ def verify(target: str, cache_dir: Path) -> None:
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
 @reports_errors
-def gc(cache_dir: Path, capacity: str, models_file: Path | None, dry_run: bool) -> None:
+def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> None:
     """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY."""
     from weightcache.admin import gc as do_gc
 

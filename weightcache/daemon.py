@@ -210,7 +210,20 @@ class Daemon:
         holders = self.index.lease_holders()
         pods_dir = self.settings.kubelet_pods_dir
         if pods_dir.is_dir():
-            gone = {uid for uid in holders if not (pods_dir / uid).exists()}
+            try:
+                gone = {uid for uid in holders if not _pod_dir_exists(pods_dir / uid)}
+            except PermissionError as e:
+                # The kubelet makes the directory 0750 root: keep every lease (never evict
+                # a revision in use) and say how to fix the node.
+                log.error(
+                    "cannot look into %s (%s): leases are kept until it is readable; "
+                    "grant search with `setfacl -m u:%d:x %s`",
+                    pods_dir,
+                    e.strerror,
+                    os.getuid(),
+                    pods_dir,
+                )
+                return
         else:
             cutoff = time.time() - self.settings.lease_max_age
             gone = {uid for uid, since in self.index.lease_ages() if since < cutoff}
@@ -318,6 +331,15 @@ class Daemon:
             send({"event": "error", "exit_code": e.exit_code, "message": str(e)})
         finally:
             self.metrics.replica_waiting(-1)
+
+
+def _pod_dir_exists(path: Path) -> bool:
+    """os.path.exists() swallows EACCES as "absent", which would end live leases."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _make_socket_handler(daemon: Daemon) -> type[socketserver.StreamRequestHandler]:

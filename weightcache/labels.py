@@ -2,7 +2,7 @@
 
 Inference Deployments can then prefer (or require) warm nodes with node affinity. Off by
 default; on with `--node-name` (usually from the downward API's spec.nodeName), which
-needs the ClusterRole in daemonset/rbac.yaml (get and patch on nodes).
+needs the ClusterRole in daemonset/components/node-labels/ (get and patch on nodes).
 """
 
 from __future__ import annotations

@@ -1,0 +1,246 @@
+"""The manifests agree with each other: paths, ports, labels and the revision they serve.
+
+A cache that Pods and the daemon do not actually share, or an engine pointed at a path the
+fetch does not fill, renders and validates fine; these tests catch that.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE_HOST_PATH = "/var/lib/weightcache"
+
+
+def _fetch(initcontainer: Any) -> Any:
+    fetches = [c for c in initcontainer.weightcache_containers() if "fetch" in c.argv]
+    assert len(fetches) == 1, "expected one `weightcache fetch` init container"
+    assert fetches[0].init, "`weightcache fetch` must be an init container"
+    return fetches[0]
+
+
+def _daemon(daemonset: Any) -> Any:
+    daemons = [c for c in daemonset.weightcache_containers() if "daemon" in c.argv]
+    assert len(daemons) == 1, "expected one `weightcache daemon` container"
+    return daemons[0]
+
+
+def _engine(initcontainer: Any) -> Any:
+    engines = [c for c in initcontainer.containers() if not c.init and not c.runs_weightcache]
+    assert len(engines) == 1, "expected one inference engine container"
+    return engines[0]
+
+
+def _source(fetch: Any) -> tuple[str, str, str]:
+    """(source, name, revision) of the fetch: the first positional after `fetch`."""
+    argv = fetch.argv
+    source = argv[argv.index("fetch") + 1]
+    assert source.startswith("s3://"), f"{fetch.where}: SOURCE {source} is not s3://"
+    name, revision = source.rstrip("/").split("/")[-2:]
+    return source.rstrip("/"), name, revision
+
+
+def _cache_volume(container: Any, cache_dir: str) -> dict[str, Any]:
+    mount = container.mount_holding(cache_dir)
+    assert mount["mountPath"].rstrip("/") == cache_dir.rstrip("/"), (
+        f"{container.where}: --cache-dir {cache_dir} is not itself a volume mount"
+    )
+    host = container.volume(mount["name"]).get("hostPath")
+    assert host is not None, f"{container.where}: cache dir is not on the node's hostPath"
+    return host  # type: ignore[no-any-return]
+
+
+def test_fetch_writes_into_the_node_cache(initcontainer: Any) -> None:
+    fetch = _fetch(initcontainer)
+    cache_dir = fetch.option("--cache-dir")
+    host = _cache_volume(fetch, cache_dir)
+    assert host["path"] == CACHE_HOST_PATH
+    assert fetch.mount_holding(cache_dir).get("readOnly") is not True
+
+
+def test_fetch_records_its_pod_for_the_lease(initcontainer: Any) -> None:
+    env = _fetch(initcontainer).env("POD_UID")
+    assert env is not None, "init container lacks POD_UID (the lease would never end)"
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+
+
+def test_credentials_come_from_an_optional_secret(initcontainer: Any, daemonset: Any) -> None:
+    for c in [*initcontainer.weightcache_containers(), *daemonset.weightcache_containers()]:
+        refs = [e["secretRef"] for e in c.spec.get("envFrom", []) if "secretRef" in e]
+        assert refs, f"{c.where}: no credentials Secret"
+        # Optional, so web identity (IRSA) or an instance profile works without the Secret.
+        assert all(r.get("optional") is True for r in refs), c.where
+        assert len({r["name"] for r in refs}) == 1
+        # Keys never appear in the manifests themselves.
+        for e in c.spec.get("env", []):
+            assert not re.search(r"SECRET|ACCESS_KEY|TOKEN", e["name"]) or "valueFrom" in e, c.where
+
+
+def test_engine_reads_what_fetch_wrote(initcontainer: Any) -> None:
+    fetch, engine = _fetch(initcontainer), _engine(initcontainer)
+    _, name, revision = _source(fetch)
+    cache_dir = fetch.option("--cache-dir")
+    fetch_mount = fetch.mount_holding(cache_dir)
+    model = engine.option("--model")
+    engine_mount = engine.mount_holding(model)
+    assert engine_mount["name"] == fetch_mount["name"], (
+        "engine reads another volume than fetch fills"
+    )
+    assert engine_mount.get("readOnly") is True, "the engine must mount the cache read-only"
+    relative = model[len(engine_mount["mountPath"].rstrip("/")) :].strip("/")
+    assert relative == f"{name}/{revision}", (
+        f"engine --model {model} is not <cache>/{name}/{revision}, where fetch puts the revision"
+    )
+
+
+def test_startup_probe_budget_is_only_local_load(initcontainer: Any) -> None:
+    engine = _engine(initcontainer)
+    probe = engine.spec.get("startupProbe")
+    assert probe is not None, "the engine needs a startupProbe"
+    budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+    # The download happens in the init container, before probes start; what is left is
+    # reading local disk and engine init. A budget sized for a download hides a broken cache.
+    assert 60 <= budget <= 900, f"startupProbe budget {budget}s"
+    assert _fetch(initcontainer).init
+
+
+def test_engine_requests_one_gpu_and_stays_offline(initcontainer: Any) -> None:
+    engine = _engine(initcontainer)
+    assert str(engine.spec["resources"]["limits"].get("nvidia.com/gpu")) == "1"
+    hub = engine.env("HF_HUB_OFFLINE")
+    assert hub is not None and hub.get("value") == "1"
+
+
+def test_pods_and_daemon_share_one_host_directory(initcontainer: Any, daemonset: Any) -> None:
+    fetch, daemon = _fetch(initcontainer), _daemon(daemonset)
+    fetch_host = _cache_volume(fetch, fetch.option("--cache-dir"))
+    daemon_host = _cache_volume(daemon, daemon.option("--cache-dir"))
+    assert fetch_host["path"] == daemon_host["path"] == CACHE_HOST_PATH, (
+        "Pods and the daemon must share the node cache, or every replica pulls its own copy"
+    )
+
+
+def test_daemon_reads_models_from_a_live_configmap_mount(daemonset: Any) -> None:
+    daemon = _daemon(daemonset)
+    models_path = daemon.option("--models")
+    mount = daemon.mount_holding(models_path)
+    assert "subPath" not in mount, "subPath mounts never see ConfigMap updates"
+    assert mount.get("readOnly") is True
+    volume = daemon.volume(mount["name"])
+    cm_name = volume["configMap"]["name"]
+    (cm,) = [d for d in daemonset.of_kind("ConfigMap") if d["metadata"]["name"] == cm_name]
+    key = models_path[len(mount["mountPath"].rstrip("/")) :].strip("/")
+    assert key in cm["data"], f"ConfigMap {cm_name} has no {key}"
+    assert cm["data"][key] == (REPO / "daemonset" / "models.yaml").read_text()
+
+
+def test_models_file_follows_the_spec_format(daemonset: Any) -> None:
+    models = yaml.safe_load((REPO / "daemonset" / "models.yaml").read_text())
+    assert set(models) == {"models"} and models["models"]
+    for entry in models["models"]:
+        assert set(entry) <= {"source", "name", "revision", "pin"}, entry
+        assert re.fullmatch(r"s3://[^/]+/(.+/)?[^/]+/[^/]+", entry["source"]), entry
+        name, revision = entry["source"].split("/")[-2:]
+        for key in ("name", "revision"):
+            # Unquoted, YAML turns 2026-10-01 into a date and 1.10 into a float.
+            assert isinstance(entry.get(key, ""), str), f"quote the {key} of {entry['source']}"
+        assert entry.get("name", name) == name and entry.get("revision", revision) == revision
+        assert isinstance(entry.get("pin", False), bool)
+
+
+def test_the_example_revision_is_prefetched_and_pinned(initcontainer: Any) -> None:
+    """Install order in docs/deploy.md: the Deployment's revision is in models.yaml first."""
+    source, _, _ = _source(_fetch(initcontainer))
+    models = yaml.safe_load((REPO / "daemonset" / "models.yaml").read_text())["models"]
+    entries = [m for m in models if m["source"].rstrip("/") == source]
+    assert entries, f"{source} is not in daemonset/models.yaml: nodes would not be warm"
+    assert entries[0].get("pin") is True
+
+
+def test_daemon_probes_and_metrics_port(daemonset: Any) -> None:
+    daemon = _daemon(daemonset)
+    host, _, port = daemon.option("--metrics-addr").rpartition(":")
+    assert host == "0.0.0.0", "metrics must listen on the Pod IP for Prometheus"
+    assert int(port) == daemon.port("metrics") == 9400
+    assert daemon.port("peer") == 9401
+    live, ready = daemon.spec["livenessProbe"]["httpGet"], daemon.spec["readinessProbe"]["httpGet"]
+    assert (live["path"], ready["path"]) == ("/healthz", "/readyz")
+    for probe in (live, ready):
+        assert probe["port"] in ("metrics", 9400)
+
+
+def test_daemonset_placement_and_lifecycle(daemonset: Any) -> None:
+    ds = daemonset.one("DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["terminationGracePeriodSeconds"] == 60
+    priority = spec["priorityClassName"]
+    classes = {d["metadata"]["name"]: d for d in daemonset.of_kind("PriorityClass")}
+    assert priority == "system-node-critical" or priority in classes, (
+        f"unknown PriorityClass {priority}"
+    )
+    daemon = _daemon(daemonset)
+    node = daemon.env("NODE_NAME")
+    assert node is not None and node["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    kubelet = daemon.mount_holding(daemon.option("--kubelet-pods-dir"))
+    assert kubelet["mountPath"] == "/var/lib/kubelet/pods" and kubelet.get("readOnly") is True
+    assert daemon.volume(kubelet["name"])["hostPath"]["path"] == "/var/lib/kubelet/pods"
+    limits = daemon.spec["resources"]["limits"]
+    assert "memory" in limits and "cpu" in limits
+
+
+def test_headless_service_exposes_metrics_and_peer(daemonset: Any) -> None:
+    svc = daemonset.one("Service")
+    ds = daemonset.one("DaemonSet")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert {n: p["port"] for n, p in ports.items()} == {"metrics": 9400, "peer": 9401}
+    daemon = _daemon(daemonset)
+    for name, p in ports.items():
+        target = p.get("targetPort", p["port"])
+        assert target == name or target == daemon.port(name)
+
+
+def test_dashboard_configmap_is_the_json_file(daemonset: Any) -> None:
+    raw = (REPO / "daemonset" / "grafana-dashboard.json").read_text()
+    json.loads(raw)
+    cms = [
+        d
+        for d in daemonset.of_kind("ConfigMap")
+        if d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
+    assert len(cms) == 1, 'expected one ConfigMap labelled grafana_dashboard: "1"'
+    (content,) = cms[0]["data"].values()
+    assert content == raw
+    # A content-hash suffix would leave the old dashboard ConfigMap behind on every change.
+    assert cms[0]["metadata"]["name"] == "weightcache-grafana-dashboard"
+
+
+def test_runbook_links_point_at_existing_sections(daemonset: Any) -> None:
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    anchors = {_github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", guide, flags=re.M)}
+    rules = daemonset.one("PrometheusRule")["spec"]["groups"]
+    for rule in (r for g in rules for r in g["rules"] if "alert" in r):
+        link = rule.get("annotations", {}).get("runbook")
+        assert link, f"{rule['alert']} has no runbook annotation"
+        path, _, anchor = link.partition("#")
+        assert path == "docs/deploy.md" and anchor in anchors, f"{rule['alert']}: {link} not found"
+
+
+def _github_anchor(heading: str) -> str:
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def test_guide_links_within_itself_resolve() -> None:
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    anchors = {_github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", guide, flags=re.M)}
+    for link in re.findall(r"\]\(#([^)]+)\)", guide):
+        assert link in anchors, f"docs/deploy.md links to #{link}, which is no heading"

@@ -1,0 +1,315 @@
+"""The PrometheusRule and the dashboard: valid PromQL, real metric names, and the alert's behaviour.
+
+promtool (Debian package `prometheus`) checks the rules and runs them against synthetic
+series: a scale-out where every replica pulls its own copy (the alert fires) and one where
+the cache works (the ratio falls; silent). Without promtool those tests skip; the metric
+name checks below need nothing but Python.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "daemonset" / "grafana-dashboard.json"
+RATIO = "weightcache:get_concurrency_per_replica:ratio"
+ALERT = "WeightcacheEveryReplicaPulling"
+
+#: Metric names of SPEC §6, as exposed (counters with _total, the histogram's series).
+SPEC_METRICS = {
+    "weightcache_origin_get_inflight",
+    "weightcache_replica_fetches_inflight",
+    "weightcache_get_concurrency_per_replica",
+    "weightcache_fetches_total",
+    "weightcache_bytes_total",
+    "weightcache_origin_throttled_total",
+    "weightcache_verify_failures_total",
+    "weightcache_evictions_total",
+    "weightcache_cache_bytes",
+    "weightcache_cache_capacity_bytes",
+    "weightcache_fetch_duration_seconds_bucket",
+    "weightcache_fetch_duration_seconds_sum",
+    "weightcache_fetch_duration_seconds_count",
+}
+
+#: Grafana's variables, replaced by what they expand to so that promtool can parse the query.
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$node": ".*"}
+
+
+def rule_groups(daemonset: Any) -> list[dict[str, Any]]:
+    groups: list[dict[str, Any]] = daemonset.one("PrometheusRule")["spec"]["groups"]
+    return groups
+
+
+def rules(daemonset: Any) -> list[dict[str, Any]]:
+    return [r for g in rule_groups(daemonset) for r in g["rules"]]
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", []) if t.get("expr")]
+    for var in dash["templating"]["list"]:
+        query = var.get("query")
+        if isinstance(query, dict) and "label_values" in query.get("query", ""):
+            exprs.append(re.search(r"label_values\((\w+)", query["query"]).group(1))  # type: ignore[union-attr]
+    return exprs
+
+
+def grafana_to_promql(expr: str) -> str:
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    assert "$" not in expr, f"unknown Grafana variable in {expr}"
+    return expr
+
+
+def metric_names(expr: str) -> set[str]:
+    # Label names and values sit inside {...} or by/without (...) and do not start with
+    # "weightcache", so every weightcache token is a metric or recording rule name.
+    return set(re.findall(r"\bweightcache[a-zA-Z0-9_:]*", re.sub(r'"[^"]*"', '""', expr)))
+
+
+def write_rules(daemonset: Any, directory: Path) -> Path:
+    path = directory / "weightcache.rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule_groups(daemonset)}, sort_keys=False))
+    return path
+
+
+def run(cmd: list[str], cwd: Path | None = None) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=cwd, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output}"
+    return output
+
+
+# -- without promtool -------------------------------------------------------------------------
+
+
+def test_the_required_rules_exist(daemonset: Any) -> None:
+    by_record = {r["record"]: r for r in rules(daemonset) if "record" in r}
+    assert RATIO in by_record
+    ratio = re.sub(r"\s+", "", by_record[RATIO]["expr"])
+    assert ratio == (
+        "sum(weightcache_origin_get_inflight)/clamp_min(sum(weightcache_replica_fetches_inflight),1)"
+    )
+    alerts = {r["alert"]: r for r in rules(daemonset) if "alert" in r}
+    assert ALERT in alerts and alerts[ALERT].get("for")
+    for alert in alerts.values():
+        assert alert.get("labels", {}).get("severity"), f"{alert['alert']} has no severity"
+        assert alert.get("annotations", {}).get("summary"), f"{alert['alert']} has no summary"
+
+
+def test_rules_and_dashboard_use_only_known_metrics(daemonset: Any) -> None:
+    records = {r["record"] for r in rules(daemonset) if "record" in r}
+    known = SPEC_METRICS | records | {"weightcache_revision_ready"}
+    exprs = [r["expr"] for r in rules(daemonset)] + dashboard_exprs()
+    unknown = {name for e in exprs for name in metric_names(e)} - known
+    assert not unknown, f"rules or dashboard refer to unknown metrics: {sorted(unknown)}"
+
+
+def test_metrics_match_what_the_daemon_exports(daemonset: Any) -> None:
+    """Every raw metric the rules and dashboard read is registered by weightcache.metrics."""
+    try:
+        from weightcache.metrics import Metrics
+    except ModuleNotFoundError as exc:
+        if exc.name == "weightcache.metrics":
+            pytest.skip("weightcache.metrics does not exist yet")
+        raise
+    exported: set[str] = set()
+    for family in Metrics().registry.collect():
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+        exported |= {family.name + s for s in suffixes.get(family.type, [""])}
+    records = {r["record"] for r in rules(daemonset) if "record" in r}
+    exprs = [r["expr"] for r in rules(daemonset)] + dashboard_exprs()
+    raw = {name for e in exprs for name in metric_names(e)} - records
+    assert raw <= exported, f"not exported by the daemon: {sorted(raw - exported)}"
+
+
+def test_dashboard_shows_what_operators_need() -> None:
+    exprs = "\n".join(dashboard_exprs())
+    for needed in (
+        "weightcache_cache_bytes",
+        "weightcache_cache_capacity_bytes",
+        "weightcache_fetches_total",
+        "rate(weightcache_bytes_total",
+        RATIO,
+        "weightcache_evictions_total",
+    ):
+        assert needed in exprs, f"the dashboard does not show {needed}"
+    assert re.search(
+        r"histogram_quantile\(0\.9\d*, .*weightcache_fetch_duration_seconds_bucket", exprs
+    )
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+
+
+# -- with promtool ----------------------------------------------------------------------------
+
+
+def test_promtool_checks_the_rules(daemonset: Any, promtool: str, tmp_path: Path) -> None:
+    output = run([promtool, "check", "rules", str(write_rules(daemonset, tmp_path))])
+    assert f"SUCCESS: {len(rules(daemonset))} rules found" in output
+
+
+def test_dashboard_queries_are_valid_promql(promtool: str, tmp_path: Path) -> None:
+    # promtool has no "check this query"; a recording rule per query gets the same parser.
+    records = [
+        {"record": f"dashboard:query_{i}", "expr": grafana_to_promql(e)}
+        for i, e in enumerate(dashboard_exprs())
+    ]
+    path = tmp_path / "dashboard.rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": records}]}))
+    run([promtool, "check", "rules", str(path)])
+
+
+def _series(name: str, values_by_node: dict[str, str]) -> list[dict[str, str]]:
+    return [
+        {"series": f'{name}{{node="{node}"}}', "values": values}
+        for node, values in values_by_node.items()
+    ]
+
+
+def _expected_annotations(alert: dict[str, Any], value: float) -> dict[str, str]:
+    """The alert's annotations as Prometheus renders them for this $value."""
+    out = {}
+    for key, text in alert["annotations"].items():
+        text = text.replace('{{ $value | printf "%.1f" }}', f"{value:.1f}")
+        assert "{{" not in text, f"test does not know how to render {text!r}"
+        out[key] = text
+    return out
+
+
+def _unit_tests(daemonset: Any) -> dict[str, Any]:
+    alert = next(r for r in rules(daemonset) if r.get("alert") == ALERT)
+    return {
+        "rule_files": ["weightcache.rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                # 3 new nodes, 4 replicas each, every replica running its own 16-GET download.
+                "name": "every replica pulls its own copy: ratio stays at 16, alert fires",
+                "interval": "1m",
+                "input_series": [
+                    *_series(
+                        "weightcache_replica_fetches_inflight",
+                        {n: "0 4x25" for n in ("a", "b", "c")},
+                    ),
+                    *_series(
+                        "weightcache_origin_get_inflight", {n: "0 64x25" for n in ("a", "b", "c")}
+                    ),
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": RATIO,
+                        "eval_time": "12m",
+                        "exp_samples": [{"labels": RATIO, "value": 16}],
+                    },
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "5m", "alertname": ALERT, "exp_alerts": []},
+                    {
+                        "eval_time": "12m",
+                        "alertname": ALERT,
+                        "exp_alerts": [
+                            {
+                                "exp_labels": alert["labels"],
+                                "exp_annotations": _expected_annotations(alert, 16.0),
+                            }
+                        ],
+                    },
+                ],
+            },
+            {
+                # 6 new nodes, 8 replicas each. One node downloads from the object store (16 GETs),
+                # the others get the blobs from peers: the ratio falls from 16 to 1/3.
+                "name": "the cache works: ratio falls during the scale-out, alert silent",
+                "interval": "1m",
+                "input_series": [
+                    *_series(
+                        "weightcache_replica_fetches_inflight",
+                        {"a": "1 1 8x23", **{n: "0 0 8x23" for n in "bcdef"}},
+                    ),
+                    *_series(
+                        "weightcache_origin_get_inflight",
+                        {"a": "16x25", **{n: "0x25" for n in "bcdef"}},
+                    ),
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": RATIO,
+                        "eval_time": "1m",
+                        "exp_samples": [{"labels": RATIO, "value": 16}],
+                    },
+                    {
+                        "expr": RATIO,
+                        "eval_time": "12m",
+                        "exp_samples": [{"labels": RATIO, "value": 16 / 48}],
+                    },
+                ],
+                "alert_rule_test": [
+                    {"eval_time": t, "alertname": ALERT, "exp_alerts": []}
+                    for t in ("5m", "12m", "20m")
+                ],
+            },
+            {
+                # Two replicas, each pulling: below the "> 2 waiting" floor, so no page.
+                "name": "a couple of replicas is not a scale-out",
+                "interval": "1m",
+                "input_series": [
+                    *_series("weightcache_replica_fetches_inflight", {"a": "2x25"}),
+                    *_series("weightcache_origin_get_inflight", {"a": "32x25"}),
+                ],
+                "alert_rule_test": [{"eval_time": "20m", "alertname": ALERT, "exp_alerts": []}],
+            },
+            {
+                # Idle cluster: the ratio is 0 (clamp_min), not NaN, so graphs and alerts stay sane.
+                "name": "idle: ratio is zero",
+                "interval": "1m",
+                "input_series": [
+                    *_series("weightcache_replica_fetches_inflight", {"a": "0x5"}),
+                    *_series("weightcache_origin_get_inflight", {"a": "0x5"}),
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": RATIO,
+                        "eval_time": "3m",
+                        "exp_samples": [{"labels": RATIO, "value": 0}],
+                    },
+                ],
+            },
+        ],
+    }
+
+
+def test_promtool_unit_tests_of_the_alert(daemonset: Any, promtool: str, tmp_path: Path) -> None:
+    write_rules(daemonset, tmp_path)
+    tests = tmp_path / "weightcache.test.yaml"
+    tests.write_text(yaml.safe_dump(_unit_tests(daemonset), sort_keys=False))
+    run([promtool, "test", "rules", tests.name], cwd=tmp_path)
+
+
+def test_promtool_unit_tests_can_fail(daemonset: Any, promtool: str, tmp_path: Path) -> None:
+    """Negative control: expecting silence where every replica pulls must fail."""
+    write_rules(daemonset, tmp_path)
+    suite = _unit_tests(daemonset)
+    suite["tests"] = suite["tests"][:1]
+    suite["tests"][0]["alert_rule_test"][1]["exp_alerts"] = []
+    tests = tmp_path / "inverted.test.yaml"
+    tests.write_text(yaml.safe_dump(suite, sort_keys=False))
+    proc = subprocess.run(
+        [promtool, "test", "rules", tests.name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode != 0
