@@ -21,7 +21,9 @@ def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
     """One row per revision directory on disk, with the index's bookkeeping."""
     layout = Layout.open(cache_dir)
     store = Store(layout)
-    index = {(e.name, e.revision): e for e in Index(layout.state_db).entries()}
+    idx = Index(layout.state_db)
+    index = {(e.name, e.revision): e for e in idx.entries()}
+    pins = idx.pins()
     rows = []
     for name, revision in layout.revisions():
         marker = store.read_marker(name, revision)
@@ -32,7 +34,7 @@ def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
                 "revision": revision,
                 "size": marker.size if marker else None,
                 "last_access": entry.last_access if entry else (marker.created if marker else None),
-                "pinned": bool(entry and entry.pinned),
+                "pinned": (name, revision) in pins,
                 "leases": list(entry.leases) if entry else [],
                 "ready": store.ready(name, revision) is not None,
                 "source": marker.source if marker else (entry.source if entry else ""),
@@ -86,9 +88,11 @@ def verify(cache_dir: Path, target: str) -> list[str]:
             actual = sha256_file(root / path) if (root / path).is_file() else "missing"
             if actual != expected or os.stat(root / path).st_size != size:
                 store.drop_marker(name, rev)
+                store.quarantine(root / path, expected)
                 raise IntegrityError(
                     f"sha256 mismatch for {path} in {name}/{rev}: expected {expected}, got "
-                    f"{actual}; the marker was removed so the next fetch repairs it"
+                    f"{actual}; the marker and the damaged file were removed so the next fetch "
+                    "repairs it"
                 )
         verified.append(str(root))
     return verified

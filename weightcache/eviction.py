@@ -117,6 +117,7 @@ def survey(
     leases from the index; pins from the caller (the daemon's models file) or the index.
     """
     entries = {(e.name, e.revision): e for e in index.entries()}
+    pinned = pinned | index.pins()
     revisions = []
     for name, revision in store.layout.revisions():
         marker = store.read_marker(name, revision)
@@ -129,7 +130,7 @@ def survey(
                 revision,
                 frozenset(h for h, _ in marker.files.values()),
                 entry.last_access if entry else marker.created,
-                pinned=(name, revision) in pinned or bool(entry and entry.pinned),
+                pinned=(name, revision) in pinned,
                 leased=bool(entry and entry.leases),
             )
         )

@@ -22,8 +22,11 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     name TEXT NOT NULL, revision TEXT NOT NULL, source TEXT NOT NULL DEFAULT '',
     size INTEGER NOT NULL DEFAULT 0, last_access REAL NOT NULL, created REAL NOT NULL,
-    pinned INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (name, revision)
+);
+-- The daemon's pins, kept apart from entries: a pin exists before its revision does.
+CREATE TABLE IF NOT EXISTS pins (
+    name TEXT NOT NULL, revision TEXT NOT NULL, PRIMARY KEY (name, revision)
 );
 CREATE TABLE IF NOT EXISTS leases (
     name TEXT NOT NULL, revision TEXT NOT NULL, pod_uid TEXT NOT NULL, since REAL NOT NULL,
@@ -111,20 +114,22 @@ class Index:
         leases: dict[tuple[str, str], list[str]] = {}
         for name, rev, uid in self.db.execute("SELECT name, revision, pod_uid FROM leases"):
             leases.setdefault((name, rev), []).append(uid)
+        pins = self.pins()
         return [
-            Entry(n, r, src, size, last, bool(pin), tuple(sorted(leases.get((n, r), ()))))
-            for n, r, src, size, last, pin in self.db.execute(
-                "SELECT name, revision, source, size, last_access, pinned FROM entries "
+            Entry(n, r, src, size, last, (n, r) in pins, tuple(sorted(leases.get((n, r), ()))))
+            for n, r, src, size, last in self.db.execute(
+                "SELECT name, revision, source, size, last_access FROM entries "
                 "ORDER BY name, revision"
             )
         ]
 
+    def pins(self) -> set[tuple[str, str]]:
+        return {(n, r) for n, r in self.db.execute("SELECT name, revision FROM pins")}
+
     def set_pins(self, pinned: set[tuple[str, str]]) -> None:
         with self._transaction():
-            self.db.execute("UPDATE entries SET pinned = 0")
-            self.db.executemany(
-                "UPDATE entries SET pinned = 1 WHERE name = ? AND revision = ?", sorted(pinned)
-            )
+            self.db.execute("DELETE FROM pins")
+            self.db.executemany("INSERT INTO pins VALUES (?, ?)", sorted(pinned))
 
     def lease_holders(self) -> set[str]:
         return {uid for (uid,) in self.db.execute("SELECT DISTINCT pod_uid FROM leases")}

@@ -231,6 +231,16 @@ class Store:
             os.unlink(self.layout.marker(name, revision))
         _fsync_dir(self.layout.revision_dir(name, revision))
 
+    def quarantine(self, damaged: Path, sha256: str) -> None:
+        """Remove a damaged revision file and, if it is the blob's own inode, the blob,
+        so that the next fetch downloads it again instead of linking the damage."""
+        blob = self.layout.blob(sha256)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samefile(damaged, blob):
+                blob.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            damaged.unlink()
+
     def _move_aside(self, path: Path) -> None:
         if not path.exists() and not path.is_symlink():
             return

@@ -139,9 +139,15 @@ def test_set_pins_is_atomic_for_a_concurrent_reader(tmp_path: Path) -> None:
 
     def between_statements(sql: str) -> None:
         # Runs as the writer starts each statement: look from another connection.
-        if sql.startswith("UPDATE entries SET pinned = 1"):
+        if sql.startswith("INSERT INTO pins"):
             seen.extend(e.pinned for e in reader.entries())
 
     writer.db.set_trace_callback(between_statements)
     writer.set_pins({("m", "r")})  # the pinned set does not change
     assert seen == [True]
+
+
+def test_a_pin_set_before_its_revision_exists_applies_when_it_appears(index: Index) -> None:
+    index.set_pins({("m", "r")})  # the daemon reads the models file before any fetch
+    index.record_access("m", "r", size=1, now=1.0)
+    assert [(e.name, e.pinned) for e in index.entries()] == [("m", True)]
