@@ -131,18 +131,22 @@ class Metrics:
     def expect(self, nbytes: int) -> None:
         pass
 
-    def request_started(self) -> None:
+    def request_started(self, source: str) -> None:
+        if source != "origin":
+            return
         with self._lock:
             self._gets += 1
             self.origin_get_inflight.set(self._gets)
 
-    def request_finished(self) -> None:
+    def request_finished(self, source: str) -> None:
+        if source != "origin":
+            return
         with self._lock:
             self._gets -= 1
             self.origin_get_inflight.set(self._gets)
 
-    def received(self, nbytes: int) -> None:
-        self.bytes.labels("origin").inc(nbytes)
+    def received(self, nbytes: int, source: str) -> None:
+        self.bytes.labels(source).inc(nbytes)
 
     def throttled(self) -> None:
         self.throttles.inc()

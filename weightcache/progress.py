@@ -49,11 +49,11 @@ class Progress:
         with self._lock:
             self.total += nbytes
 
-    def request_started(self) -> None:
+    def request_started(self, source: str) -> None:
         with self._lock:
             self.inflight += 1
 
-    def request_finished(self) -> None:
+    def request_finished(self, source: str) -> None:
         with self._lock:
             self.inflight -= 1
 
@@ -64,7 +64,7 @@ class Progress:
     def verify_failed(self) -> None:
         pass
 
-    def received(self, nbytes: int) -> None:
+    def received(self, nbytes: int, source: str) -> None:
         with self._lock:
             self.received_bytes += nbytes
             now = time.monotonic()

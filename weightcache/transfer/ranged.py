@@ -56,25 +56,30 @@ class TransferObserver(Protocol):
     """Hooks for progress and metrics; called from worker threads."""
 
     def expect(self, nbytes: int) -> None: ...
-    def request_started(self) -> None: ...
-    def request_finished(self) -> None: ...
-    def received(self, nbytes: int) -> None: ...
+    def request_started(self, source: str) -> None: ...
+    def request_finished(self, source: str) -> None: ...
+    def received(self, nbytes: int, source: str) -> None: ...
     def throttled(self) -> None: ...
     def verify_failed(self) -> None: ...
 
 
 class NullObserver:
     def expect(self, nbytes: int) -> None: ...
-    def request_started(self) -> None: ...
-    def request_finished(self) -> None: ...
-    def received(self, nbytes: int) -> None: ...
+    def request_started(self, source: str) -> None: ...
+    def request_finished(self, source: str) -> None: ...
+    def received(self, nbytes: int, source: str) -> None: ...
     def throttled(self) -> None: ...
     def verify_failed(self) -> None: ...
 
 
 @dataclass
 class BlobJob:
-    """One object to bring into `partial`; `sha256` None means "compute, don't check"."""
+    """One object to bring into `partial`; `sha256` None means "compute, don't check".
+
+    With `peer` set ("http://host:port"), the bytes come from that node's daemon
+    (GET /blobs/sha256/<hex> with the shared token) instead of the object store, and a
+    failing peer is given up on after `attempts` tries so the caller can fall back.
+    """
 
     bucket: str
     key: str
@@ -82,10 +87,30 @@ class BlobJob:
     sha256: str | None
     partial: Path
     label: str  # the manifest path, for messages
+    peer: str | None = None
+    token: str | None = None
+    attempts: int | None = None  # None: the store settings' max_attempts
 
     @property
     def state_path(self) -> Path:
         return self.partial.with_name(self.partial.name + ".json")
+
+    @property
+    def source(self) -> str:
+        """Where the bytes come from, for metrics: "origin" or "peer"."""
+        return "origin" if self.peer is None else "peer"
+
+    @property
+    def where(self) -> str:
+        if self.peer is None:
+            return f"s3://{self.bucket}/{self.key}"
+        return f"{self.peer}/blobs/sha256/{self.sha256}"
+
+    def request(self, store: ObjectStore) -> tuple[str, dict[str, str]]:
+        """(URL, extra headers) for a GET of this object."""
+        if self.peer is None:
+            return store.presign_get(self.bucket, self.key), {}
+        return self.where, {"Authorization": f"Bearer {self.token}"}
 
 
 class _Retry(Exception):
@@ -279,7 +304,7 @@ class RangedDownloader:
                 raise Interrupted("download interrupted; partial files are kept for resume")
             if not self.gate.acquire(f.run.stop):
                 continue
-            self.observer.request_started()
+            self.observer.request_started(f.job.source)
             before = pos
             try:
                 pos = self._get_range(f, pos, end)
@@ -287,28 +312,29 @@ class RangedDownloader:
             except _Retry as e:
                 pos = self._local.pos  # the byte where it broke
                 failures = 0 if pos > before else failures + 1
-                if e.throttle:
+                if e.throttle and f.job.peer is None:
                     self.gate.on_throttle()
                     self.observer.throttled()
                 self._wait_before_retry(f, failures, str(e))
             finally:
-                self.observer.request_finished()
+                self.observer.request_finished(f.job.source)
                 self.gate.release()
 
     def _wait_before_retry(self, f: _File, failures: int, reason: str) -> None:
+        attempts = f.job.attempts or self.settings.max_attempts
         stalled = time.monotonic() - f.run.last_progress
-        if failures >= self.settings.max_attempts or stalled >= self.settings.timeout:
+        if failures >= attempts or stalled >= self.settings.timeout:
             raise TransientError(
-                f"giving up on {f.job.label} (s3://{f.job.bucket}/{f.job.key}) after "
-                f"{failures} attempts and {stalled:.0f}s without progress, last: {reason}; "
-                "partial data is kept, run the fetch again when the store recovers"
+                f"giving up on {f.job.label} ({f.job.where}) after {failures} attempts and "
+                f"{stalled:.0f}s without progress, last: {reason}; partial data is kept, run "
+                "the fetch again when the store recovers"
             )
         delay = min(self.backoff.delay(max(failures, 1)), self.settings.timeout - stalled)
         log.warning(
             "%s: attempt %d/%d failed (%s); retrying in %.1fs",
             f.job.label,
-            failures + 1,
-            self.settings.max_attempts,
+            max(failures, 1),
+            attempts,
             reason,
             delay,
         )
@@ -319,11 +345,12 @@ class RangedDownloader:
         self._local.pos = pos
         if pos == end:
             return end
-        url = urllib.parse.urlsplit(self.store.presign_get(f.job.bucket, f.job.key))
-        target = f"{url.path}?{url.query}"
+        location, headers = f.job.request(self.store)
+        url = urllib.parse.urlsplit(location)
+        target = f"{url.path}?{url.query}" if url.query else url.path
         conn = self._connection(url)
         try:
-            conn.request("GET", target, headers={"Range": f"bytes={pos}-{end - 1}"})
+            conn.request("GET", target, headers={**headers, "Range": f"bytes={pos}-{end - 1}"})
             resp = conn.getresponse()
             self._check_status(f.job, resp, pos, end)
             return self._write_body(f, resp, pos, end)
@@ -359,7 +386,7 @@ class RangedDownloader:
             f.run.last_progress = time.monotonic()
             with self._counter_lock:
                 self.bytes_received += got
-            self.observer.received(got)
+            self.observer.received(got, f.job.source)
             if f.run.stop.is_set() and pos < end:
                 raise Interrupted("download interrupted; partial files are kept for resume")
         return pos
@@ -367,7 +394,7 @@ class RangedDownloader:
     def _check_status(
         self, job: BlobJob, resp: http.client.HTTPResponse, pos: int, end: int
     ) -> None:
-        where = f"s3://{job.bucket}/{job.key}"
+        where = job.where
         if resp.status == 206:
             total = resp.getheader("Content-Range", "").rpartition("/")[2]
             if total.isdigit() and int(total) != job.size:
