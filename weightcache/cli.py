@@ -197,7 +197,6 @@ def fetch(
     **store: Any,
 ) -> None:
     """Make SOURCE ready in the cache and print its local path (InitContainer mode)."""
-    from weightcache.coord import notify_hit
     from weightcache.fetch import check_hit
     from weightcache.layout import Layout, check_segment
 
@@ -207,7 +206,9 @@ def fetch(
     settings = settings_from(store)
     layout = Layout.open(cache_dir)
     result = check_hit(layout, src, pod_uid)
-    if result is not None and use_daemon:
+    if result is not None and use_daemon and layout.socket.exists():
+        from weightcache.coord import notify_hit  # imports socket: only on this path
+
         notify_hit(layout.socket, src, pod_uid)
     if result is None:
         result = _fetch_miss(layout, settings, src, pod_uid, use_daemon)

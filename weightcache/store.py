@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,7 +192,7 @@ class Store:
         the caller downloads it again.
         """
         target = self.layout.revision_dir(marker.name, marker.revision)
-        staging = self.layout.tmp / f"rev-{marker.name}@{marker.revision}-{uuid.uuid4().hex}"
+        staging = self.layout.tmp / f"rev-{marker.name}@{marker.revision}-{os.urandom(8).hex()}"
         staging.mkdir()
         try:
             dirs = {staging}
@@ -244,7 +243,7 @@ class Store:
     def _move_aside(self, path: Path) -> None:
         if not path.exists() and not path.is_symlink():
             return
-        trash = self.layout.tmp / f"trash-{uuid.uuid4().hex}"
+        trash = self.layout.tmp / f"trash-{os.urandom(8).hex()}"
         os.rename(path, trash)
         _fsync_dir(path.parent)
         shutil.rmtree(trash, ignore_errors=True)

@@ -331,9 +331,11 @@ def test_origin_down_looks_like_a_dead_store() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    with FaultProxy(f"http://127.0.0.1:{dead}") as p:
-        with pytest.raises((ConnectionError, http.client.RemoteDisconnected)):
-            _get(_conn(p), KEY)
+    with (
+        FaultProxy(f"http://127.0.0.1:{dead}") as p,
+        pytest.raises((ConnectionError, http.client.RemoteDisconnected)),
+    ):
+        _get(_conn(p), KEY)
 
 
 def test_rejects_bad_configuration(proxy: FaultProxy) -> None:
