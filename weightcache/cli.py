@@ -141,7 +141,28 @@ def _fail(error: WeightcacheError) -> None:
     sys.exit(error.exit_code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """Usage errors too are one `weightcache: error:` line with exit code 2."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)  # set on UsageError and its subclasses
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            click.echo(f"weightcache: error: {e.format_message()}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("weightcache: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option("-v", "--verbose", count=True, help="More logs on stderr (-vv for debug).")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
 def main(verbose: int, quiet: bool) -> None:
@@ -297,6 +318,45 @@ def node_options(fn: F) -> F:
     return fn
 
 
+def peer_options(fn: F) -> F:
+    """Peer-to-peer between node daemons (SPEC §8); off unless --peer-addr is given."""
+    options = [
+        click.option(
+            "--peer-addr",
+            envvar=_env("peer-addr"),
+            help="HOST:PORT to serve blobs to the other nodes' daemons, and fetch from them.",
+        ),
+        click.option(
+            "--peer-token",
+            envvar=_env("peer-token"),
+            help="Secret every peer request must carry (required with --peer-addr); set "
+            "WEIGHTCACHE_PEER_TOKEN from a Secret rather than putting it on the command line.",
+        ),
+        click.option(
+            "--peer-upload-limit",
+            envvar=_env("peer-upload-limit"),
+            default="1G",
+            show_default=True,
+            callback=_converter(parse_rate, "--peer-upload-limit"),
+            help="Bytes per second served to peers, all together.",
+        ),
+        click.option(
+            "--peers",
+            "peer_list",
+            envvar=_env("peers"),
+            help="Static peers HOST:PORT,... (tests, small clusters); this node's own is skipped.",
+        ),
+        click.option(
+            "--peer-service",
+            envvar=_env("peer-service"),
+            help="NAME:PORT of the headless Service whose DNS addresses are the peers.",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
 def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
     from weightcache.daemon import Daemon, DaemonSettings
     from weightcache.eviction import Watermarks
@@ -374,19 +434,24 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
     callback=_converter(parse_duration, "--interval"),
     help="How often to check the models file, leases and capacity.",
 )
+@peer_options
 @store_options
 @reports_errors
 def daemon(cache_dir: Path, metrics_addr: str, **kw: Any) -> None:
-    """Run the node agent: prefetch, evict, coordinate fetches, serve metrics."""
+    """Run the node agent: prefetch, evict, coordinate fetches, serve metrics and peers."""
     import signal
 
+    from weightcache.peers import PeerSettings
+
+    peer = PeerSettings.from_options(*(kw.pop(k) for k in (
+        "peer_addr", "peer_token", "peer_upload_limit", "peer_list", "peer_service")))  # fmt: skip
     store = {
         k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency", "part_size", "timeout")
     }
     host, _, port = metrics_addr.rpartition(":")
     if not port.isdigit():
         raise UsageError(f"invalid --metrics-addr {metrics_addr!r}: use HOST:PORT")
-    agent = _daemon(cache_dir, store, metrics_addr=(host or "0.0.0.0", int(port)), **kw)
+    agent = _daemon(cache_dir, store, metrics_addr=(host or "0.0.0.0", int(port)), peer=peer, **kw)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     agent.run()

@@ -6,6 +6,9 @@ same revision share one download (single-flight). Revisions are prefetched one a
 Capacity is enforced after every change and before every download. SIGTERM stops new
 work, interrupts downloads (partials stay resumable) and exits within the grace period.
 
+Peers (SPEC §8, `--peer-addr`): the daemon serves its blobs to the other nodes' daemons
+and, for the fetches it runs, asks them before the origin (weightcache/peers.py).
+
 Who holds credentials: the daemon downloads with its own (DaemonSet Secret or IRSA) for
 every fetch it coordinates; a Pod's `fetch` uses its own only when it falls back to
 fetching alone (no daemon, or a daemon that does not answer).
@@ -34,6 +37,7 @@ from weightcache.index import Index
 from weightcache.layout import Layout
 from weightcache.metrics import Metrics
 from weightcache.models import DesiredState, load
+from weightcache.peers import Peers, PeerServer, PeerSettings
 from weightcache.progress import human
 from weightcache.store import Store
 
@@ -54,6 +58,7 @@ class DaemonSettings:
     interval: float = 2.0
     node_name: str | None = None  # set to label the node (needs RBAC, see daemonset/)
     grace: float = 25.0  # seconds to wind down after SIGTERM, within the Pod's grace period
+    peer: PeerSettings | None = None  # serve and fetch blobs between nodes (SPEC §8)
 
 
 class Daemon:
@@ -63,8 +68,9 @@ class Daemon:
         self.metrics = Metrics()
         self.store = Store(layout)
         self.index = Index(layout.state_db)
+        self.peers = Peers(settings.peer) if settings.peer is not None else None
         self.fetcher = Fetcher(
-            layout, store_settings, observer=self.metrics, reserve=self.make_room
+            layout, store_settings, observer=self.metrics, reserve=self.make_room, peers=self.peers
         )
         self.desired = DesiredState(())
         self.stopping = threading.Event()
@@ -254,6 +260,7 @@ class Daemon:
         self.store.clean_tmp()
         self.reload()
         self._serve_socket()
+        self._serve_peers()
         if self.settings.metrics_addr is not None:
             self._serve_http(self.settings.metrics_addr)
         converger = threading.Thread(target=self._converge_loop, name="converge", daemon=True)
@@ -288,6 +295,8 @@ class Daemon:
             server.shutdown()
             server.server_close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.peers is not None:
+            self.peers.close()
         if self.layout.socket.exists():
             self.layout.socket.unlink()
 
@@ -301,6 +310,14 @@ class Daemon:
         self._servers.append(server)
         threading.Thread(target=server.serve_forever, name="socket", daemon=True).start()
         log.info("coordinating fetches on %s", path)
+
+    def _serve_peers(self) -> None:
+        if self.peers is None or self.settings.peer is None:
+            return
+        server = PeerServer(self.settings.peer, self.layout, self.peers, self.metrics,
+                            self.stopping)  # fmt: skip
+        self._servers.append(server.http)
+        server.start()
 
     def _serve_http(self, addr: tuple[str, int]) -> None:
         server = ThreadingHTTPServer(addr, _make_http_handler(self))

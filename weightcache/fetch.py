@@ -5,8 +5,9 @@ return. Nothing heavy is imported on this path (boto3 loads only on a miss).
 
 Miss: take the revision lock, re-check the marker (the waiter of a concurrent fetch finds
 it there), read and validate the manifest, list sizes, link blobs already on the node,
-download the rest (each under its blob lock), verify, publish each blob, assemble the
-revision aside and rename it into place with its marker inside.
+download the rest (each under its blob lock; in the daemon, from peers first, see
+weightcache/peers.py), verify, publish each blob, assemble the revision aside and rename it
+into place with its marker inside.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from weightcache.config import Source, StoreSettings
-from weightcache.errors import IntegrityError, NoSpaceError, SourceError
+from weightcache.errors import (
+    IntegrityError,
+    Interrupted,
+    NoSpaceError,
+    SourceError,
+    WeightcacheError,
+)
 from weightcache.index import Index
 from weightcache.layout import Layout
 from weightcache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
@@ -27,10 +34,13 @@ from weightcache.progress import human
 from weightcache.store import FileLock, Marker, Store
 
 if TYPE_CHECKING:
+    from weightcache.peers import Claim, Peers
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
     from weightcache.transfer.s3 import ObjectStore
 
 log = logging.getLogger(__name__)
+#: Peers tried for one blob before the origin: a second chance when the first dies.
+PEER_TRIES = 2
 
 
 @dataclass(frozen=True)
@@ -70,9 +80,12 @@ class Fetcher:
         observer: TransferObserver | None = None,
         downloader: RangedDownloader | None = None,
         reserve: Callable[[int], None] | None = None,
+        peers: Peers | None = None,
     ) -> None:
         """`reserve(nbytes)` is called before a download to make room under a capacity
-        bound (the daemon evicts); it raises NoSpaceError when the room cannot be made."""
+        bound (the daemon evicts); it raises NoSpaceError when the room cannot be made.
+        With `peers` (the daemon's), blobs come from other nodes that hold them when they
+        can, verified exactly as from the origin."""
         self.layout = layout
         self.store = Store(layout)
         self.index = Index(layout.state_db)
@@ -80,6 +93,7 @@ class Fetcher:
         self._observer = observer
         self._downloader = downloader
         self._reserve = reserve
+        self.peers = peers
 
     @property
     def downloader(self) -> RangedDownloader:
@@ -218,25 +232,103 @@ class Fetcher:
         return stalled
 
     def _download_verified(self, source: Source, todo: list[tuple[ManifestEntry, bool]]) -> int:
-        """Download, verify and publish; a mismatch is downloaded once more, then exit 4.
+        """Download, verify and publish; return the bytes that came from the origin.
 
         Each entry comes with `private`: download into a partial of this process's own,
-        because the lock holder of the shared partial is stalled.
+        because the lock holder of the shared partial is stalled. With peers, each blob is
+        first claimed (so that peers may stream it from us while we download it), then
+        asked of peers, then whatever they lacked, failed or served wrong comes from the
+        origin.
         """
+        if self.peers is None:
+            return self._from_origin(source, todo, {})
+        claims = {
+            e.sha256: self.peers.claim(e.sha256, self.layout.partial(e.sha256), e.size)
+            for e, private in todo
+            if not private  # a private partial is never served
+        }
+        try:
+            rest, tainted = self._from_peers(source, todo, claims)
+            return self._from_origin(source, rest, tainted)
+        finally:
+            for sha256, claim in claims.items():
+                self.peers.release(sha256, claim)
+
+    def _from_peers(
+        self, source: Source, todo: list[tuple[ManifestEntry, bool]], claims: dict[str, Claim]
+    ) -> tuple[list[tuple[ManifestEntry, bool]], dict[str, list[str]]]:
+        """Bring each blob from peers, one after the other; return what is left for the
+        origin, and for each of those the peers whose bytes may remain in its partial."""
+        rest: list[tuple[ManifestEntry, bool]] = []
+        tainted: dict[str, list[str]] = {}
+        for entry, private in todo:
+            published, served = self._from_peer(source, entry, private, claims.get(entry.sha256))
+            if not published:
+                rest.append((entry, private))
+                if served:
+                    tainted[entry.sha256] = served
+        return rest, tainted
+
+    def _from_peer(
+        self, source: Source, entry: ManifestEntry, private: bool, claim: Claim | None
+    ) -> tuple[bool, list[str]]:
+        """Try the best peers for one blob: (published, peers that failed mid-way).
+
+        A peer whose bytes do not verify is marked bad and the blob goes to the origin; a
+        peer that refuses, dies or stalls leaves its bytes in the partial for the next
+        source to resume from (the final sha256 check covers them).
+        """
+        from weightcache.peers import PEER_ATTEMPTS
+        from weightcache.transfer.ranged import BlobJob
+
+        assert self.peers is not None
+        partial = self.layout.partial(entry.sha256, private)
+        failed: list[str] = []
+        for holding in self.peers.sources(entry.sha256, entry.size, claim)[:PEER_TRIES]:
+            job = BlobJob(source.bucket, source.key(entry.path), entry.size, entry.sha256,
+                          partial, entry.path, peer=holding.peer, token=self.peers.settings.token,
+                          attempts=PEER_ATTEMPTS)  # fmt: skip
+            try:
+                got = self.downloader.download([job])[entry.path]
+            except (Interrupted, NoSpaceError):
+                raise
+            except WeightcacheError as e:
+                log.warning("peer %s failed to serve %s (%s); trying the next source",
+                            holding.peer, entry.path, e)  # fmt: skip
+                failed.append(holding.peer)
+                continue
+            if got == entry.sha256:
+                self.store.publish_blob(partial, entry.sha256)
+                return True, []
+            self.store.discard_partial(partial)
+            self.downloader.observer.verify_failed()
+            self.peers.mark_bad(holding.peer, f"it served {entry.path} with sha256 {got}, "
+                                f"expected {entry.sha256}")  # fmt: skip
+            return False, []
+        return False, failed
+
+    def _from_origin(
+        self,
+        source: Source,
+        todo: list[tuple[ManifestEntry, bool]],
+        tainted: dict[str, list[str]],
+    ) -> int:
+        """Download from the origin; a mismatch is downloaded once more, a second one of
+        the same file is exit 4. A mismatch of a partial that held bytes from a failed peer
+        (`tainted`) is blamed on that peer and does not count."""
         from weightcache.transfer.ranged import BlobJob
 
         fetched = 0
-        for attempt in (1, 2):
-            if not todo:
-                break
+        strikes: dict[str, int] = {}
+        while todo:
             jobs = [
                 BlobJob(source.bucket, source.key(e.path), e.size, e.sha256,
                         self.layout.partial(e.sha256, private), e.path)
                 for e, private in todo
             ]  # fmt: skip
-            before = self.downloader.bytes_received
+            before = self.downloader.bytes_by_source["origin"]
             actual = self.downloader.download(jobs)
-            fetched += self.downloader.bytes_received - before
+            fetched += self.downloader.bytes_by_source["origin"] - before
             bad = []
             for job, (e, private) in zip(jobs, todo, strict=True):
                 got = actual[job.label]
@@ -246,15 +338,19 @@ class Fetcher:
                 self.store.discard_partial(job.partial)
                 self.downloader.observer.verify_failed()
                 log.warning("sha256 mismatch for %s (expected %s, got %s)", e.path, e.sha256, got)
-                bad.append((e, private, got))
-            if bad and attempt == 2:
-                e, _, got = bad[0]
-                raise IntegrityError(
-                    f"sha256 mismatch for {e.path} in {source.label}: expected {e.sha256}, "
-                    f"got {got}; the object in {source.url}/{e.path} differs from "
-                    f"{MANIFEST_NAME} (checked twice)"
-                )
-            todo = [(e, private) for e, private, _ in bad]
+                peers = tainted.pop(e.sha256, [])
+                for peer in peers:
+                    assert self.peers is not None
+                    self.peers.mark_bad(peer, f"its part of {e.path} did not verify")
+                strikes[e.sha256] = strikes.get(e.sha256, 0) + (0 if peers else 1)
+                if strikes[e.sha256] >= 2:
+                    raise IntegrityError(
+                        f"sha256 mismatch for {e.path} in {source.label}: expected {e.sha256}, "
+                        f"got {got}; the object in {source.url}/{e.path} differs from "
+                        f"{MANIFEST_NAME} (checked twice)"
+                    )
+                bad.append((e, private))
+            todo = bad
         return fetched
 
     def _check_space(self, entries: list[ManifestEntry]) -> None:

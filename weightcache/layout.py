@@ -54,6 +54,7 @@ class Layout:
         try:
             layout = cls(root.resolve())
             for d in (layout.blobs, layout.tmp, layout.locks):
+                layout.check_inside(d)  # before mkdir: a planted DIR/.weightcache symlink
                 d.mkdir(parents=True, exist_ok=True)
         except PermissionError as e:
             raise UsageError(

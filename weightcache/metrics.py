@@ -18,6 +18,8 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
+from weightcache.peers import REFUSAL_REASONS
+
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series only add noise to every scrape
 
 #: Fetch durations range from a 20 ms hit to hours for a cold 140 GB model on a shared
@@ -108,6 +110,20 @@ class Metrics:
             ["name", "revision"],
             registry=r,
         )
+        self.peer_upload_bytes = Counter(
+            "weightcache_peer_upload_bytes",
+            "Blob bytes this node served to other nodes' daemons.",
+            registry=r,
+        )
+        self.peer_refusals = Counter(
+            "weightcache_peer_requests_refused",
+            "Peer requests refused, by reason: no_token, bad_token, bad_path, not_found, "
+            "bad_range, method, busy.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REFUSAL_REASONS:
+            self.peer_refusals.labels(reason)
         for result in ("hit", "miss", "error"):
             self.fetches.labels(result)
         for source in ("origin", "peer", "local"):
@@ -153,3 +169,11 @@ class Metrics:
 
     def verify_failed(self) -> None:
         self.verify_failures.inc()
+
+    # -- ServedObserver (the peer server) -------------------------------------------------------
+
+    def peer_uploaded(self, nbytes: int) -> None:
+        self.peer_upload_bytes.inc(nbytes)
+
+    def peer_refused(self, reason: str) -> None:
+        self.peer_refusals.labels(reason).inc()

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,7 @@ class Daemons:
         pods_dir: Path | None = None,
         extra: Sequence[str] = (),
         wait: bool = True,
+        env: Mapping[str, str | None] | None = None,
     ) -> DaemonProc:
         if pods_dir is None:
             pods_dir = self.tmp_path / "pods"
@@ -163,7 +164,7 @@ class Daemons:
         with open(logs / f"daemon{n}.stdout", "wb") as out, open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "weightcache", *args],
-                env=cli_env(self.store, {"AWS_ENDPOINT_URL": endpoint}),
+                env=cli_env(self.store, {"AWS_ENDPOINT_URL": endpoint, **(env or {})}),
                 cwd=self.tmp_path,
                 stdout=out,
                 stderr=err,

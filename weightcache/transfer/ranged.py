@@ -18,6 +18,7 @@ without progress; the whole download gives up when no byte arrived for `timeout`
 
 from __future__ import annotations
 
+import collections
 import errno
 import hashlib
 import http.client
@@ -162,7 +163,10 @@ class RangedDownloader:
         self._runs: set[_Run] = set()
         self._closing = False
         self._counter_lock = threading.Lock()
-        self.bytes_received = 0  # over the downloader's life, for "bytes from origin"
+        self.bytes_received = 0  # over the downloader's life, every source together
+        #: Bytes received over the downloader's life by source ("origin", "peer"), so that
+        #: "bytes from origin" counts only what left the object store.
+        self.bytes_by_source: collections.Counter[str] = collections.Counter()
 
     def download(self, jobs: list[BlobJob]) -> dict[str, str]:
         """Fill every job's partial file; return {label: actual sha256}.
@@ -386,6 +390,7 @@ class RangedDownloader:
             f.run.last_progress = time.monotonic()
             with self._counter_lock:
                 self.bytes_received += got
+                self.bytes_by_source[f.job.source] += got
             self.observer.received(got, f.job.source)
             if f.run.stop.is_set() and pos < end:
                 raise Interrupted("download interrupted; partial files are kept for resume")

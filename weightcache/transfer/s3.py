@@ -84,7 +84,8 @@ class ObjectStore:
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run fn, retrying transient failures until `--timeout` without success."""
-        deadline = time.monotonic() + self.settings.timeout
+        start = time.monotonic()
+        deadline = start + self.settings.timeout
         attempt = 0
         while True:
             attempt += 1
@@ -97,7 +98,7 @@ class ObjectStore:
                 delay = self._backoff.delay(attempt)
                 if attempt >= self.settings.max_attempts or time.monotonic() + delay > deadline:
                     raise TransientError(
-                        f"{what} failed {attempt} times over {self.settings.timeout:.0f}s, "
+                        f"{what} failed {attempt} times in {time.monotonic() - start:.0f}s, "
                         f"last: {error}; check that the object store is reachable"
                     ) from e
                 log.warning(

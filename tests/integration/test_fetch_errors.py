@@ -1,0 +1,279 @@
+"""Bad input: one clear error line, the SPEC exit code, nothing written outside the cache
+directory (SPEC §2.2 exit codes 2 and 3, §2.1 manifest, §3 invariant 5)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BUCKET, CLI, MANIFEST, Published, dead_endpoint, put_objects
+from tests.support import modelgen
+from tests.support.checks import assert_fails, markers, snapshot
+from tests.support.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def guarded(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Env for the CLI with HOME and TMPDIR under tmp_path; after the test, everything
+    under tmp_path except the cache directory (and our own logs) is as it was."""
+    home, tmpdir, outside = tmp_path / "home", tmp_path / "tmpdir", tmp_path / "outside"
+    for d in (home, tmpdir, outside):
+        d.mkdir()
+    before = _outside_cache(tmp_path)
+    yield {"HOME": str(home), "TMPDIR": str(tmpdir)}
+    after = _outside_cache(tmp_path)
+    assert after == before, f"written outside the cache dir: {set(after) ^ set(before)}"
+
+
+def _outside_cache(tmp_path: Path) -> dict[str, tuple[int, int]]:
+    return {
+        k: v
+        for k, v in snapshot(tmp_path).items()
+        if not k.startswith(("cache", "logs", "src/")) and k not in ("src",)
+    }
+
+
+def _model_objects(model: modelgen.Model) -> dict[str, bytes]:
+    return {f.relpath: (model.root / f.relpath).read_bytes() for f in model.files}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> modelgen.Model:
+    """A small model on disk (not uploaded); tests upload it with the manifest they want."""
+    return modelgen.make_model(tmp_path / "src" / "m" / "r", [100_000, 50_000], manifest=False)
+
+
+@pytest.fixture
+def prefix(uniq: str) -> str:
+    return f"{uniq}/m/r"
+
+
+# --- source errors: exit 3 ---------------------------------------------------------------
+
+
+def test_missing_manifest(
+    wc: CLI, s3: object, model: modelgen.Model, prefix: str, cache_dir: Path,
+    guarded: dict[str, str],
+) -> None:  # fmt: skip
+    put_objects(s3, BUCKET, prefix, _model_objects(model))
+    message = assert_fails(wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, env=guarded), 3)
+    assert re.search(r"SHA256SUMS|manifest", message, re.I), message
+    assert markers(cache_dir) == []
+
+
+def test_empty_prefix(wc: CLI, prefix: str, cache_dir: Path, guarded: dict[str, str]) -> None:
+    message = assert_fails(wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, env=guarded), 3)
+    assert prefix in message or re.search(r"SHA256SUMS|manifest|not found", message), message
+
+
+@pytest.mark.parametrize("kind", ["short-hash", "non-hex", "one-space", "no-path", "garbage"])
+def test_malformed_manifest_line(
+    wc: CLI, s3: object, model: modelgen.Model, prefix: str, cache_dir: Path,
+    guarded: dict[str, str], proxy: FaultProxy, kind: str,
+) -> None:  # fmt: skip
+    objects = {**_model_objects(model),
+               MANIFEST: modelgen.manifest_with_malformed_line(model, kind)}  # fmt: skip
+    put_objects(s3, BUCKET, prefix, objects)
+    proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url, env=guarded)
+    message = assert_fails(proc, 3)
+    assert re.search(r"SHA256SUMS|manifest", message, re.I), message
+    assert re.search(r"line 1\b|:1\b", message), f"the bad line is not located: {message}"
+    _assert_nothing_downloaded(proxy, model)
+    assert markers(cache_dir) == []
+
+
+@pytest.mark.parametrize("same_hash", [False, True])
+def test_duplicate_paths(
+    wc: CLI, s3: object, model: modelgen.Model, prefix: str, cache_dir: Path,
+    guarded: dict[str, str], proxy: FaultProxy, same_hash: bool,
+) -> None:  # fmt: skip
+    objects = {**_model_objects(model),
+               MANIFEST: modelgen.manifest_with_duplicate(model, same_hash)}  # fmt: skip
+    put_objects(s3, BUCKET, prefix, objects)
+    proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url, env=guarded)
+    message = assert_fails(proc, 3)
+    assert model.files[0].relpath in message, message
+    _assert_nothing_downloaded(proxy, model)
+    assert markers(cache_dir) == []
+
+
+UNSAFE = ["../x", "../../../../outside/x", "a/../../x", "./../x", "/OUTSIDE/x", "//OUTSIDE/y"]
+
+
+@pytest.mark.parametrize("unsafe", UNSAFE)
+def test_unsafe_manifest_paths_are_rejected(
+    wc: CLI, s3: object, model: modelgen.Model, prefix: str, cache_dir: Path, tmp_path: Path,
+    guarded: dict[str, str], proxy: FaultProxy, unsafe: str,
+) -> None:  # fmt: skip
+    # Absolute paths point into tmp_path/outside, watched by `guarded`; an object exists
+    # at the key a naive client would request, so only validation can stop the write.
+    relpath = unsafe.replace("/OUTSIDE", str(tmp_path / "outside"))
+    data = b"payload that must not land outside the cache\n"
+    objects = {**_model_objects(model),
+               MANIFEST: modelgen.manifest_with_extra_entry(model, relpath, data)}  # fmt: skip
+    put_objects(s3, BUCKET, prefix, objects)
+    if ".." not in relpath:  # the store refuses keys with `..` segments
+        put_objects(s3, BUCKET, prefix, {relpath: data})
+    proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url, env=guarded)
+    message = assert_fails(proc, 3)
+    named = (relpath, relpath.removeprefix("./"))
+    assert any(n in message for n in named), f"the unsafe path is not named: {message}"
+    leaf = "/" + relpath.rsplit("/", 1)[-1]  # "/x" or "/y": no file of the model
+    requested = proxy.stats().path_requests
+    assert not [p for p in requested if p.endswith(leaf)], f"asked the store: {requested}"
+    assert markers(cache_dir) == []
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
+def test_manifest_lists_a_missing_object(
+    wc: CLI, s3: object, model: modelgen.Model, prefix: str, cache_dir: Path,
+    guarded: dict[str, str],
+) -> None:  # fmt: skip
+    manifest = modelgen.manifest_with_extra_entry(model, "model-extra.safetensors")
+    objects = {**_model_objects(model), MANIFEST: manifest}
+    put_objects(s3, BUCKET, prefix, objects)
+    message = assert_fails(wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, env=guarded), 3)
+    assert "model-extra.safetensors" in message, message
+    assert markers(cache_dir) == []
+
+
+@pytest.mark.parametrize(
+    "creds",
+    [
+        {"AWS_SECRET_ACCESS_KEY": "wrong-secret"},
+        {"AWS_ACCESS_KEY_ID": "nobody", "AWS_SECRET_ACCESS_KEY": "nothing"},
+    ],
+    ids=["wrong-secret", "unknown-key"],
+)
+def test_wrong_credentials(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path, guarded: dict[str, str],
+    creds: dict[str, str],
+) -> None:  # fmt: skip
+    pub = publish([10_000])
+    proc = wc.fetch(pub.source, cache_dir, env={**guarded, **creds})
+    message = assert_fails(proc, 3)
+    assert re.search(r"access denied|denied|forbidden|credential|signature|access key",
+                     message, re.I), message  # fmt: skip
+    assert markers(cache_dir) == []
+
+
+def test_missing_bucket(wc: CLI, cache_dir: Path, guarded: dict[str, str]) -> None:
+    proc = wc.fetch("s3://no-such-bucket-wc/p/m/r", cache_dir, env=guarded)
+    message = assert_fails(proc, 3)
+    assert "no-such-bucket-wc" in message, message
+
+
+# --- the cache directory -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["name", "revision", "internal"])
+def test_symlink_out_of_the_cache_is_refused(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path, tmp_path: Path,
+    guarded: dict[str, str], where: str,
+) -> None:  # fmt: skip
+    """DIR/<name>, DIR/<name>/<rev> or DIR/.weightcache planted as a symlink to a directory
+    outside DIR: refuse (exit 2) and write nothing there."""
+    pub = publish([200_000])
+    outside = tmp_path / "outside"
+    if where == "name":
+        link = cache_dir / pub.name
+    elif where == "revision":
+        link = cache_dir / pub.name / pub.rev
+    else:
+        link = cache_dir / ".weightcache"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside, target_is_directory=True)
+    proc = wc.fetch(pub.source, cache_dir, env=guarded)
+    message = assert_fails(proc, 2)
+    assert str(link) in message or link.name in message, message
+    assert list(outside.iterdir()) == []
+
+
+def test_cache_dir_is_a_file(wc: CLI, tmp_path: Path, guarded: dict[str, str]) -> None:
+    not_a_dir = tmp_path / "cachefile"
+    not_a_dir.write_text("")
+    message = assert_fails(wc.fetch("s3://models/p/m/r", not_a_dir, env=guarded), 2)
+    assert "cachefile" in message, message
+
+
+# --- usage errors: exit 2, before any network --------------------------------------------
+
+
+def _opt(args: list[str], env: dict[str, str], mention: str) -> object:
+    label = " ".join(args) or " ".join(f"{k}={v}" for k, v in env.items())
+    return pytest.param(args, env, mention, id=label)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "mention"),
+    [
+        _opt(["--part-size", "banana"], {}, "part-size"),
+        _opt(["--part-size", "0"], {}, "part-size"),
+        _opt(["--part-size", "-1M"], {}, "part-size"),
+        _opt(["--max-concurrency", "0"], {}, "concurrency"),
+        _opt(["--max-concurrency", "-3"], {}, "concurrency"),
+        _opt(["--max-concurrency", "many"], {}, "concurrency"),
+        _opt(["--bwlimit", "-1"], {}, "bwlimit"),
+        _opt(["--bwlimit", "fast"], {}, "bwlimit"),
+        _opt(["--timeout", "soon"], {}, "timeout"),
+        _opt(["--timeout", "-5s"], {}, "timeout"),
+        _opt([], {"WEIGHTCACHE_PART_SIZE": "banana"}, "part"),
+        _opt([], {"WEIGHTCACHE_MAX_CONCURRENCY": "0"}, "concurrency"),
+        _opt([], {"WEIGHTCACHE_BWLIMIT": "-1"}, "bwlimit"),
+        _opt(["--frobnicate"], {}, "frobnicate"),
+    ],
+)
+def test_invalid_options(
+    wc: CLI, cache_dir: Path, guarded: dict[str, str], args: list[str],
+    env: dict[str, str], mention: str,
+) -> None:  # fmt: skip
+    proc = wc.fetch("s3://models/p/m/r", cache_dir, *args, endpoint=dead_endpoint(),
+                    env={**guarded, **env}, timeout=30)  # fmt: skip
+    message = assert_fails(proc, 2)
+    assert mention in message.lower().replace("_", "-"), message
+
+
+def test_missing_cache_dir(wc: CLI, guarded: dict[str, str]) -> None:
+    message = assert_fails(wc.run("fetch", "s3://models/p/m/r", env=guarded), 2)
+    assert "cache-dir" in message.lower().replace("_", "-"), message
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["models/p/m/r", "s3://", "s3://models", "s3://models/", "s3://models/onlyname",
+     "s3:///p/m/r", "https://models/p/m/r", "s3://models/p/m/..", "s3://models/p/../r",
+     "s3://models/p/m/.weightcache"],
+)  # fmt: skip
+def test_invalid_source(wc: CLI, cache_dir: Path, guarded: dict[str, str], source: str) -> None:
+    proc = wc.fetch(source, cache_dir, endpoint=dead_endpoint(), env=guarded, timeout=30)
+    message = assert_fails(proc, 2)
+    segments = [s for s in source.split("/") if s not in ("", "s3:", "models", "p")]
+    assert source in message or "s3://" in message or any(repr(s) in message for s in segments), (
+        f"the error does not say which SOURCE is wrong: {message}"
+    )
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [["--name", ".."], ["--name", "a/b"], ["--revision", "../evil"], ["--name", ".weightcache"],
+     ["--name", "/abs"]],
+    ids=["dotdot", "slash", "rev-dotdot", "marker-name", "absolute"],
+)  # fmt: skip
+def test_invalid_name_or_revision(
+    wc: CLI, cache_dir: Path, guarded: dict[str, str], opts: list[str]
+) -> None:
+    proc = wc.fetch("s3://models/p/m/r", cache_dir, *opts, endpoint=dead_endpoint(),
+                    env=guarded, timeout=30)  # fmt: skip
+    assert_fails(proc, 2)
+
+
+def _assert_nothing_downloaded(proxy: FaultProxy, model: modelgen.Model) -> None:
+    """A rejected manifest is rejected before any of its files is fetched."""
+    s = proxy.stats()
+    fetched = {f.relpath: s.bytes_for("/" + f.relpath) for f in model.files}
+    assert not any(fetched.values()), f"downloaded despite a bad manifest: {fetched}"

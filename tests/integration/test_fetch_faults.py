@@ -1,0 +1,140 @@
+"""`fetch` under a misbehaving store: throttling, resets, truncation, corruption, outages
+(SPEC §4 Retries and Corruption; exit codes 4 and 6 of §2.2)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CLI, Published, dead_endpoint
+from tests.support.checks import (
+    assert_fails,
+    assert_ok_path,
+    assert_revision_ok,
+    blobs_dir,
+    markers,
+)
+from tests.support.faultproxy import FaultProxy
+
+MiB = 1024 * 1024
+
+
+@pytest.mark.timeout(240)
+def test_throttling_resets_and_truncation_on_the_data_plane_are_retried(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    pub = publish([4 * MiB] * 4, name="flaky", rev="r1")
+    # 20% SlowDown, 5% resets, 5% truncated bodies on every ranged GET, each kind forced
+    # once up front; never more than 4 faults in a row on one object, so a client with a
+    # sane retry budget (SPEC: bounded attempts) is sure to get through.
+    proxy.configure(
+        scope="ranged", slowdown_rate=0.20, reset_rate=0.05, truncate_rate=0.05,
+        script=("slowdown", "reset", "truncate", "slowdown"), max_consecutive=4,
+    )  # fmt: skip
+    proc = wc.fetch(pub.source, cache_dir, "--part-size", "1M", "--max-concurrency", "4",
+                    endpoint=proxy.url, timeout=200)  # fmt: skip
+    assert_ok_path(proc, pub.local_path(cache_dir))
+    assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+
+    s = proxy.stats()
+    assert s.faults.get("slowdown", 0) >= 2 and s.faults.get("reset", 0) >= 1, s.faults
+    assert s.faults.get("truncate", 0) >= 1, s.faults
+    # Retries resume where a part broke (SPEC §4): the bytes re-sent after resets and
+    # truncations are at most the broken parts again, not the file again.
+    broken = s.faults.get("reset", 0) + s.faults.get("truncate", 0)
+    assert s.body_bytes <= pub.model.total_size + broken * 1 * MiB + 64 * 1024, s
+
+
+@pytest.mark.timeout(180)
+def test_faults_on_manifest_and_listing_are_retried(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    """Every GET is fair game, including the first ones (SHA256SUMS, listings)."""
+    pub = publish([2 * MiB, 1 * MiB], name="flakymeta", rev="r1")
+    proxy.configure(scope="all", slowdown_rate=0.2, reset_rate=0.05, truncate_rate=0.05,
+                    script=("slowdown", "truncate", "reset"), max_consecutive=3)  # fmt: skip
+    proc = wc.fetch(pub.source, cache_dir, "--part-size", "1M", endpoint=proxy.url, timeout=150)
+    assert_ok_path(proc, pub.local_path(cache_dir))
+    assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+    assert sum(proxy.stats().faults.values()) >= 3
+
+
+@pytest.mark.timeout(180)
+def test_corrupted_data_is_never_published(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    """A flipped byte in every object response: download once more, then exit 4 naming
+    the file and both hashes; no marker, no blob."""
+    pub = publish([2 * MiB, 2 * MiB], name="corrupt", rev="r1")
+    proxy.configure(scope="data", corrupt_rate=1.0)
+    proc = wc.fetch(pub.source, cache_dir, "--part-size", "1M", endpoint=proxy.url, timeout=150)
+    message = assert_fails(proc, 4)
+
+    named = [f for f in pub.model.files if f.relpath in message]
+    assert named, f"the error names no file of the manifest: {message}"
+    bad = max(named, key=lambda f: len(f.relpath))
+    assert re.search(r"expected", message, re.I), message
+    assert re.search(r"actual|got|computed", message, re.I), message
+    assert bad.sha256[:12] in message, f"expected hash of {bad.relpath} not in: {message}"
+    others = set(re.findall(r"[0-9a-f]{12,}", message)) - {
+        h for h in re.findall(r"[0-9a-f]{12,}", message) if bad.sha256.startswith(h)
+    }
+    assert others, f"no actual hash in: {message}"
+
+    # SPEC §4: "a hash mismatch discards that file and downloads it once more".
+    assert proxy.stats().bytes_for("/" + bad.relpath) >= 2 * bad.size
+    assert markers(cache_dir) == []
+    assert not (cache_dir / pub.name / pub.rev).exists()
+    blobs = sorted(blobs_dir(cache_dir).iterdir()) if blobs_dir(cache_dir).exists() else []
+    assert blobs == [], f"corrupt data published as blobs: {blobs}"
+
+
+# --- the store is down -------------------------------------------------------------------
+
+
+TIMEOUT_S = 5
+SLACK_S = 12  # Python start, backoff granularity, a loaded 2-core box
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("outage", ["refused", "hang", "stall-mid-body"])
+def test_store_down_cold_fetch_gives_up_with_exit_6(
+    wc: CLI,
+    publish: Callable[..., Published],
+    proxy: FaultProxy,
+    cache_dir: Path,
+    outage: str,
+) -> None:
+    pub = publish([2 * MiB], name="down", rev="r1")
+    endpoint = proxy.url
+    if outage == "refused":
+        endpoint = dead_endpoint()
+    elif outage == "hang":
+        proxy.set_down("hang")  # connections accepted, never answered
+    else:
+        proxy.configure(scope="data", stall_rate=1.0)  # headers, some bytes, then silence
+
+    t0 = time.monotonic()
+    proc = wc.fetch(pub.source, cache_dir, "--timeout", f"{TIMEOUT_S}s", endpoint=endpoint,
+                    timeout=90)  # fmt: skip
+    elapsed = time.monotonic() - t0
+    message = assert_fails(proc, 6)
+    assert elapsed <= TIMEOUT_S + SLACK_S, f"gave up after {elapsed:.1f}s: {message}"
+    assert markers(cache_dir) == []
+
+
+@pytest.mark.timeout(120)
+def test_warm_hit_while_store_hangs(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    pub = publish([1 * MiB], name="warm", rev="r1")
+    assert_ok_path(wc.fetch(pub.source, cache_dir, endpoint=proxy.url), pub.local_path(cache_dir))
+    proxy.set_down("hang")
+    t0 = time.monotonic()
+    proc = wc.fetch(pub.source, cache_dir, "--timeout", "5s", endpoint=proxy.url, timeout=60)
+    assert_ok_path(proc, pub.local_path(cache_dir))
+    assert time.monotonic() - t0 < 4, "a hit waited on the store"

@@ -1,0 +1,167 @@
+"""kill -9 at random instants: never a marker on bad data, and the next run resumes
+(SPEC §3 invariant 1, §4 Resume)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CLI, Published, Running
+from tests.support.checks import (
+    assert_blobs_valid,
+    assert_ok_path,
+    assert_revision_ok,
+    markers,
+)
+from tests.support.faultproxy import FaultProxy
+
+MiB = 1024 * 1024
+PART = 1 * MiB
+CONCURRENCY = 4
+SLACK = 64 * 1024
+
+
+@dataclass
+class Killed:
+    trigger: str  # what the kill waited for
+    run_bytes: int  # body bytes the proxy sent during this run
+    exited_by_itself: int | None  # exit code if the run finished before the kill
+
+
+def _run_until(
+    running: Running,
+    proxy: FaultProxy,
+    base: int,
+    *,
+    after_s: float | None,
+    after_bytes: int | None,
+    then_sleep: float = 0.0,
+    deadline_s: float = 60,
+) -> int | None:
+    """Poll until `after_s` seconds passed or the run got `after_bytes` through the proxy,
+    sleep `then_sleep`, then SIGKILL. Returns the exit code if the process ended first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        code = running.poll()
+        if code is not None:
+            return code
+        if after_s is not None and time.monotonic() - t0 >= after_s:
+            break
+        if after_bytes is not None and proxy.stats(settle=0).body_bytes - base >= after_bytes:
+            break
+        time.sleep(0.003)
+    else:
+        raise AssertionError("the fetch neither finished nor reached its kill point")
+    if then_sleep:
+        time.sleep(then_sleep)
+        code = running.poll()
+        if code is not None:
+            return code
+    running.kill9()
+    return None
+
+
+def _check_invariants(cache_dir: Path, pub: Published) -> bool:
+    """After any kill: a marker only on a verified revision, every blob matches its name.
+    Returns whether the revision is marked."""
+    found = markers(cache_dir)
+    assert found in ([], [pub.local_path(cache_dir) / ".weightcache"]), found
+    assert_blobs_valid(cache_dir)
+    if found:
+        assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+    return bool(found)
+
+
+@pytest.mark.timeout(240)
+def test_kill9_at_random_moments_then_resume(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    pub = publish([8 * MiB] * 4, name="killme", rev="r1")
+    size = pub.model.total_size
+    args = ("--part-size", "1M", "--max-concurrency", str(CONCURRENCY))
+    rng = random.Random(20261129)
+    # The proxy paces the store at 8 MiB/s so each kill lands where it was aimed.
+    proxy.configure(rate_limit=8 * MiB)
+
+    kills = 12
+    big = rng.randrange(kills)  # one run goes far enough that whole parts are surely done
+    history: list[Killed] = []
+    for i in range(kills):
+        base = proxy.stats().body_bytes
+        if i == big:
+            trigger, after_s, after_bytes = "bytes>=6MiB", None, 6 * MiB
+        elif rng.random() < 0.3:  # startup, lock, manifest and listing
+            after_s = rng.uniform(0.05, 0.8)
+            trigger, after_bytes = f"t={after_s:.2f}s", None
+        else:
+            after_bytes = rng.randrange(0, 2 * MiB)
+            trigger, after_s = f"bytes>={after_bytes}", None
+        running = wc.fetch_popen(pub.source, cache_dir, *args, endpoint=proxy.url)
+        code = _run_until(running, proxy, base, after_s=after_s, after_bytes=after_bytes)
+        run_bytes = proxy.stats().body_bytes - base
+        history.append(Killed(trigger, run_bytes, code))
+        if code is not None:
+            assert code == 0, running.finish().stderr
+        _check_invariants(cache_dir, pub)
+
+    completed_early = any(k.exited_by_itself == 0 for k in history)
+    killed_bytes = proxy.stats().body_bytes
+
+    proxy.configure(rate_limit=None)
+    final = wc.fetch(pub.source, cache_dir, *args, endpoint=proxy.url)
+    assert_ok_path(final, pub.local_path(cache_dir))
+    assert _check_invariants(cache_dir, pub)
+    final_bytes = proxy.stats().body_bytes - killed_bytes
+    total = killed_bytes + final_bytes
+
+    report = f"history={history} final_bytes={final_bytes} size={size}"
+    # A kill may lose the parts in flight (at most CONCURRENCY of them), nothing else: a
+    # run that got B bytes left at least B - CONCURRENCY * PART of whole parts on disk
+    # (minus a little for the manifest and listing it read).
+    in_flight = CONCURRENCY * PART + 16 * 1024
+    assert total <= size + kills * in_flight + SLACK, report
+    if completed_early:
+        assert final_bytes == 0, report
+    else:
+        saved = sum(max(0, k.run_bytes - in_flight) for k in history)
+        assert saved >= 1 * MiB, f"the kill schedule left nothing to resume: {report}"
+        assert final_bytes <= size - saved + SLACK, report
+
+
+@pytest.mark.timeout(240)
+def test_kill9_near_completion_never_marks_bad_data(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Kills aimed at the end: last bytes arriving, hashing, linking, renaming, marking."""
+    pub = publish([2 * MiB] * 4, name="finish", rev="r1")
+    size = pub.model.total_size
+    rng = random.Random(7)
+    outcomes: list[str] = []
+    for i in range(12):
+        if i >= 6 and "killed-before-marker" in outcomes:
+            break
+        cache_dir = tmp_path / f"cache{i}"
+        proxy.configure(rate_limit=16 * MiB)
+        base = proxy.stats().body_bytes
+        running = wc.fetch_popen(pub.source, cache_dir, "--part-size", "1M",
+                                 endpoint=proxy.url)  # fmt: skip
+        code = _run_until(running, proxy, base, after_s=None,
+                          after_bytes=size - rng.randrange(0, 768 * 1024),
+                          then_sleep=rng.choice([0.0, rng.uniform(0.0, 0.06)]))  # fmt: skip
+        if code is not None:
+            assert code == 0, running.finish().stderr
+            outcomes.append("finished")
+        marked = _check_invariants(cache_dir, pub)
+        if code is None:
+            outcomes.append("killed-after-marker" if marked else "killed-before-marker")
+        proxy.configure(rate_limit=None)
+        again = wc.fetch(pub.source, cache_dir, endpoint=proxy.url)
+        assert_ok_path(again, pub.local_path(cache_dir))
+        assert _check_invariants(cache_dir, pub)
+    # The test only means something if some kills landed before the marker.
+    assert "killed-before-marker" in outcomes, outcomes

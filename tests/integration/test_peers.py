@@ -1,0 +1,389 @@
+"""Peer-to-peer between node daemons (SPEC §8, issue 6): several real `weightcache daemon`
+processes on loopback, each with its own cache dir, fetch port and peer port.
+
+Origin bytes are counted by a fault proxy between the cold nodes and the store. A warm node
+is filled with `fetch --no-daemon` straight from the store, so its bytes are not counted.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import CLI, Published
+from tests.integration.daemon_helpers import (
+    Daemons,
+    DaemonProc,
+    MiB,
+    daemons,  # noqa: F401 - fixture
+    wait_for,
+    write_models,
+)
+from tests.support.checks import (
+    assert_blobs_valid,
+    assert_fails,
+    assert_ok_path,
+    assert_revision_ok,
+    blobs_dir,
+    describe,
+    markers,
+)
+from tests.support.faultproxy import FaultProxy
+from weightcache.devstore import free_port
+
+TOKEN = "peer-token-for-tests-0123456789"
+PEER_BYTES = 'weightcache_bytes_total{source="peer"}'
+ORIGIN_BYTES = 'weightcache_bytes_total{source="origin"}'
+UPLOADED = "weightcache_peer_upload_bytes_total"
+VERIFY_FAILURES = "weightcache_verify_failures_total"
+STORE_ARGS = ("--part-size", "1M", "--max-concurrency", "4")
+
+
+def refused(reason: str) -> str:
+    return f'weightcache_peer_requests_refused_total{{reason="{reason}"}}'
+
+
+@dataclass
+class Node:
+    """One simulated node: its cache dir, its peer port and (once started) its daemon."""
+
+    name: str
+    cache_dir: Path
+    peer_port: int
+    daemon: DaemonProc | None = None
+
+    @property
+    def peer_addr(self) -> str:
+        return f"127.0.0.1:{self.peer_port}"
+
+    @property
+    def d(self) -> DaemonProc:
+        assert self.daemon is not None, f"{self.name} has no daemon"
+        return self.daemon
+
+
+def make_nodes(tmp_path: Path, count: int) -> list[Node]:
+    return [Node(f"node{i}", tmp_path / f"node{i}" / "cache", free_port()) for i in range(count)]
+
+
+def start(
+    daemons: Daemons,  # noqa: F811
+    node: Node,
+    tmp_path: Path,
+    endpoint: str,
+    peers: Sequence[str],
+    *extra: str,
+    token_env: bool = True,
+) -> DaemonProc:
+    """Start the node's daemon with peers on; the token comes from WEIGHTCACHE_PEER_TOKEN
+    as in the DaemonSet (or not at all, with `token_env=False`)."""
+    models = write_models(tmp_path / f"{node.name}-models.yaml", [])
+    args = ["--peer-addr", node.peer_addr, "--peers", ",".join(peers), *STORE_ARGS, *extra]
+    env = {"WEIGHTCACHE_PEER_TOKEN": TOKEN} if token_env else {}
+    node.daemon = daemons.start(node.cache_dir, models, endpoint=endpoint, extra=args, env=env,
+                                pods_dir=tmp_path / f"{node.name}-pods")  # fmt: skip
+    wait_for(f"{node.name}'s peer port", lambda: _listening(node.peer_port), timeout=15)
+    return node.daemon
+
+
+def _listening(port: int) -> bool:
+    """A TCP connect only: an HTTP probe would count as a refused request."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def prewarm(wc: CLI, pub: Published, node: Node, store: Any) -> None:
+    """Fill a node's cache straight from the store (not through the counting proxy)."""
+    proc = wc.fetch(pub.source, node.cache_dir, "--no-daemon", endpoint=store.endpoint_url)
+    assert_ok_path(proc, pub.local_path(node.cache_dir))
+
+
+def peer_get(
+    port: int, path: str, token: str | None = TOKEN, method: str = "GET",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes, dict[str, str]]:  # fmt: skip
+    """(status, body, headers) of one raw request to a peer port."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    all_headers = dict(headers or {})
+    if token is not None:
+        all_headers["Authorization"] = f"Bearer {token}"
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in all_headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        resp = conn.getresponse()
+        return resp.status, resp.read(), dict(resp.getheaders())
+    finally:
+        conn.close()
+
+
+def fetch_all(wc: CLI, pub: Published, nodes: Sequence[Node], endpoint: str) -> list[Any]:
+    """One `fetch --json` per node, all started at once; their parsed results."""
+    procs = [wc.fetch_popen(pub.source, n.cache_dir, "--json", endpoint=endpoint) for n in nodes]
+    results = [p.finish(timeout=90) for p in procs]
+    for node, r in zip(nodes, results, strict=True):
+        assert r.returncode == 0, f"{node.name}: {describe(r)}\n{node.d.log()}"
+    return [json.loads(r.stdout) for r in results]
+
+
+def assert_node_ok(node: Node, pub: Published) -> None:
+    assert_revision_ok(node.cache_dir, pub.name, pub.rev, pub.model)
+    assert_blobs_valid(node.cache_dir)
+
+
+# -- scale-out ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_one_warm_and_four_cold_nodes_take_one_copy_from_the_store(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([6 * MiB] * 4, name="scale", rev="r1", seed="scale")
+    size = pub.model.total_size
+    warm, *cold = nodes = make_nodes(tmp_path, 5)
+    everyone = [n.peer_addr for n in nodes]  # the same list on every node, self included
+    prewarm(wc, pub, warm, store)
+    for n in nodes:
+        start(daemons, n, tmp_path, proxy.url, everyone)
+    proxy.reset_stats()
+
+    results = fetch_all(wc, pub, cold, proxy.url)
+
+    origin = proxy.stats().body_bytes
+    print(f"origin bytes {origin} for 4 cold nodes, model {size} bytes "
+          f"({origin / size:.3f} x model size)")  # fmt: skip
+    assert origin <= 1.1 * size, f"{origin} bytes left the store for a {size}-byte model"
+    for node, result in zip(cold, results, strict=True):
+        assert not result["hit"] and result["bytes_from_origin"] == 0, result
+        assert_node_ok(node, pub)
+        m = node.d.metrics()
+        assert m[PEER_BYTES] >= size and m[ORIGIN_BYTES] == 0, (node.name, m)
+    # Every peer byte was uploaded by some node: the warm one, or a cold one passing on a
+    # blob it already holds (complete holders share the load).
+    uploaded = [n.d.metrics()[UPLOADED] for n in nodes]
+    print("uploaded by node:", uploaded)
+    assert sum(uploaded) == sum(n.d.metrics()[PEER_BYTES] for n in cold) >= 4 * size
+    assert uploaded[0] > 0
+    assert all(n.d.alive() for n in nodes)
+
+
+@pytest.mark.timeout(150)
+def test_a_burst_of_cold_nodes_streams_from_the_first_one(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """No warm node: the first node to claim each blob downloads it from the store; the
+    others stream it from that node's partial while it is still arriving."""
+    pub = publish([6 * MiB] * 3, name="burst", rev="r1", seed="burst")
+    size = pub.model.total_size
+    nodes = make_nodes(tmp_path, 4)
+    for n in nodes:
+        start(daemons, n, tmp_path, proxy.url, [m.peer_addr for m in nodes])
+    proxy.reset_stats()
+    proxy.configure(rate_limit=8 * MiB)  # ~2.5 s for the model: the burst overlaps it
+
+    results = fetch_all(wc, pub, nodes, proxy.url)
+
+    origin = proxy.stats().body_bytes
+    print(f"burst: origin bytes {origin}, model {size} ({origin / size:.3f} x)",
+          [r["bytes_from_origin"] for r in results])  # fmt: skip
+    assert origin <= 1.1 * size, f"{origin} bytes left the store for a {size}-byte model"
+    for node in nodes:
+        assert_node_ok(node, pub)
+    assert sum(n.d.metrics()[PEER_BYTES] for n in nodes) >= 3 * size * 0.9
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_a_corrupting_peer_is_caught_never_published_and_avoided(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([4 * MiB], name="lie", rev="r1", seed="lie", small_files=False)
+    size = pub.model.total_size
+    warm, cold = make_nodes(tmp_path, 2)
+    prewarm(wc, pub, warm, store)
+    start(daemons, warm, tmp_path, store.endpoint_url, [])
+    with FaultProxy(f"http://{warm.peer_addr}", seed="lying-peer") as liar:
+        liar.configure(scope="all", corrupt_rate=1.0)  # one flipped byte in every body
+        start(daemons, cold, tmp_path, proxy.url, [liar.url.removeprefix("http://")])
+        # The store corrupts the first download too: with the peer's mismatch that makes
+        # two, but only one from the origin, so the fetch must still succeed (exit 4 is
+        # for an origin that disagrees with its manifest twice).
+        proxy.configure(scope="data", script=("corrupt",))
+
+        result = fetch_all(wc, pub, [cold], proxy.url)[0]
+
+        assert liar.stats().faults.get("corrupt", 0) >= 1, "the peer was never asked"
+        assert_node_ok(cold, pub)
+        m = cold.d.metrics()
+        assert m[VERIFY_FAILURES] == 2, m  # the peer's copy, then the store's first one
+        assert m[PEER_BYTES] >= size and result["bytes_from_origin"] >= 2 * size
+        assert markers(cold.cache_dir) == [pub.local_path(cold.cache_dir) / ".weightcache"]
+
+        # Afterwards the peer is not even asked, although it holds the next revision.
+        pub2 = publish([2 * MiB], name="lie", rev="r2", seed="lie2", small_files=False)
+        prewarm(wc, pub2, warm, store)
+        asked = liar.stats().requests
+        fetch_all(wc, pub2, [cold], proxy.url)
+        assert liar.stats().requests == asked, "the corrupting peer was asked again"
+        assert_node_ok(cold, pub2)
+        assert cold.d.metrics()[PEER_BYTES] == m[PEER_BYTES]
+
+
+@pytest.mark.timeout(150)
+def test_a_peer_that_dies_mid_transfer_leaves_the_rest_to_the_store(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([8 * MiB] * 2, name="dies", rev="r1", seed="dies")
+    size = pub.model.total_size
+    warm, cold = make_nodes(tmp_path, 2)
+    prewarm(wc, pub, warm, store)
+    start(daemons, warm, tmp_path, store.endpoint_url, [], "--peer-upload-limit", "4M")
+    start(daemons, cold, tmp_path, proxy.url, [warm.peer_addr])
+    proxy.reset_stats()
+
+    running = wc.fetch_popen(pub.source, cold.cache_dir, "--json", endpoint=proxy.url)
+    wait_for("4 MiB from the peer", lambda: cold.d.metrics()[PEER_BYTES] >= 4 * MiB,
+             timeout=30, every=0.05)  # fmt: skip
+    warm.d.kill9()
+    result = running.finish(timeout=90)
+
+    assert result.returncode == 0, f"{describe(result)}\n{cold.d.log()}"
+    assert_node_ok(cold, pub)
+    m = cold.d.metrics()
+    origin = proxy.stats().body_bytes
+    print(f"peer bytes {m[PEER_BYTES]:.0f}, origin bytes {origin}, model {size}")
+    # What the peer delivered before it died is kept: the store sends only the rest (plus
+    # the parts that were in flight, at most max-concurrency x part size).
+    assert origin <= size - m[PEER_BYTES] + 4 * MiB + 64 * 1024, (origin, m[PEER_BYTES])
+    assert m[VERIFY_FAILURES] == 0
+
+
+# -- what a peer port serves, and to whom -----------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_the_peer_port_serves_blobs_only_and_only_with_the_token(
+    wc: CLI, publish: Callable[..., Published], store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([1 * MiB], name="guard", rev="r1", seed="guard")
+    (node,) = make_nodes(tmp_path, 1)
+    prewarm(wc, pub, node, store)
+    start(daemons, node, tmp_path, store.endpoint_url, [])
+    shard = pub.model.file(pub.model.shard_names()[0])
+    blob = f"/blobs/sha256/{shard.sha256}"
+    data = (node.cache_dir / pub.name / pub.rev / shard.relpath).read_bytes()
+
+    # With the token: the blob, whole or in ranges.
+    status, body, headers = peer_get(node.peer_port, blob)
+    assert (status, body) == (200, data)
+    status, body, headers = peer_get(node.peer_port, blob, headers={"Range": "bytes=100-199"})
+    assert (status, body) == (206, data[100:200])
+    assert headers["Content-Range"] == f"bytes 100-199/{len(data)}"
+    assert peer_get(node.peer_port, blob, method="HEAD")[0] == 200
+
+    # Somewhere to lure a path to: a secret outside the blob store, and a symlink to it
+    # planted in the blob store under a valid-looking name.
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"TOP SECRET " * 100)
+    planted = "cd" * 32
+    os.symlink(secret, blobs_dir(node.cache_dir) / planted)
+    unpublished = "ef" * 32  # a partial that no download of this daemon owns
+    (node.cache_dir / ".weightcache" / "tmp" / f"{unpublished}.part").write_bytes(b"x" * 100)
+
+    cases: list[tuple[str, dict[str, Any], int, str]] = [
+        (blob, {"token": None}, 401, "no_token"),
+        (blob, {"token": "wrong-token-0123456789abcdef"}, 403, "bad_token"),
+        (blob, {"token": TOKEN[:-1]}, 403, "bad_token"),
+        (blob, {"token": None, "headers": {"Authorization": f"Basic {TOKEN}"}}, 403, "bad_token"),
+        (f"/blobs/sha256/{'0' * 64}", {}, 404, "not_found"),
+        (f"/blobs/sha256/{planted}", {}, 404, "not_found"),
+        (f"/blobs/sha256/{unpublished}", {}, 404, "not_found"),
+        ("/blobs/sha256/../../state.db", {}, 404, "bad_path"),
+        ("/blobs/sha256/%2e%2e%2f%2e%2e%2fstate.db", {}, 404, "bad_path"),
+        (f"{blob}/../../state.db", {}, 404, "bad_path"),
+        (f"/blobs/sha256/{shard.sha256.upper()}", {}, 404, "bad_path"),
+        (f"{blob}?download=1", {}, 404, "bad_path"),
+        (f"/{pub.name}/{pub.rev}/{shard.relpath}", {}, 404, "bad_path"),
+        ("/.weightcache/state.db", {}, 404, "bad_path"),
+        (str(secret), {}, 404, "bad_path"),
+        ("/metrics", {}, 404, "bad_path"),
+        (blob, {"headers": {"Range": f"bytes={len(data)}-"}}, 416, "bad_range"),
+        (blob, {"headers": {"Range": "bytes=0-1,5-6"}}, 416, "bad_range"),
+        (blob, {"method": "PUT"}, 405, "method"),
+        (blob, {"method": "DELETE"}, 405, "method"),
+    ]
+    for path, kwargs, code, _ in cases:
+        status, body, _ = peer_get(node.peer_port, path, **kwargs)
+        assert status == code, (path, kwargs, status, body[:100])
+        assert body.startswith(b"refused:") and b"SECRET" not in body, (path, body[:100])
+        assert data[:64] not in body
+    m = node.d.metrics()
+    for reason in {c[3] for c in cases}:
+        expected = sum(1 for c in cases if c[3] == reason)
+        assert m[refused(reason)] == expected, (reason, m[refused(reason)], expected)
+    assert m[UPLOADED] == len(data) + 100
+
+    # Without a token, or with a weak one, the daemon does not start with peers on.
+    models = write_models(tmp_path / "m.yaml", [])
+    base = ["daemon", "--cache-dir", tmp_path / "other", "--models", models, "--capacity",
+            "1G", "--peer-addr", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    message = assert_fails(wc.run(*base, timeout=30), 2)
+    assert "--peer-token" in message and "WEIGHTCACHE_PEER_TOKEN" in message, message
+    message = assert_fails(wc.run(*base, "--peer-token", "short", timeout=30), 2)
+    assert "16" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_the_upload_limit_holds_under_load(
+    wc: CLI, publish: Callable[..., Published], store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([6 * MiB] * 2, name="paced", rev="r1", seed="paced", small_files=False)
+    (node,) = make_nodes(tmp_path, 1)
+    prewarm(wc, pub, node, store)
+    rate = 4 * MiB
+    start(daemons, node, tmp_path, store.endpoint_url, [], "--peer-upload-limit", "4M")
+    paths = [f"/blobs/sha256/{f.sha256}" for f in pub.model.files]
+    requests = [paths[i % 2] for i in range(4)]  # 4 clients, 24 MiB together
+    sizes: list[int] = []
+
+    def client(path: str) -> None:
+        status, body, _ = peer_get(node.peer_port, path)
+        assert status == 200
+        sizes.append(len(body))
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in requests]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    elapsed = time.monotonic() - t0
+    total = sum(sizes)
+    burst = rate / 4  # the token bucket's: a quarter second of traffic
+    print(f"{total} bytes to 4 clients in {elapsed:.2f}s: {total / elapsed / MiB:.2f} MiB/s")
+    assert total == 24 * MiB
+    assert elapsed >= (total - burst) / rate * 0.97, f"{total / elapsed / MiB:.2f} MiB/s"
+    assert elapsed <= total / rate * 1.5 + 2, f"only {total / elapsed / MiB:.2f} MiB/s"
+    assert node.d.metrics()[UPLOADED] == total

@@ -1,0 +1,289 @@
+"""peers: settings, Range parsing, token check, source ranking, discovery, the avoid list
+and the served prefix of a partial, with literal values and a fake clock (no network)."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from weightcache.errors import UsageError
+from weightcache.peers import (
+    BAD_PEER_SECONDS,
+    BLOB_PATH,
+    Claim,
+    Discovery,
+    Holding,
+    Peers,
+    PeerSettings,
+    parse_hostport,
+    parse_range,
+    partial_prefix,
+    peer_url,
+    rank,
+    refusal,
+)
+from weightcache.transfer.parts import PartState
+
+if TYPE_CHECKING:
+    from tests.unit.conftest import FakeClock
+
+TOKEN = "0123456789abcdef-token"
+HEX = "ab" * 32
+
+
+def settings(**kw: Any) -> PeerSettings:
+    kw.setdefault("listen", ("127.0.0.1", 9401))
+    kw.setdefault("token", TOKEN)
+    return PeerSettings(**kw)
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+def test_from_options_builds_the_settings() -> None:
+    s = PeerSettings.from_options(
+        "0.0.0.0:9401", f" {TOKEN}\n", 2 << 30, "10.0.0.1:9401, [fd00::2]:9401", None
+    )
+    assert s is not None
+    assert s.listen == ("0.0.0.0", 9401)
+    assert s.token == TOKEN  # a trailing newline from a Secret file is not part of it
+    assert s.upload_limit == 2 << 30
+    assert s.static == (("10.0.0.1", 9401), ("fd00::2", 9401))
+    assert TOKEN not in repr(s)
+    s = PeerSettings.from_options("0.0.0.0:9401", TOKEN, None, None, "weightcache.ns.svc:9401")
+    assert s is not None and s.service == ("weightcache.ns.svc", 9401) and s.upload_limit is None
+
+
+def test_peers_are_off_without_an_address() -> None:
+    assert PeerSettings.from_options(None, TOKEN, 1 << 30, None, None) is None
+    with pytest.raises(UsageError, match="need --peer-addr"):
+        PeerSettings.from_options(None, TOKEN, 1 << 30, "10.0.0.1:9401", None)
+
+
+@pytest.mark.parametrize(
+    ("token", "match"),
+    [
+        (None, "needs --peer-token"),
+        ("", "needs --peer-token"),
+        ("short", "at least 16"),
+        ("sixteen chars but spaces", "without spaces"),
+        ("x" * 15 + "\x00", "printable"),
+    ],
+)
+def test_a_missing_or_weak_token_is_refused(token: str | None, match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        PeerSettings.from_options("0.0.0.0:9401", token, None, None, None)
+
+
+@pytest.mark.parametrize("text", ["9401", "host:", "host:port", "host:70000", ":9401", "h:0"])
+def test_bad_host_port_is_a_usage_error(text: str) -> None:
+    with pytest.raises(UsageError, match="HOST:PORT"):
+        parse_hostport(text, "--peers entry")
+
+
+def test_listen_may_use_port_zero_and_v6() -> None:
+    assert parse_hostport("127.0.0.1:0", "--peer-addr", allow_zero=True) == ("127.0.0.1", 0)
+    assert parse_hostport("[::]:9401", "--peer-addr") == ("::", 9401)
+
+
+def test_static_list_and_service_together_are_refused() -> None:
+    with pytest.raises(UsageError, match="not both"):
+        settings(static=(("10.0.0.1", 9401),), service=("svc", 9401))
+    with pytest.raises(UsageError, match="more than zero"):
+        settings(upload_limit=0)
+
+
+# -- the server's pure checks -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "size", "expected"),
+    [
+        (None, 100, None),
+        ("bytes=0-99", 100, (0, 100)),
+        ("bytes=10-19", 100, (10, 20)),
+        ("bytes=10-", 100, (10, 100)),
+        ("bytes=90-500", 100, (90, 100)),  # clamped to the blob, as RFC 9110 says
+        ("bytes=-30", 100, (70, 100)),
+        ("bytes=-300", 100, (0, 100)),
+    ],
+)
+def test_parse_range(header: str | None, size: int, expected: tuple[int, int] | None) -> None:
+    assert parse_range(header, size) == expected
+
+
+@pytest.mark.parametrize(
+    "header",
+    ["bytes=100-", "bytes=5-4", "bytes=-", "bytes=0-1,5-6", "items=0-1", "bytes=a-b", "0-1"],
+)
+def test_parse_range_refuses_what_it_cannot_serve(header: str) -> None:
+    with pytest.raises(ValueError):
+        parse_range(header, 100)
+
+
+def test_refusal_wants_exactly_the_bearer_token() -> None:
+    assert refusal(f"Bearer {TOKEN}", TOKEN) is None
+    assert refusal(f"bearer  {TOKEN} ", TOKEN) is None
+    assert refusal(None, TOKEN) == "no_token"
+    assert refusal("", TOKEN) == "no_token"
+    for wrong in (f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", f"Basic {TOKEN}", TOKEN,
+                  "Bearer", f"Bearer {TOKEN.upper()}", "Bearer é"):  # fmt: skip
+        assert refusal(wrong, TOKEN) == "bad_token", wrong
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/blobs/sha256/{HEX}/",
+        f"/blobs/sha256/{HEX.upper()}",
+        f"/blobs/sha256/{HEX}?x=1",
+        f"/blobs/sha256/{HEX[:-1]}",
+        f"/blobs/sha256/../../{HEX}",
+        "/blobs/sha256/%2e%2e%2fstate.db",
+        f"/blobs/sha256/{HEX}/../../state.db",
+        f"//blobs/sha256/{HEX}",
+        f"http://peer/blobs/sha256/{HEX}",
+        "/.weightcache/state.db",
+        "/metrics",
+    ],
+)
+def test_only_the_blob_path_matches(path: str) -> None:
+    assert BLOB_PATH.fullmatch(f"/blobs/sha256/{HEX}")
+    assert BLOB_PATH.fullmatch(path) is None
+
+
+def test_partial_prefix_is_the_contiguous_written_parts(tmp_path: Path) -> None:
+    state = tmp_path / f"{HEX}.part.json"
+    assert partial_prefix(state, 100_000) == 0  # no state yet
+    parts = PartState(100_000, 16384)
+    parts.done[0] = parts.done[1] = parts.done[3] = True
+    parts.save(state)
+    assert partial_prefix(state, 100_000) == 2 * 16384  # part 2 missing: the prefix stops
+    parts.done[2] = True
+    parts.save(state)
+    assert partial_prefix(state, 100_000) == 4 * 16384
+    assert partial_prefix(state, 99_999) == 0  # a state for another size is not trusted
+    state.write_text('{"size": 100000, "part_size": 1, "done": [0]}')
+    assert partial_prefix(state, 100_000) == 0
+    state.write_text("not json")
+    assert partial_prefix(state, 100_000) == 0
+
+
+# -- choosing sources -------------------------------------------------------------------------
+
+
+def test_rank_prefers_complete_holders_then_earlier_claims() -> None:
+    mine = Claim(100.0, 5)
+    earlier_small = Holding("http://b", 10, Claim(99.0, 9))
+    earlier_big = Holding("http://c", 70, Claim(99.5, 1))
+    tie_lower_nonce = Holding("http://d", 5, Claim(100.0, 4))
+    later = Holding("http://e", 90, Claim(100.5, 0))
+    tie_higher_nonce = Holding("http://f", 90, Claim(100.0, 6))
+    complete = [Holding("http://a1", 100), Holding("http://a2", 100)]
+    holdings = [earlier_small, later, *complete, earlier_big, tie_lower_nonce, tie_higher_nonce]
+    ranked = rank(holdings, mine, random.Random(0))
+    assert {h.peer for h in ranked[:2]} == {"http://a1", "http://a2"}
+    assert ranked[2:] == [earlier_big, earlier_small, tie_lower_nonce]
+    # Without a claim of our own (a private partial), anyone downloading it will do.
+    assert len(rank(holdings, None, random.Random(0))) == len(holdings)
+
+
+def test_rank_spreads_uploads_over_complete_holders() -> None:
+    complete = [Holding(f"http://n{i}", 100) for i in range(4)]
+    firsts = {rank(complete, None, random.Random(seed))[0].peer for seed in range(40)}
+    assert len(firsts) == 4
+
+
+def test_of_two_simultaneous_claims_exactly_one_goes_to_the_origin() -> None:
+    a, b = Claim(100.0, 7), Claim(100.0, 3)
+    a_sees = rank([Holding("http://b", 0, b)], a, random.Random(0))
+    b_sees = rank([Holding("http://a", 0, a)], b, random.Random(0))
+    assert (len(a_sees), len(b_sees)) == (1, 0)  # a follows b; b goes to the origin
+
+
+def test_claim_header_round_trips() -> None:
+    claim = Claim(1767225600.123456, 2**62 + 5)
+    assert Claim.parse(claim.header()) == claim
+
+
+# -- discovery --------------------------------------------------------------------------------
+
+
+def test_static_peers_skip_this_node() -> None:
+    s = settings(
+        listen=("127.0.0.1", 9401),
+        static=(("127.0.0.1", 9401), ("127.0.0.1", 9402), ("10.0.0.9", 9401), ("fd00::1", 9)),
+    )
+    found = Discovery(s, own={"10.0.0.9"}).peers()
+    assert found == ["http://127.0.0.1:9402", "http://[fd00::1]:9"]
+
+
+def test_dns_discovery_refreshes_and_skips_own_addresses(clock: FakeClock) -> None:
+    answers = [["10.0.0.2", "10.0.0.1", "10.0.0.2"], ["10.0.0.3"]]
+    calls: list[tuple[str, int]] = []
+
+    def resolve(name: str, port: int) -> list[tuple[Any, ...]]:
+        calls.append((name, port))
+        if not answers:
+            raise socket.gaierror("no such name")
+        stream = (socket.AF_INET, socket.SOCK_STREAM, 6, "")
+        return [(*stream, (ip, port)) for ip in answers.pop(0)]
+
+    s = settings(listen=("0.0.0.0", 9401), service=("weightcache.ns.svc", 9401))
+    discovery = Discovery(s, resolve=resolve, clock=clock, own={"10.0.0.1"})
+    assert discovery.peers() == ["http://10.0.0.2:9401"]
+    assert discovery.peers() == ["http://10.0.0.2:9401"]  # cached
+    clock.advance(10)
+    assert discovery.peers() == ["http://10.0.0.3:9401"]
+    clock.advance(10)
+    assert discovery.peers() == ["http://10.0.0.3:9401"]  # lookup failed: keep the last
+    assert calls == [("weightcache.ns.svc", 9401)] * 3
+
+
+def test_peer_url_brackets_v6() -> None:
+    assert peer_url("10.0.0.1", 9401) == "http://10.0.0.1:9401"
+    assert peer_url("fd00::1", 9401) == "http://[fd00::1]:9401"
+
+
+# -- the avoid list and claims ----------------------------------------------------------------
+
+
+class _NoDiscovery(Discovery):
+    def __init__(self, peers: list[str]) -> None:
+        self._peers = peers
+
+    def peers(self) -> list[str]:
+        return self._peers
+
+
+def test_a_bad_peer_is_avoided_for_a_while(clock: FakeClock) -> None:
+    peers = Peers(settings(), discovery=_NoDiscovery(["http://a", "http://b"]), clock=clock)
+    try:
+        peers.mark_bad("http://a", "it served wrong bytes")
+        assert peers._skipped("http://a") and not peers._skipped("http://b")
+        clock.advance(BAD_PEER_SECONDS - 1)
+        assert peers._skipped("http://a")
+        clock.advance(2)
+        assert not peers._skipped("http://a")
+    finally:
+        peers.close()
+
+
+def test_claims_are_released_only_by_their_owner(tmp_path: Path) -> None:
+    peers = Peers(settings(), discovery=_NoDiscovery([]))
+    try:
+        first = peers.claim(HEX, tmp_path / "p", 10)
+        second = peers.claim(HEX, tmp_path / "p", 10)
+        assert first != second
+        peers.release(HEX, first)  # a stale owner does not end the newer download
+        d = peers.downloading(HEX)
+        assert d is not None and d.claim == second and d.size == 10
+        peers.release(HEX, second)
+        assert peers.downloading(HEX) is None
+        assert peers.sources(HEX, 10, None) == []  # nobody to ask
+    finally:
+        peers.close()
