@@ -1,0 +1,178 @@
+"""Cold fetch: weightcache vs s5cmd vs `aws s3 sync` vs the rclone recipe, one node, empty disk.
+
+    python benchmarks/cold_fetch.py --size 1G [--rounds 5] [--json out.json]
+
+Generates one model (4 random shards + config.json + tokenizer.json + SHA256SUMS), uploads it
+once to a throwaway SeaweedFS on loopback, then runs the tools interleaved, A B C D A B C D ...,
+each run into a fresh empty directory on the same disk, removed (and `sync`ed) afterwards.
+Reports medians per tool and, per pair, the median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import benchlib as bl
+import measure as ms
+
+from weightcache.devstore import LocalStore
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size", default="1G", help="total shard bytes (binary units): 1G, 4G, 256M")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument(
+        "--tools",
+        default=",".join(bl.TOOLS),
+        help="comma-separated, in run order (default: all). Unavailable tools are skipped "
+        "with a warning unless --require",
+    )
+    p.add_argument("--require", action="store_true", help="fail if a listed tool is unavailable")
+    p.add_argument(
+        "--baseline", default="weightcache", help="ratios are baseline/other (default weightcache)"
+    )
+    p.add_argument(
+        "--wc-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `weightcache fetch`, repeatable: --wc-arg=--max-concurrency=8",
+    )
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run before kill")
+    bl.add_rev_option(p)
+    p.add_argument("--workdir", type=Path, help="scratch directory (default: a new temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the workdir (model, store, logs)")
+    p.add_argument("--json", type=Path, help="write every run and the summary here")
+    return p.parse_args()
+
+
+def run_rounds(
+    args: argparse.Namespace,
+    tools: dict[str, list[str]],
+    model: bl.Model,
+    store: LocalStore,
+    workdir: Path,
+) -> list[ms.Run]:
+    env = bl.peer_env(store.endpoint_url, store.env)
+    runs: list[ms.Run] = []
+    for rnd in range(1, args.rounds + 1):
+        for tool, exe in tools.items():
+            dest = workdir / "dest" / f"{tool}-r{rnd}"
+            dest.mkdir(parents=True)
+            argv = bl.fetch_command(tool, exe, model, store.endpoint_url, dest, args.wc_arg)
+            run = ms.run_measured(tool, argv, env, workdir / "logs" / f"{tool}-r{rnd}",
+                                  timeout=args.timeout)  # fmt: skip
+            if run.returncode != 0:
+                run.problem = f"exit {run.returncode}: {run.stderr_tail.strip()[-300:]}"
+            else:
+                run.problem = bl.check_tree(bl.ready_dir(tool, model, dest), model)
+            run.round = rnd
+            runs.append(run)
+            status = "ok" if run.ok else f"FAILED ({run.problem})"
+            bl.log(
+                f"round {rnd} {tool:12s} {run.wall_s:7.2f} s wall {run.cpu_s:7.2f} s cpu "
+                f"{run.maxrss_mib:7.1f} MiB rss  {status}"
+            )
+            bl.drop_dir(dest)
+    return runs
+
+
+def summarize(
+    runs: list[ms.Run], tools: list[str], baseline: str, size: int
+) -> tuple[str, dict[str, object]]:
+    ok = [r for r in runs if r.ok]
+    per_tool: dict[str, dict[str, float]] = {}
+    rows = []
+    for tool in tools:
+        mine = [r for r in ok if r.tool == tool]
+        walls = [r.wall_s for r in mine]
+        stats = {
+            "runs_ok": len(mine),
+            "runs_failed": sum(1 for r in runs if r.tool == tool and not r.ok),
+            "wall_s": ms.median(walls),
+            "wall_p90_s": ms.p90(walls),
+            "cpu_s": ms.median([r.cpu_s for r in mine]),
+            "maxrss_mib": ms.median([r.maxrss_mib for r in mine]),
+            "throughput_mib_s": size / (1 << 20) / ms.median(walls) if walls else float("nan"),
+        }
+        per_tool[tool] = stats
+        rows.append([
+            tool, f"{stats['runs_ok']}/{stats['runs_ok'] + stats['runs_failed']}",
+            ms.fmt_num(stats["wall_s"]), ms.fmt_num(stats["wall_p90_s"]),
+            ms.fmt_num(stats["throughput_mib_s"], 0), ms.fmt_num(stats["cpu_s"]),
+            ms.fmt_num(stats["maxrss_mib"], 1),
+        ])  # fmt: skip
+    text = ms.md_table(
+        ["tool", "ok", "wall s (median)", "wall s (p90)", "MiB/s", "CPU s", "peak RSS MiB"], rows
+    )
+    ratios: dict[str, dict[str, float]] = {}
+    if baseline in tools:
+        ratio_rows = []
+        for other in (t for t in tools if t != baseline):
+            pair = {}
+            for metric in ("wall_s", "cpu_s", "maxrss_mib"):
+                per_round = []
+                for rnd in sorted({r.round for r in ok}):
+                    a = [r for r in ok if r.tool == baseline and r.round == rnd]
+                    b = [r for r in ok if r.tool == other and r.round == rnd]
+                    if a and b and getattr(b[0], metric) > 0:
+                        per_round.append(getattr(a[0], metric) / getattr(b[0], metric))
+                pair[metric] = ms.median(per_round)
+            ratios[f"{baseline}/{other}"] = pair
+            ratio_rows.append([
+                f"{baseline}/{other}", ms.fmt_num(pair["wall_s"]) + "x",
+                ms.fmt_num(pair["cpu_s"]) + "x", ms.fmt_num(pair["maxrss_mib"]) + "x",
+            ])  # fmt: skip
+        text += "\n\nMedian of per-round ratios (below 1 means the baseline is faster/cheaper):\n\n"
+        text += ms.md_table(["pair", "wall", "CPU", "peak RSS"], ratio_rows)
+    else:
+        text += f"\n\n(no ratios: baseline {baseline!r} did not run)"
+    return text, {"per_tool": per_tool, "ratios": ratios}
+
+
+def main() -> None:
+    args = parse_args()
+    bl.use_rev(args.weightcache_rev)
+    size = bl.parse_size(args.size)
+    wanted = [t.strip() for t in args.tools.split(",") if t.strip()]
+    tools, missing = bl.available_tools(wanted, required=args.require)
+    if not tools:
+        raise SystemExit("no tool to run")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-cold-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    info = bl.machine_info(workdir)
+    versions = {t: bl.tool_version(t, exe) for t, exe in tools.items()}
+    bl.log(f"workdir {workdir}; tools {versions}")
+    try:
+        model = bl.make_model(workdir / "model", size, name=f"cold-{args.size.lower()}")
+        bl.log(
+            f"model {model.prefix}: {bl.fmt_size(model.total_bytes)} in {len(model.files)} files"
+        )
+        with LocalStore(workdir / "store") as store:
+            secs = bl.upload_model(model, store.endpoint_url, store.env)
+            bl.log(f"uploaded to {store.endpoint_url} in {secs:.1f} s")
+            runs = run_rounds(args, tools, model, store, workdir)
+    finally:
+        if not args.keep:
+            bl.drop_dir(workdir)
+    text, summary = summarize(runs, list(tools), args.baseline, model.total_bytes)
+    header = (
+        f"cold fetch of {bl.fmt_size(model.total_bytes)} ({len(model.files)} files), "
+        f"{args.rounds} interleaved rounds; {bl.machine_line(info)}"
+    )
+    print(f"{header}\n\n{text}")
+    if missing:
+        print("\nnot run: " + "; ".join(f"{t} ({why})" for t, why in missing.items()))
+    if args.json:
+        ms.write_json(args.json, {
+            "benchmark": "cold_fetch", "machine": info, "versions": versions,
+            "params": {**vars(args), "size_bytes": size, "model_bytes": model.total_bytes},
+            "missing": missing, "summary": summary, "runs": [r.as_dict() for r in runs],
+        })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
