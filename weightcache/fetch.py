@@ -215,6 +215,7 @@ class Fetcher:
                     if held is not None:
                         held.release()
             pending = [e for e in theirs if not self.store.has_blob(e.sha256)]
+        self.store.sync_blobs()
         return fetched
 
     def _holder_stalled(self) -> Callable[[], bool]:

@@ -108,14 +108,22 @@ class Store:
     # -- blobs ---------------------------------------------------------------------------------
 
     def publish_blob(self, partial: Path, sha256: str) -> Path:
-        """Move a verified, fsynced partial into the blob store (atomic, idempotent)."""
+        """Move a verified, fsynced partial into the blob store (atomic, idempotent).
+
+        The blobs directory is not fsynced here (see `sync_blobs`): a revision holds its own
+        links, fsynced before its marker can exist, so losing a blob's name in a power cut
+        costs a download, never correctness.
+        """
         blob = self.layout.blob(sha256)
         os.chmod(partial, 0o444)
         os.replace(partial, blob)
-        _fsync_dir(blob.parent)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial.with_name(partial.name + ".json"))
         return blob
+
+    def sync_blobs(self) -> None:
+        """Make the names of newly published blobs durable (once per batch)."""
+        _fsync_dir(self.layout.blobs)
 
     def discard_partial(self, partial: Path) -> None:
         for p in (partial, partial.with_name(partial.name + ".json")):
