@@ -20,6 +20,7 @@ import click
 
 from weightcache.config import (
     Capacity,
+    PeerSettings,
     Source,
     StoreSettings,
     parse_duration,
@@ -206,6 +207,12 @@ def main(verbose: int, quiet: bool) -> None:
     envvar=_env("daemon"),
     help="Let the node daemon download when it runs (default) or fetch alone.",
 )
+@click.option(
+    "--progress-interval",
+    envvar=_env("progress-interval"),
+    callback=_converter(parse_duration, "--progress-interval"),
+    help="Seconds between progress reports (default: 0.5s on a TTY, else 10s).",
+)
 @reports_errors
 def fetch(
     source: str,
@@ -215,6 +222,7 @@ def fetch(
     as_json: bool,
     pod_uid: str | None,
     use_daemon: bool,
+    progress_interval: float | None,
     **store: Any,
 ) -> None:
     """Make SOURCE ready in the cache and print its local path (InitContainer mode)."""
@@ -232,7 +240,7 @@ def fetch(
 
         notify_hit(layout.socket, src, pod_uid)
     if result is None:
-        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon)
+        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon, progress_interval)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     else:
@@ -240,7 +248,12 @@ def fetch(
 
 
 def _fetch_miss(
-    layout: Any, settings: StoreSettings, src: Source, pod_uid: str | None, use_daemon: bool
+    layout: Any,
+    settings: StoreSettings,
+    src: Source,
+    pod_uid: str | None,
+    use_daemon: bool,
+    progress_interval: float | None,
 ) -> Any:
     from weightcache.coord import ask_daemon
     from weightcache.fetch import Fetcher, FetchResult
@@ -251,7 +264,7 @@ def _fetch_miss(
         if answer is not None:
             answer.pop("throughput", None)
             return FetchResult(**answer)
-    progress = Progress(src.label, 0)
+    progress = Progress(src.label, 0, interval=progress_interval)
     fetcher = Fetcher(layout, settings, observer=progress)
     try:
         return fetcher.fetch(src, pod_uid)
@@ -440,8 +453,6 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
 def daemon(cache_dir: Path, metrics_addr: str, **kw: Any) -> None:
     """Run the node agent: prefetch, evict, coordinate fetches, serve metrics and peers."""
     import signal
-
-    from weightcache.peers import PeerSettings
 
     peer = PeerSettings.from_options(*(kw.pop(k) for k in (
         "peer_addr", "peer_token", "peer_upload_limit", "peer_list", "peer_service")))  # fmt: skip

@@ -8,7 +8,7 @@ rclone and s5cmd; `KB`, `MB`, `GB`, `TB` are powers of 1000.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weightcache.errors import UsageError
 
@@ -163,3 +163,77 @@ class Source:
 
     def key(self, relpath: str) -> str:
         return f"{self.prefix}/{relpath}"
+
+
+def parse_hostport(text: str, what: str, allow_zero: bool = False) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port). Raises UsageError naming `what`."""
+    host, _, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    low = 0 if allow_zero else 1
+    if not port.isdigit() or not low <= int(port) <= 65535 or (not host and not allow_zero):
+        raise UsageError(f"invalid {what} {text!r}: use HOST:PORT, such as 10.0.0.7:9401")
+    return host, int(port)
+
+
+#: Printable ASCII without spaces (a valid header value), long enough not to be guessed.
+_PEER_TOKEN = re.compile(r"[\x21-\x7e]{16,}")
+#: 1 GiB/s = 8.6 Gbit/s: a fraction of a GPU node's NIC, so that serving peers never starves
+#: the node's own downloads and inference traffic.
+DEFAULT_PEER_UPLOAD_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """Peer-to-peer for one daemon; the daemon runs without peers when this is None."""
+
+    #: Where this node serves its blobs: ("0.0.0.0", 9401) in the DaemonSet.
+    listen: tuple[str, int]
+    #: The shared secret every peer request carries (from a Secret); 16+ printable chars.
+    token: str = field(repr=False)
+    #: Bytes per second uploaded to peers, all requests together; None: unlimited.
+    upload_limit: int | None = DEFAULT_PEER_UPLOAD_LIMIT
+    #: The other daemons as (host, port), for tests and small clusters; self is skipped.
+    static: tuple[tuple[str, int], ...] = ()
+    #: (DNS name, port) of the headless Service whose addresses are the daemons.
+    service: tuple[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not _PEER_TOKEN.fullmatch(self.token):
+            raise UsageError(
+                "invalid --peer-token: use at least 16 printable characters without spaces, "
+                "such as the output of `openssl rand -hex 32`"
+            )
+        if self.static and self.service:
+            raise UsageError("use either --peers or --peer-service to find peers, not both")
+        if self.upload_limit is not None and self.upload_limit <= 0:
+            raise UsageError("invalid --peer-upload-limit: it must be more than zero")
+
+    @classmethod
+    def from_options(
+        cls,
+        addr: str | None,
+        token: str | None,
+        upload_limit: int | None,
+        peers: str | None,
+        service: str | None,
+    ) -> PeerSettings | None:
+        """The settings from the daemon's options; None when --peer-addr is not given."""
+        if addr is None:
+            if peers or service:
+                raise UsageError("--peers and --peer-service need --peer-addr to be set")
+            return None
+        if not token:
+            raise UsageError(
+                "--peer-addr needs --peer-token (set WEIGHTCACHE_PEER_TOKEN from a Secret): "
+                "without it anyone who reaches the port could read the cache"
+            )
+        static = tuple(
+            parse_hostport(p, "--peers entry") for p in (peers or "").split(",") if p.strip()
+        )
+        return cls(
+            listen=parse_hostport(addr, "--peer-addr", allow_zero=True),
+            token=token.strip(),
+            upload_limit=upload_limit,
+            static=static,
+            service=parse_hostport(service, "--peer-service") if service else None,
+        )

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from weightcache import coord, eviction, labels
-from weightcache.config import Capacity, Source, StoreSettings
+from weightcache.config import Capacity, PeerSettings, Source, StoreSettings
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 from weightcache.eviction import Watermarks
 from weightcache.fetch import Fetcher, FetchResult
@@ -37,7 +37,7 @@ from weightcache.index import Index
 from weightcache.layout import Layout
 from weightcache.metrics import Metrics
 from weightcache.models import DesiredState, load
-from weightcache.peers import Peers, PeerServer, PeerSettings
+from weightcache.peers import Peers, PeerServer
 from weightcache.progress import human
 from weightcache.store import Store
 

@@ -1,27 +1,22 @@
 """Peer-to-peer blob sharing between node daemons (SPEC §8): server, discovery, client.
 
-Server: `GET|HEAD /blobs/sha256/<64 hex>` on `--peer-addr`, nothing else. Every request
-carries `Authorization: Bearer <--peer-token>` (compared in constant time); one `Range`
-(`bytes=a-b`, `a-`, `-n`) is honoured. A blob is read from `DIR/.weightcache/blobs/sha256/
-<hex>` (a regular file, never through a symlink). A blob this node is downloading right now
-(`claim()`ed by its Fetcher) is served from `tmp/<hex>.part`, but only the prefix of parts
-its `.part.json` records as written; a GET ahead of that prefix waits for it to grow, up to
-`PARTIAL_WAIT` seconds without growth. Uploads share one token bucket (`--peer-upload-limit`)
-and at most `MAX_REQUESTS` run at once, so serving peers never starves the node's own work.
+Server: `GET|HEAD /blobs/sha256/<64 hex>` and nothing else, each request with `Authorization:
+Bearer <token>` (constant-time compare), one `Range` honoured. Blobs are read from the blob
+store (regular files, never through a symlink); a blob this node is downloading right now
+(`claim()`ed by its Fetcher) from `tmp/<hex>.part`, only the prefix of parts its `.part.json`
+records as written, a GET ahead of it waiting up to PARTIAL_WAIT for it to grow. One token
+bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads.
 
-Nothing a peer sends is trusted: the receiving node hashes every blob and publishes it only
-if its sha256 is the manifest's, exactly as for the origin. A prefix served from a partial is
-not verified on its own (a sha256 covers the whole blob); the receiver's whole-blob check is
-what keeps a corrupt piece, from a lying peer or from a seeder's own corrupt download, out of
-the cache. A mismatch marks that peer bad for `BAD_PEER_SECONDS` and the blob comes from the
+Nothing a peer sends is trusted: the receiver hashes every blob and publishes it only if its
+sha256 is the manifest's, exactly as for the origin. A prefix served from a partial is not
+verified on its own; the receiver's whole-blob check keeps a corrupt piece (from a lying peer
+or a seeder's own corrupt download) out of the cache, marks that peer bad and goes to the
 origin.
 
-Who goes to the origin when many cold nodes start at once: each node `claim()`s a blob (wall
-clock time plus a random nonce) before looking for peers, and follows only peers holding it
-complete or claiming it earlier than itself. Of nodes that claim it at about the same time,
-the earliest finds nobody to follow and downloads from the origin; the others stream from
-it (or from one another) as its prefix grows. With clocks off by more than the gap between
-two claims, both may go to the origin: more traffic, never wrong data.
+A burst of cold nodes: each node claims a blob (wall clock + nonce) before asking peers and
+follows only peers holding it complete or claiming it earlier (`rank`). The earliest finds
+nobody and goes to the origin; the others stream from it as its prefix grows. Clocks off by
+more than the gap between two claims only cost a second origin download, never wrong data.
 """
 
 from __future__ import annotations
@@ -41,11 +36,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
 
+from weightcache.config import PeerSettings
 from weightcache.errors import UsageError
 from weightcache.layout import Layout
 from weightcache.transfer.pacing import TokenBucket
@@ -54,7 +50,6 @@ from weightcache.transfer.parts import PartState
 log = logging.getLogger(__name__)
 
 BLOB_PATH = re.compile(r"/blobs/sha256/([0-9a-f]{64})")
-_TOKEN = re.compile(r"[\x21-\x7e]{16,}")  # printable ASCII, no spaces: a valid header value
 CHUNK = 256 << 10  # bytes per read and per token-bucket debit when uploading
 HEAD_TIMEOUT = 1.0  # a peer that cannot answer a HEAD in a second is not worth waiting for
 PARTIAL_WAIT = 20.0  # below the downloader's 30 s socket timeout, so the receiver sees a cut
@@ -63,80 +58,9 @@ BAD_PEER_SECONDS = 600.0  # a peer that served wrong bytes is not asked again fo
 DOWN_PEER_SECONDS = 10.0  # nor one that did not answer, for this long
 DNS_REFRESH = 5.0  # seconds between lookups of the Service name
 PEER_ATTEMPTS = 3  # failed requests without progress before a blob falls back to the origin
-DEFAULT_UPLOAD_LIMIT = 1 << 30  # 1 GiB/s = 8.6 Gbit/s: well under a GPU node's NIC
 REFUSAL_REASONS = ("no_token", "bad_token", "bad_path", "not_found", "bad_range", "method",
                    "busy")  # fmt: skip
 _WILDCARDS = ("", "0.0.0.0", "::")
-
-
-# -- settings ---------------------------------------------------------------------------------
-
-
-def parse_hostport(text: str, what: str, allow_zero: bool = False) -> tuple[str, int]:
-    """`host:port` or `[v6]:port` -> (host, port). Raises UsageError naming `what`."""
-    host, _, port = text.strip().rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    low = 0 if allow_zero else 1
-    if not port.isdigit() or not low <= int(port) <= 65535 or (not host and not allow_zero):
-        raise UsageError(f"invalid {what} {text!r}: use HOST:PORT, such as 10.0.0.7:9401")
-    return host, int(port)
-
-
-@dataclass(frozen=True)
-class PeerSettings:
-    """Peer-to-peer for one daemon; the daemon runs without peers when this is None."""
-
-    #: Where this node serves its blobs: ("0.0.0.0", 9401) in the DaemonSet.
-    listen: tuple[str, int]
-    #: The shared secret every peer request carries (from a Secret); 16+ printable chars.
-    token: str = field(repr=False)
-    #: Bytes per second uploaded to peers, all requests together; None: unlimited.
-    upload_limit: int | None = DEFAULT_UPLOAD_LIMIT
-    #: The other daemons as (host, port), for tests and small clusters; self is skipped.
-    static: tuple[tuple[str, int], ...] = ()
-    #: (DNS name, port) of the headless Service whose addresses are the daemons.
-    service: tuple[str, int] | None = None
-
-    def __post_init__(self) -> None:
-        if not _TOKEN.fullmatch(self.token):
-            raise UsageError(
-                "invalid --peer-token: use at least 16 printable characters without spaces, "
-                "such as the output of `openssl rand -hex 32`"
-            )
-        if self.static and self.service:
-            raise UsageError("use either --peers or --peer-service to find peers, not both")
-        if self.upload_limit is not None and self.upload_limit <= 0:
-            raise UsageError("invalid --peer-upload-limit: it must be more than zero")
-
-    @classmethod
-    def from_options(
-        cls,
-        addr: str | None,
-        token: str | None,
-        upload_limit: int | None,
-        peers: str | None,
-        service: str | None,
-    ) -> PeerSettings | None:
-        """The settings from the daemon's options; None when --peer-addr is not given."""
-        if addr is None:
-            if peers or service:
-                raise UsageError("--peers and --peer-service need --peer-addr to be set")
-            return None
-        if not token:
-            raise UsageError(
-                "--peer-addr needs --peer-token (set WEIGHTCACHE_PEER_TOKEN from a Secret): "
-                "without it anyone who reaches the port could read the cache"
-            )
-        static = tuple(
-            parse_hostport(p, "--peers entry") for p in (peers or "").split(",") if p.strip()
-        )
-        return cls(
-            listen=parse_hostport(addr, "--peer-addr", allow_zero=True),
-            token=token.strip(),
-            upload_limit=upload_limit,
-            static=static,
-            service=parse_hostport(service, "--peer-service") if service else None,
-        )
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -372,11 +296,8 @@ class Peers:
         finally:
             conn.close()
         if resp.status in (401, 403):
-            log.warning(
-                "peer %s refused our token (HTTP %d); give every daemon the same --peer-token",
-                peer,
-                resp.status,
-            )
+            log.warning("peer %s refused our token (HTTP %d); give every daemon the same "
+                        "--peer-token", peer, resp.status)  # fmt: skip
             self._avoid_for(peer, DOWN_PEER_SECONDS)
             return None
         if resp.getheader("X-Weightcache-Node") == self.node_id:
@@ -586,8 +507,9 @@ def _make_handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
             server.serve(self, head=True)
 
         def refuse_method(self) -> None:
-            self.close_connection = True
-            server._refuse(self, 405, "method", head=False, headers={"Allow": "GET, HEAD"})
+            self.close_connection = True  # its body, if any, is not read
+            with contextlib.suppress(OSError):
+                server._refuse(self, 405, "method", head=False, headers={"Allow": "GET, HEAD"})
 
         do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = refuse_method
 

@@ -22,8 +22,8 @@ import pytest
 
 from tests.conftest import CLI, Published
 from tests.integration.daemon_helpers import (
-    Daemons,
     DaemonProc,
+    Daemons,
     MiB,
     daemons,  # noqa: F401 - fixture
     wait_for,

@@ -244,3 +244,96 @@ def test_guide_links_within_itself_resolve() -> None:
     anchors = {_github_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", guide, flags=re.M)}
     for link in re.findall(r"\]\(#([^)]+)\)", guide):
         assert link in anchors, f"docs/deploy.md links to #{link}, which is no heading"
+
+
+# -- peer-to-peer (SPEC §8) ---------------------------------------------------------------------
+
+
+def test_daemon_serves_peers_with_a_required_token_secret(daemonset: Any) -> None:
+    daemon = _daemon(daemonset)
+    host, _, port = daemon.option("--peer-addr").rpartition(":")
+    assert host == "0.0.0.0", "the peer port must listen on the Pod IP for the other nodes"
+    assert int(port) == daemon.port("peer") == 9401
+    daemon.option("--peer-upload-limit")  # an explicit upload budget, once
+    # The token never appears in the manifests: it comes from a Secret that must exist.
+    assert not any(a == "--peer-token" or a.startswith("--peer-token=") for a in daemon.argv)
+    env = daemon.env("WEIGHTCACHE_PEER_TOKEN")
+    assert env is not None, "the daemon gets no peer token"
+    ref = env["valueFrom"]["secretKeyRef"]
+    assert ref["name"] and ref["key"] and ref.get("optional") is False, ref
+
+
+def test_peers_are_found_through_the_headless_service(daemonset: Any) -> None:
+    daemon, svc = _daemon(daemonset), daemonset.one("Service")
+    name, _, port = daemon.option("--peer-service").rpartition(":")
+    namespace = daemonset.one("DaemonSet")["metadata"]["namespace"]
+    fqdn = name.replace("$(POD_NAMESPACE)", namespace)
+    assert fqdn.split(".")[0] == svc["metadata"]["name"], f"{name} is not the Service"
+    assert fqdn in (svc["metadata"]["name"], f"{svc['metadata']['name']}.{namespace}.svc")
+    assert daemon.env("POD_NAMESPACE") is not None or "$(" not in name
+    peer = next(p for p in svc["spec"]["ports"] if p["name"] == "peer")
+    assert int(port) == peer["port"]
+    # Headless and publishing not-ready Pods: a node still prefetching serves what it has.
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+
+
+def _admits(rule: dict[str, Any], port: str | int, container: Any) -> bool:
+    """Whether an ingress rule covers a port (by name or number); no `ports` covers all."""
+    ports = rule.get("ports")
+    if not ports:
+        return True
+    names = {port, container.port(port)} if isinstance(port, str) else {port}
+    return any(p.get("port") in names or "port" not in p for p in ports)
+
+
+def _peer_port_problems(policy: dict[str, Any], daemonset: Any) -> list[str]:
+    """What is wrong with the policy's admission of the peer port (empty: nothing)."""
+    problems = []
+    daemon = _daemon(daemonset)
+    ds = daemonset.one("DaemonSet")
+    labels, ds_selector = ds["spec"]["template"]["metadata"]["labels"], ds["spec"]["selector"]
+    for i, rule in enumerate(policy["spec"].get("ingress", [])):
+        if not _admits(rule, "peer", daemon):
+            continue
+        sources = rule.get("from")
+        if not sources:
+            problems.append(f"ingress[{i}] admits the peer port from anywhere")
+            continue
+        for source in sources:
+            selector = source.get("podSelector", {}).get("matchLabels")
+            if set(source) != {"podSelector"} or not selector:
+                problems.append(f"ingress[{i}] admits the peer port from {source}")
+            elif not selector.items() <= labels.items():
+                problems.append(f"ingress[{i}] admits Pods other than the daemons: {selector}")
+            elif not ds_selector["matchLabels"].items() <= selector.items():
+                problems.append(f"ingress[{i}] selects more Pods than the DaemonSet's")
+    return problems
+
+
+def test_network_policy_admits_the_peer_port_only_from_daemon_pods(daemonset: Any) -> None:
+    policy = daemonset.one("NetworkPolicy")
+    ds = daemonset.one("DaemonSet")
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    assert policy["metadata"].get("namespace") == ds["metadata"].get("namespace")
+    assert not _peer_port_problems(policy, daemonset)
+    daemon = _daemon(daemonset)
+    rules = policy["spec"]["ingress"]
+    assert any(_admits(r, "peer", daemon) for r in rules), "nobody may reach the peer port"
+    # Prometheus must still scrape (the probes come from the node, which is always allowed).
+    assert any(_admits(r, "metrics", daemon) for r in rules), "the metrics port is closed"
+
+
+def test_network_policy_check_catches_an_open_peer_port(daemonset: Any) -> None:
+    """Negative control: the check above flags a policy that opens the peer port wider."""
+    policy = daemonset.one("NetworkPolicy")
+    for extra in (
+        {"ports": [{"port": "peer", "protocol": "TCP"}]},
+        {"from": [{"namespaceSelector": {}}], "ports": [{"port": 9401}]},
+        {"from": [{"podSelector": {"matchLabels": {"app": "vllm"}}}]},
+        {"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP"}]},
+    ):
+        wider = yaml.safe_load(yaml.safe_dump(policy))
+        wider["spec"]["ingress"].append(extra)
+        assert _peer_port_problems(wider, daemonset), extra

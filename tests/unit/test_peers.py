@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from weightcache.config import PeerSettings, parse_hostport
 from weightcache.errors import UsageError
 from weightcache.peers import (
     BAD_PEER_SECONDS,
@@ -18,8 +19,6 @@ from weightcache.peers import (
     Discovery,
     Holding,
     Peers,
-    PeerSettings,
-    parse_hostport,
     parse_range,
     partial_prefix,
     peer_url,
