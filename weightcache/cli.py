@@ -24,93 +24,22 @@ from weightcache.config import (
     Source,
     StoreSettings,
     parse_duration,
-    parse_rate,
     parse_size,
 )
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
+from weightcache.options import (
+    cache_dir_option,
+    capacity_option,
+    converter,
+    env,
+    node_options,
+    peer_options,
+    settings_from,
+    store_options,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("weightcache")
-
-
-def _env(option: str) -> str:
-    return "WEIGHTCACHE_" + option.upper().replace("-", "_")
-
-
-def _converter(parse: Callable[[str, str], Any], what: str) -> Callable[..., Any]:
-    def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
-        if value is None:
-            return None
-        try:
-            return parse(value, what)
-        except UsageError as e:
-            raise click.BadParameter(str(e)) from e
-
-    return convert
-
-
-def store_options(fn: F) -> F:
-    """The object-store options every store-facing command shares."""
-    options = [
-        click.option(
-            "--endpoint-url",
-            envvar=[_env("endpoint-url"), "AWS_ENDPOINT_URL"],
-            help="S3-compatible endpoint (default: the AWS chain's).",
-        ),
-        click.option(
-            "--bwlimit",
-            envvar=_env("bwlimit"),
-            callback=_converter(parse_rate, "--bwlimit"),
-            help="Bytes per second over all connections, e.g. 2G (default: none).",
-        ),
-        click.option(
-            "--max-concurrency",
-            envvar=_env("max-concurrency"),
-            type=int,
-            default=StoreSettings.max_concurrency,
-            show_default=True,
-            help="Ranged GETs in flight at most.",
-        ),
-        click.option(
-            "--part-size",
-            envvar=_env("part-size"),
-            default="16MiB",
-            show_default=True,
-            callback=_converter(parse_size, "--part-size"),
-            help="Size of each ranged GET.",
-        ),
-        click.option(
-            "--timeout",
-            envvar=_env("timeout"),
-            default="5m",
-            show_default=True,
-            callback=_converter(parse_duration, "--timeout"),
-            help="Give up (exit 6) after this long without a byte from the store.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def cache_dir_option(fn: F) -> F:
-    return click.option(
-        "--cache-dir",
-        envvar=_env("cache-dir"),
-        required=True,
-        type=click.Path(file_okay=False, path_type=Path),
-        help="The node's cache directory.",
-    )(fn)
-
-
-def settings_from(kw: dict[str, Any]) -> StoreSettings:
-    return StoreSettings(
-        endpoint_url=kw.pop("endpoint_url") or None,
-        bwlimit=kw.pop("bwlimit"),
-        max_concurrency=kw.pop("max_concurrency"),
-        part_size=kw.pop("part_size"),
-        timeout=kw.pop("timeout"),
-    )
 
 
 def reports_errors(fn: F) -> F:
@@ -182,35 +111,35 @@ def main(verbose: int, quiet: bool) -> None:
 @click.argument("source")
 @cache_dir_option
 @click.option(
-    "--name", envvar=_env("name"), help="Model name (default: SOURCE's next-to-last segment)."
+    "--name", envvar=env("name"), help="Model name (default: SOURCE's next-to-last segment)."
 )
 @click.option(
-    "--revision", envvar=_env("revision"), help="Revision (default: SOURCE's last segment)."
+    "--revision", envvar=env("revision"), help="Revision (default: SOURCE's last segment)."
 )
 @store_options
 @click.option(
     "--json",
     "as_json",
     is_flag=True,
-    envvar=_env("json"),
+    envvar=env("json"),
     help="Print one JSON object (path, hit, bytes_from_origin, seconds, throughput).",
 )
 @click.option(
     "--pod-uid",
-    envvar=["POD_UID", _env("pod-uid")],
+    envvar=["POD_UID", env("pod-uid")],
     help="The Pod's UID (downward API); leases the revision while the Pod lives.",
 )
 @click.option(
     "--daemon/--no-daemon",
     "use_daemon",
     default=True,
-    envvar=_env("daemon"),
+    envvar=env("daemon"),
     help="Let the node daemon download when it runs (default) or fetch alone.",
 )
 @click.option(
     "--progress-interval",
-    envvar=_env("progress-interval"),
-    callback=_converter(parse_duration, "--progress-interval"),
+    envvar=env("progress-interval"),
+    callback=converter(parse_duration, "--progress-interval"),
     help="Seconds between progress reports (default: 0.5s on a TTY, else 10s).",
 )
 @reports_errors
@@ -289,88 +218,7 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
 # -- node agent -------------------------------------------------------------------------------
 
 
-def node_options(fn: F) -> F:
-    """Options shared by `daemon` and `prefetch`."""
-    options = [
-        click.option(
-            "--models",
-            "models_file",
-            envvar=_env("models"),
-            required=True,
-            type=click.Path(dir_okay=False, path_type=Path),
-            help="The models file (SPEC 2.3), usually a mounted ConfigMap.",
-        ),
-        click.option(
-            "--high-watermark",
-            envvar=_env("high-watermark"),
-            type=float,
-            default=0.95,
-            show_default=True,
-            help="Evict when usage passes this fraction of --capacity...",
-        ),
-        click.option(
-            "--low-watermark",
-            envvar=_env("low-watermark"),
-            type=float,
-            default=0.85,
-            show_default=True,
-            help="...down to this fraction.",
-        ),
-        click.option(
-            "--kubelet-pods-dir",
-            envvar=_env("kubelet-pods-dir"),
-            default="/var/lib/kubelet/pods",
-            show_default=True,
-            type=click.Path(file_okay=False, path_type=Path),
-            help="Read-only kubelet pod directories: a lease ends when its Pod's "
-            "directory is gone.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def peer_options(fn: F) -> F:
-    """Peer-to-peer between node daemons (SPEC §8); off unless --peer-addr is given."""
-    options = [
-        click.option(
-            "--peer-addr",
-            envvar=_env("peer-addr"),
-            help="HOST:PORT to serve blobs to the other nodes' daemons, and fetch from them.",
-        ),
-        click.option(
-            "--peer-token",
-            envvar=_env("peer-token"),
-            help="Secret every peer request must carry (required with --peer-addr); set "
-            "WEIGHTCACHE_PEER_TOKEN from a Secret rather than putting it on the command line.",
-        ),
-        click.option(
-            "--peer-upload-limit",
-            envvar=_env("peer-upload-limit"),
-            default="1G",
-            show_default=True,
-            callback=_converter(parse_rate, "--peer-upload-limit"),
-            help="Bytes per second served to peers, all together.",
-        ),
-        click.option(
-            "--peers",
-            "peer_list",
-            envvar=_env("peers"),
-            help="Static peers HOST:PORT,... (tests, small clusters); this node's own is skipped.",
-        ),
-        click.option(
-            "--peer-service",
-            envvar=_env("peer-service"),
-            help="NAME:PORT of the headless Service whose DNS addresses are the peers.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
+def _daemon(cache_dir: Path, store: StoreSettings, **kw: Any) -> Any:
     from weightcache.daemon import Daemon, DaemonSettings
     from weightcache.eviction import Watermarks
     from weightcache.layout import Layout
@@ -380,39 +228,28 @@ def _daemon(cache_dir: Path, store: dict[str, Any], **kw: Any) -> Any:
     except ValueError as e:
         raise UsageError(f"invalid watermarks: {e}") from e
     settings = DaemonSettings(watermarks=watermarks, **kw)
-    return Daemon(Layout.open(cache_dir), settings_from(store), settings)
+    return Daemon(Layout.open(cache_dir), store, settings)
 
 
 @main.command()
 @cache_dir_option
 @node_options
-@click.option(
-    "--capacity",
-    envvar=_env("capacity"),
-    callback=_converter(lambda text, _: Capacity.parse(text), "--capacity"),
-    help="Optional bound while prefetching: bytes (500G) or percent (85%).",
-)
+@capacity_option(False, "Optional bound while prefetching: bytes (500G) or percent (85%).")
 @store_options
 @reports_errors
 def prefetch(cache_dir: Path, **kw: Any) -> None:
     """Converge once to the models file, then exit 0 when every listed revision is ready."""
-
-    store = {
-        k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency", "part_size", "timeout")
-    }
-    daemon = _daemon(cache_dir, store, **kw)
+    daemon = _daemon(cache_dir, settings_from(kw), **kw)
     daemon.reload()
     if not daemon.desired.models and not daemon.desired.problems:
         log.warning("the models file %s lists no models", kw["models_file"])
     daemon.converge_once()
     errors: list[WeightcacheError] = [UsageError(p) for p in daemon.desired.problems]
     errors += list(daemon.failures.values())
-    for spec in daemon.desired.models:
-        click.echo(
-            str(daemon.layout.revision_dir(spec.source.name, spec.source.revision))
-            if (spec.source.name, spec.source.revision) not in daemon.failures
-            else ""
-        )
+    for spec in daemon.desired.models:  # stdout: the path of every ready revision
+        key = (spec.source.name, spec.source.revision)
+        if key not in daemon.failures:
+            click.echo(daemon.layout.revision_dir(*key))
     if errors:
         raise errors[0]
 
@@ -420,31 +257,25 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
 @main.command()
 @cache_dir_option
 @node_options
-@click.option(
-    "--capacity",
-    envvar=_env("capacity"),
-    callback=_converter(lambda text, _: Capacity.parse(text), "--capacity"),
-    required=True,
-    help="Cache bound: bytes (500G) or percent of the filesystem (85%).",
-)
+@capacity_option(True, "Cache bound: bytes (500G) or percent of the filesystem (85%).")
 @click.option(
     "--metrics-addr",
-    envvar=_env("metrics-addr"),
+    envvar=env("metrics-addr"),
     default="0.0.0.0:9400",
     show_default=True,
     help="HOST:PORT for /metrics, /healthz and /readyz.",
 )
 @click.option(
     "--node-name",
-    envvar=_env("node-name"),
+    envvar=env("node-name"),
     help="Label this node weightcache.io/<name>=<revision> when ready (needs RBAC).",
 )
 @click.option(
     "--interval",
-    envvar=_env("interval"),
+    envvar=env("interval"),
     default="2s",
     show_default=True,
-    callback=_converter(parse_duration, "--interval"),
+    callback=converter(parse_duration, "--interval"),
     help="How often to check the models file, leases and capacity.",
 )
 @peer_options
@@ -456,9 +287,7 @@ def daemon(cache_dir: Path, metrics_addr: str, **kw: Any) -> None:
 
     peer = PeerSettings.from_options(*(kw.pop(k) for k in (
         "peer_addr", "peer_token", "peer_upload_limit", "peer_list", "peer_service")))  # fmt: skip
-    store = {
-        k: kw.pop(k) for k in ("endpoint_url", "bwlimit", "max_concurrency", "part_size", "timeout")
-    }
+    store = settings_from(kw)
     host, _, port = metrics_addr.rpartition(":")
     if not port.isdigit():
         raise UsageError(f"invalid --metrics-addr {metrics_addr!r}: use HOST:PORT")
@@ -501,17 +330,11 @@ def verify(target: str, cache_dir: Path) -> None:
 
 @main.command()
 @cache_dir_option
-@click.option(
-    "--capacity",
-    envvar=_env("capacity"),
-    callback=_converter(lambda text, _: Capacity.parse(text), "--capacity"),
-    required=True,
-    help="Target: evict LRU revisions until the cache fits (bytes or percent).",
-)
+@capacity_option(True, "Target: evict LRU revisions until the cache fits (bytes or percent).")
 @click.option(
     "--models",
     "models_file",
-    envvar=_env("models"),
+    envvar=env("models"),
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also protect the revisions this models file pins.",
 )
@@ -534,7 +357,7 @@ def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: b
     "--size",
     default="256MiB",
     show_default=True,
-    callback=_converter(parse_size, "--size"),
+    callback=converter(parse_size, "--size"),
     help="Size of the generated model.",
 )
 @reports_errors
