@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,12 +55,14 @@ class PartState:
 
     # -- persistence next to the partial file -------------------------------------------------
 
-    def save(self, path: Path) -> None:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    def save(self, path: Path, done: list[bool] | None = None) -> None:
+        """Write the state (or a snapshot `done` of it) atomically; safe from any thread:
+        a stale snapshot renamed last only under-reports."""
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         data = {
             "size": self.size,
             "part_size": self.part_size,
-            "done": [i for i, d in enumerate(self.done) if d],
+            "done": [i for i, d in enumerate(self.done if done is None else done) if d],
         }
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
