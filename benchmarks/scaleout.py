@@ -1,7 +1,8 @@
 """Scale-out: R replicas start at once on K nodes (P prewarmed); what does the store see?
 
     python benchmarks/scaleout.py [--size 256M --nodes 4 --replicas 12 --prewarmed 1]
-                                  [--strategies aws,rclone,weightcache,weightcache-daemon]
+                                  [--strategies aws,rclone,weightcache,weightcache-daemon,
+                                                weightcache-p2p]
                                   [--rounds 3]
                                   [--json out.json] [--plot out.png]
 
@@ -20,19 +21,30 @@ waiting every 50 ms. Strategies:
   free loopback port), replicas run `weightcache fetch`, which goes through the node's daemon
   over its Unix socket. Skipped with a message where `weightcache daemon --help` fails; the
   daemon's start and stop live in `DaemonNodes`.
+- `weightcache-p2p`: the same daemons, with peer-to-peer on (`--peer-addr` on a free loopback
+  port, `--peers` listing every daemon, one shared `WEIGHTCACHE_PEER_TOKEN`): a daemon asks
+  the other nodes' daemons for a blob before the store. Peer traffic does not pass the
+  counting proxy; the bytes received from and served to peers are read from each daemon's
+  /metrics before it stops.
 
 Prewarming (P nodes) runs the strategy's own command once per node straight against the
-store, before counting starts. Expected origin bytes for weightcache: cold nodes x model size.
+store, before counting starts. Expected origin bytes: cold nodes x model size for weightcache
+and weightcache-daemon; for weightcache-p2p about 0 with a prewarmed node (the cold nodes get
+the model from it) and about 1 x model with none (one node goes to the store, the others
+follow it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import secrets
 import subprocess
 import tempfile
 import textwrap
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +55,8 @@ from countingproxy import Counters, CountingProxy, Sampler
 
 from weightcache.devstore import LocalStore, free_port
 
-STRATEGIES = ("aws", "rclone", "weightcache", "weightcache-daemon")
+STRATEGIES = ("aws", "rclone", "weightcache", "weightcache-daemon", "weightcache-p2p")
+DAEMON_STRATEGIES = ("weightcache-daemon", "weightcache-p2p")
 DEFAULT_STRATEGIES = ",".join(STRATEGIES)
 
 
@@ -73,35 +86,56 @@ class Strategy:
         return bl.ready_dir(self.tool, model, dest)
 
 
+#: The daemon counters `DaemonNodes.scrape` reads, by key: (metric, labels) as exposed.
+DAEMON_COUNTERS = {
+    "origin_bytes": 'weightcache_bytes_total{source="origin"}',
+    "peer_bytes": 'weightcache_bytes_total{source="peer"}',
+    "peer_upload_bytes": "weightcache_peer_upload_bytes_total",
+    "verify_failures": "weightcache_verify_failures_total",
+}
+
+
 class DaemonNodes:
     """Hook for `weightcache daemon`: one daemon per node, started before the replicas.
 
     The models file lists nothing, so a daemon does not prefetch by itself: the scale-out's
     replicas are what ask for the model, through `weightcache fetch`, which uses the node's
-    daemon when one is reachable (SPEC §5). Daemon traffic goes through the counting proxy.
+    daemon when one is reachable (SPEC §5). Daemon traffic to the store goes through the
+    counting proxy; with `weightcache-p2p` the daemons also talk to one another on loopback,
+    outside the proxy, and `scrape` reads what they exchanged from their /metrics.
     """
 
     def __init__(self, strategy: Strategy, nodes: list[Path], endpoint_url: str,
                  env: dict[str, str], logs: Path) -> None:  # fmt: skip
         self.procs: list[subprocess.Popen[bytes]] = []
-        if strategy.name != "weightcache-daemon":
+        self.metrics_ports: list[int] = []
+        if strategy.name not in DAEMON_STRATEGIES:
             return
+        p2p = strategy.name == "weightcache-p2p"
+        ports = [free_port() for _ in nodes]
+        token = secrets.token_hex(16)
+        peers = ",".join(f"127.0.0.1:{p}" for p in ports)  # each daemon skips its own
+        daemon_env = {**env, "WEIGHTCACHE_PEER_TOKEN": token} if p2p else env
         for k, node in enumerate(nodes):
             cache = strategy.dest(node, 0)
             cache.mkdir(parents=True, exist_ok=True)
             (node / "kubelet-pods").mkdir(exist_ok=True)
             models = node / "models.yaml"
             models.write_text("models: []\n")
+            metrics_port = free_port()
+            self.metrics_ports.append(metrics_port)
             argv = [
                 *strategy.exe, "daemon", "--cache-dir", str(cache), "--models", str(models),
                 "--capacity", "90%", "--endpoint-url", endpoint_url,
-                "--metrics-addr", f"127.0.0.1:{free_port()}",
+                "--metrics-addr", f"127.0.0.1:{metrics_port}",
                 "--kubelet-pods-dir", str(node / "kubelet-pods"), *strategy.wc_args,
             ]  # fmt: skip
+            if p2p:
+                argv += ["--peer-addr", f"127.0.0.1:{ports[k]}", "--peers", peers]
             logs.mkdir(parents=True, exist_ok=True)
             with open(logs / f"daemon-node{k}.log", "wb") as out:
                 self.procs.append(subprocess.Popen(
-                    argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                    argv, env=daemon_env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                     start_new_session=True,
                 ))  # fmt: skip
         for node in nodes:  # the socket path is SPEC §3's layout
@@ -111,6 +145,22 @@ class DaemonNodes:
                 time.sleep(0.1)
             if not sock.exists():
                 bl.log(f"warning: no daemon socket at {sock} after 30 s")
+
+    def scrape(self) -> dict[str, float]:
+        """The `DAEMON_COUNTERS` summed over every daemon's /metrics (call before `stop`)."""
+        totals = dict.fromkeys(DAEMON_COUNTERS, 0.0)
+        for port in self.metrics_ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                    text = r.read().decode()
+            except OSError as e:
+                bl.log(f"warning: no /metrics from the daemon on port {port}: {e}")
+                totals = {k: float("nan") for k in totals}
+                continue
+            for key, series in DAEMON_COUNTERS.items():
+                m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+                totals[key] += float(m[1]) if m else float("nan")
+        return totals
 
     def stop(self) -> float:
         """SIGTERM every daemon, reap it; return their CPU seconds (user+sys), all together."""
@@ -160,6 +210,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def daemon_lacks_peers(exe: list[str]) -> str | None:
+    """None if `weightcache daemon` has `--peer-addr` (a commit before peer-to-peer has not)."""
+    cp = subprocess.run([*exe, "daemon", "--help"], capture_output=True, text=True, timeout=60)
+    return None if "--peer-addr" in cp.stdout else "`weightcache daemon` has no --peer-addr"
+
+
 def strategies_from(args: argparse.Namespace) -> list[Strategy]:
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = set(names) - set(STRATEGIES)
@@ -171,10 +227,12 @@ def strategies_from(args: argparse.Namespace) -> list[Strategy]:
     for n in names:
         if tool_of[n] not in tools:
             continue
-        if n == "weightcache-daemon":
+        if n in DAEMON_STRATEGIES:
             why = bl.tool_works("weightcache", [*tools["weightcache"], "daemon"])
+            if why is None and n == "weightcache-p2p":
+                why = daemon_lacks_peers(tools["weightcache"])
             if why is not None:
-                bl.log(f"skipping weightcache-daemon: {why}")
+                bl.log(f"skipping {n}: {why}")
                 continue
         out.append(Strategy(n, tool_of[n], tools[tool_of[n]], tuple(args.wc_arg)))
     return out
@@ -189,6 +247,7 @@ class Measured:
     counts: Counters
     t0: float  # perf_counter when the replicas started
     daemon_cpu_s: float
+    daemon_counters: dict[str, float]  # DAEMON_COUNTERS summed over the nodes ({} without)
 
 
 @dataclass
@@ -215,6 +274,13 @@ class Outcome:
     median_ready_s: float
     replica_cpu_s_total: float
     daemon_cpu_s_total: float  # node daemons, from their start to their stop
+    # From the daemons' /metrics (NaN for strategies without daemons): bytes received from
+    # peers, bytes served to peers, bytes the daemons got from the store (a cross-check of
+    # origin_bytes, which also counts listings and manifests), sha256 mismatches.
+    peer_bytes: float
+    peer_upload_bytes: float
+    daemon_origin_bytes: float
+    daemon_verify_failures: float
     replica_maxrss_mib_max: float
     samples: list[tuple[float, ...]] = field(repr=False)  # (t, GETs in flight, waiting)
     runs: list[dict[str, object]] = field(repr=False)
@@ -245,6 +311,7 @@ def run_scaleout(
         return (total - sum(1 for c in list(children) if c.done),)
 
     daemon_cpu = 0.0
+    daemon_counters: dict[str, float] = {}
     try:
         proxy.reset()
         sampler = Sampler(proxy, extra=waiting, interval=args.interval).start()
@@ -255,6 +322,8 @@ def run_scaleout(
         time.sleep(3 * args.interval)  # the tail: a few samples after the last replica
         samples = sampler.stop()
         counts = proxy.snapshot()
+        if daemons.procs:
+            daemon_counters = daemons.scrape()
     finally:
         daemon_cpu = daemons.stop()
     for i, run in enumerate(runs):
@@ -264,7 +333,7 @@ def run_scaleout(
             run.problem = f"exit {run.returncode}: {run.stderr_tail.strip()[-300:]}"
         else:
             run.problem = bl.check_tree(strategy.ready(model, strategy.dest(nodes[node], i)), model)
-    return Measured(runs, samples, counts, sampler.t0, daemon_cpu)
+    return Measured(runs, samples, counts, sampler.t0, daemon_cpu, daemon_counters)
 
 
 def prewarm(
@@ -327,10 +396,21 @@ def outcome(
         median_ready_s=ms.median(ready_at),
         replica_cpu_s_total=sum(r.cpu_s for r in runs),
         daemon_cpu_s_total=measured.daemon_cpu_s,
+        peer_bytes=measured.daemon_counters.get("peer_bytes", float("nan")),
+        peer_upload_bytes=measured.daemon_counters.get("peer_upload_bytes", float("nan")),
+        daemon_origin_bytes=measured.daemon_counters.get("origin_bytes", float("nan")),
+        daemon_verify_failures=measured.daemon_counters.get("verify_failures", float("nan")),
         replica_maxrss_mib_max=max(r.maxrss_mib for r in runs),
         samples=samples,
         runs=[r.as_dict() for r in runs],
     )
+
+
+def peer_mib(received: float, sent: float) -> str:
+    """`received/sent` in MiB, from the daemons' metrics; `-` without daemons."""
+    if received != received and sent != sent:  # both NaN: no daemons
+        return "-"
+    return f"{ms.fmt_num(received / (1 << 20), 0)}/{ms.fmt_num(sent / (1 << 20), 0)}"
 
 
 def report(outcomes: list[Outcome]) -> str:
@@ -348,6 +428,7 @@ def report(outcomes: list[Outcome]) -> str:
                 f"{ok}/{ok + sum(o.replicas_failed for o in mine)}",
                 ms.fmt_num(med(lambda o: o.origin_bytes) / (1 << 20), 0),
                 ms.fmt_num(med(lambda o: o.origin_model_copies)) + "x",
+                peer_mib(med(lambda o: o.peer_bytes), med(lambda o: o.peer_upload_bytes)),
                 str(mine[0].cold_nodes),
                 ms.fmt_num(med(lambda o: o.requests.get("GET", 0)), 0),
                 ms.fmt_num(med(lambda o: o.peak_get_inflight), 0),
@@ -359,7 +440,8 @@ def report(outcomes: list[Outcome]) -> str:
             ]
         )
     headers = [
-        "strategy", "ready", "origin MiB", "origin / model", "cold nodes", "GETs",
+        "strategy", "ready", "origin MiB", "origin / model", "peer MiB recv/sent",
+        "cold nodes", "GETs",
         "peak GETs in flight", "GETs/waiting 1st half", "GETs/waiting 2nd half",
         "median ready s", "all ready s", "CPU s",
     ]  # fmt: skip
@@ -390,7 +472,13 @@ def plot(outcomes: list[Outcome], path: Path, title: str) -> None:
         ax.set_xlabel("seconds since the replicas started")
         ax.set_title(
             f"{o.strategy}: {o.origin_bytes / (1 << 20):.0f} MiB from origin "
-            f"({o.origin_model_copies:.2f} x model), all {o.replicas_ok + o.replicas_failed} "
+            f"({o.origin_model_copies:.2f} x model)"
+            + (
+                f", {o.peer_bytes / (1 << 20):.0f} MiB from peers"
+                if o.peer_bytes == o.peer_bytes and o.peer_bytes
+                else ""
+            )
+            + f", all {o.replicas_ok + o.replicas_failed} "
             f"replicas done in {o.all_ready_s:.1f} s ({o.replicas_failed} failed)"
         )
         h1, l1 = ax.get_legend_handles_labels()
@@ -433,7 +521,8 @@ def main() -> None:
                     bl.log(
                         f"round {rnd} {o.strategy}: {o.replicas_ok}/{args.replicas} ready in "
                         f"{o.all_ready_s:.1f} s, {o.origin_model_copies:.2f} x model from "
-                        f"origin, peak {o.peak_get_inflight} GETs; failures {o.failures[:3]}"
+                        f"origin, {ms.fmt_num(o.peer_bytes / (1 << 20), 0)} MiB from peers, "
+                        f"peak {o.peak_get_inflight} GETs; failures {o.failures[:3]}"
                     )
                     if not args.keep:
                         bl.drop_dir(root)

