@@ -104,16 +104,31 @@ class Daemon:
             self._inflight.pop(key, None)
 
     def _fetch(self, source: Source, pod_uid: str | None) -> FetchResult:
+        result = self.fetcher.fetch(source, pod_uid)
+        self.metrics.cache_bytes.set(self.store.usage())
+        return result
+
+    def wait(self, source: Source, pod_uid: str | None = None, beat: Any = None) -> FetchResult:
+        """Submit and wait, calling `beat()` every HEARTBEAT seconds; counts this caller's
+        fetch (hit, miss or error) and its own wait in the metrics, so six Pods joining one
+        download are six fetches with six durations."""
         start = time.monotonic()
         try:
-            result = self.fetcher.fetch(source, pod_uid)
+            future = self.submit(source, pod_uid)
+            while True:
+                try:
+                    result = future.result(timeout=coord.HEARTBEAT)
+                    break
+                except TimeoutError:
+                    if beat is not None:
+                        beat()
         except WeightcacheError:
             self.metrics.fetches.labels("error").inc()
             self.metrics.duration.labels("error").observe(time.monotonic() - start)
             raise
-        self.metrics.fetches.labels("hit" if result.hit else "miss").inc()
-        self.metrics.duration.labels("hit" if result.hit else "miss").observe(result.seconds)
-        self.metrics.cache_bytes.set(self.store.usage())
+        outcome = "hit" if result.hit else "miss"
+        self.metrics.fetches.labels(outcome).inc()
+        self.metrics.duration.labels(outcome).observe(time.monotonic() - start)
         return result
 
     def record_hit(self, source: Source) -> None:
@@ -198,7 +213,7 @@ class Daemon:
                 self.metrics.ready.labels(*key).set(1)
                 continue
             try:
-                self.submit(spec.source).result()
+                self.wait(spec.source)
                 self.failures.pop(key, None)
                 self.metrics.ready.labels(*key).set(1)
             except WeightcacheError as e:
@@ -336,13 +351,7 @@ class Daemon:
         send({"event": "accepted"})
         self.metrics.replica_waiting(+1)
         try:
-            future = self.submit(source, pod_uid)
-            while True:
-                try:
-                    result = future.result(timeout=coord.HEARTBEAT)
-                    break
-                except TimeoutError:
-                    send({"event": "waiting"})
+            result = self.wait(source, pod_uid, beat=lambda: send({"event": "waiting"}))
             send({"event": "done", "result": result.to_dict()})
         except WeightcacheError as e:
             send({"event": "error", "exit_code": e.exit_code, "message": str(e)})

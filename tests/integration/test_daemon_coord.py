@@ -93,6 +93,13 @@ def test_six_pods_one_download_and_the_ratio(
     assert_ok_path(hit, pub.local_path(cache_dir))
     m = daemon.metrics()
     assert (m[REPLICAS], m[GETS], m[RATIO]) == (0, 0, 0), m
+    # Six Pods joined one download: six fetches counted (each with its own wait), plus
+    # the warm one, which the daemon hears about as a hit.
+    time.sleep(0.3)  # the hit notification is fire-and-forget
+    m = daemon.metrics()
+    assert m['weightcache_fetches_total{result="miss"}'] == 6, m
+    assert m['weightcache_fetch_duration_seconds_count{result="miss"}'] == 6, m
+    assert m['weightcache_fetches_total{result="hit"}'] == 1, m
     assert daemon.alive(), daemon.log()
 
 
