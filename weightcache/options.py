@@ -22,7 +22,6 @@ from weightcache.config import (
 from weightcache.errors import UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
-STORE_KEYS = ("endpoint_url", "bwlimit", "max_concurrency", "part_size", "timeout")
 
 
 def env(option: str) -> str:

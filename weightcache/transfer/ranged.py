@@ -170,7 +170,6 @@ class RangedDownloader:
         self._runs: set[_Run] = set()
         self._closing = False
         self._counter_lock = threading.Lock()
-        self.bytes_received = 0  # over the downloader's life, every source together
         #: Bytes received over the downloader's life by source ("origin", "peer"), so that
         #: "bytes from origin" counts only what left the object store.
         self.bytes_by_source: collections.Counter[str] = collections.Counter()
@@ -415,7 +414,6 @@ class RangedDownloader:
             self._local.pos = pos
             f.run.last_progress = time.monotonic()
             with self._counter_lock:
-                self.bytes_received += got
                 self.bytes_by_source[f.job.source] += got
             self.observer.received(got, f.job.source)
             if f.run.stop.is_set() and pos < end:
