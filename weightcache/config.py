@@ -175,6 +175,23 @@ def parse_hostport(text: str, what: str, allow_zero: bool = False) -> tuple[str,
     return host, int(port)
 
 
+#: A Kubernetes object UID (RFC 4122 form, as the downward API gives metadata.uid).
+_POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def parse_pod_uid(text: str, what: str = "POD_UID") -> str:
+    """A Pod UID as Kubernetes writes it (lowercase 8-4-4-4-12 hex). Raises UsageError:
+    the UID names a directory under the kubelet's pods dir, so nothing else may pass."""
+    uid = text.strip().lower()
+    if not _POD_UID.fullmatch(uid):
+        raise UsageError(
+            f"invalid {what} {text[:80]!r}: expected a Kubernetes Pod UID such as "
+            "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94; set it from the downward API "
+            "(fieldRef: metadata.uid) or leave it unset"
+        )
+    return uid
+
+
 #: Printable ASCII without spaces (a valid header value), long enough not to be guessed.
 _PEER_TOKEN = re.compile(r"[\x21-\x7e]{16,}")
 #: 1 GiB/s = 8.6 Gbit/s: a fraction of a GPU node's NIC, so that serving peers never starves

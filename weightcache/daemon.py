@@ -222,6 +222,11 @@ class Daemon:
                 log.error("prefetch of %s failed: %s", spec.source.label, e)
         self._update_labels()
 
+    def health_problem(self) -> str | None:
+        """None while the daemon can do its job, else one line saying what is wrong
+        (the /healthz contract: a 503 with that line)."""
+        return None
+
     def ready(self) -> bool:
         """Every pinned revision is present (the /readyz contract)."""
         return all(self.store.ready(n, r) is not None for n, r in self.desired.pinned)
@@ -394,7 +399,11 @@ def _make_http_handler(daemon: Daemon) -> type[BaseHTTPRequestHandler]:
             if self.path == "/metrics":
                 self._send(200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST)
             elif self.path == "/healthz":
-                self._send(200, b"ok\n")
+                problem = daemon.health_problem()
+                if problem is None:
+                    self._send(200, b"ok\n")
+                else:
+                    self._send(503, (problem + "\n").encode())
             elif self.path == "/readyz":
                 ok = daemon.ready()
                 missing = [
