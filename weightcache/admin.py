@@ -14,7 +14,7 @@ from weightcache.index import Index
 from weightcache.layout import Layout
 from weightcache.progress import human
 from weightcache.publish import sha256_file
-from weightcache.store import Store
+from weightcache.store import Marker, Store
 
 
 def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
@@ -80,10 +80,8 @@ def verify(cache_dir: Path, target: str) -> list[str]:
         raise UsageError(f"no revision of {name!r} in {layout.root}; see `weightcache ls`")
     verified = []
     for rev in revisions:
-        marker = store.read_marker(name, rev)
+        marker = _trusted_marker(layout, store, name, rev)
         root = layout.revision_dir(name, rev)
-        if marker is None:
-            raise IntegrityError(f"{name}/{rev} has no completion marker; fetch it again")
         for path, (expected, size) in sorted(marker.files.items()):
             actual = sha256_file(root / path) if (root / path).is_file() else "missing"
             if actual != expected or os.stat(root / path).st_size != size:
@@ -96,6 +94,30 @@ def verify(cache_dir: Path, target: str) -> list[str]:
                 )
         verified.append(str(root))
     return verified
+
+
+def _trusted_marker(layout: Layout, store: Store, name: str, rev: str) -> Marker:
+    """The marker of NAME/REV, refused (IntegrityError) if absent, unreadable, or if any
+    of its paths leads outside the revision (a planted `../../x` or a symlinked directory):
+    verify runs as root and deletes what does not match, so it must touch nothing else
+    (issue 9, item 14)."""
+    root = layout.revision_dir(name, rev)
+    try:
+        marker = store.load_marker(name, rev)
+    except ValueError as e:
+        raise IntegrityError(
+            f"the marker of {name}/{rev} cannot be trusted ({e}); nothing was hashed or "
+            f"removed: delete {root} and fetch it again"
+        ) from e
+    if marker is None:
+        raise IntegrityError(f"{name}/{rev} has no completion marker; fetch it again")
+    for path in marker.files:
+        if not (root / path).resolve().is_relative_to(root.resolve()):
+            raise IntegrityError(
+                f"the marker of {name}/{rev} lists {path!r}, which resolves outside "
+                f"{root}; nothing was hashed or removed: delete {root} and fetch it again"
+            )
+    return marker
 
 
 def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> str:

@@ -74,7 +74,7 @@ class Daemon:
         )
         self.desired = DesiredState(())
         self.stopping = threading.Event()
-        self._inflight: dict[tuple[str, str], Future[FetchResult]] = {}
+        self._inflight: dict[tuple[str, str, str], Future[FetchResult]] = {}
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fetch")
@@ -85,8 +85,11 @@ class Daemon:
     # -- single-flight fetches -----------------------------------------------------------------
 
     def submit(self, source: Source, pod_uid: str | None = None) -> Future[FetchResult]:
-        """Start (or join) the fetch of a revision; every caller shares one download."""
-        key = (source.name, source.revision)
+        """Start (or join) the fetch of a revision; every caller shares one download.
+        Only callers of the same source join: another source under the same name and
+        revision is settled by the Fetcher (same manifest or exit 2), never handed the
+        first source's result."""
+        key = (source.name, source.revision, source.url)
         with self._lock:
             future = self._inflight.get(key)
             if future is None:
@@ -99,7 +102,7 @@ class Daemon:
             self.index.record_access(source.name, source.revision, pod_uid=pod_uid)
         return future
 
-    def _forget(self, key: tuple[str, str]) -> None:
+    def _forget(self, key: tuple[str, str, str]) -> None:
         with self._lock:
             self._inflight.pop(key, None)
 

@@ -1,10 +1,13 @@
 """The fetch algorithm (SPEC §4): a hit touches no network; a miss downloads once per node.
 
-Hit: the marker is present and every file has its recorded size -> record the access and
-return. Nothing heavy is imported on this path (boto3 loads only on a miss).
+Hit: the marker is present, records the requested source, and every file has its recorded
+size -> record the access and return. Nothing heavy is imported on this path (boto3 loads
+only on a miss).
 
 Miss: take the revision lock, re-check the marker (the waiter of a concurrent fetch finds
-it there), read and validate the manifest, list sizes, link blobs already on the node,
+it there; a revision of another source is served only if that source's manifest is the
+same, else exit 2; a revision damaged since is unmarked and its damaged blobs
+quarantined), read and validate the manifest, list sizes, link blobs already on the node,
 download the rest (each under its blob lock; in the daemon, from peers first, see
 weightcache/peers.py), verify, publish each blob, assemble the revision aside and rename it
 into place with its marker inside.
@@ -12,6 +15,7 @@ into place with its marker inside.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -25,6 +29,7 @@ from weightcache.errors import (
     Interrupted,
     NoSpaceError,
     SourceError,
+    UsageError,
     WeightcacheError,
 )
 from weightcache.index import Index
@@ -60,10 +65,12 @@ class FetchResult:
 
 
 def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> FetchResult | None:
-    """The hit path: no network, no heavy import. None on a miss."""
+    """The hit path: no network, no heavy import. None on a miss, and for a revision
+    fetched from another source (the cache key is name/revision, but a revision directory
+    belongs to its source: issue 9, item 1; `Fetcher.fetch` settles that case)."""
     start = time.monotonic()
     marker = Store(layout).ready(source.name, source.revision)
-    if marker is None:
+    if marker is None or marker.source != source.url:
         return None
     Index(layout.state_db).record_access(source.name, source.revision, pod_uid=pod_uid)
     path = str(layout.revision_dir(source.name, source.revision))
@@ -81,13 +88,14 @@ class Fetcher:
         downloader: RangedDownloader | None = None,
         reserve: Callable[[int], None] | None = None,
         peers: Peers | None = None,
+        store: Store | None = None,
     ) -> None:
         """`reserve(nbytes)` is called before a download to make room under a capacity
         bound (the daemon evicts); it raises NoSpaceError when the room cannot be made.
         With `peers` (the daemon's), blobs come from other nodes that hold them when they
         can, verified exactly as from the origin."""
         self.layout = layout
-        self.store = Store(layout)
+        self.store = store or Store(layout)
         self.index = Index(layout.state_db)
         self.settings = settings
         self._observer = observer
@@ -130,9 +138,9 @@ class Fetcher:
                 self.settings.timeout,
             )
         try:
-            hit = check_hit(self.layout, source, pod_uid)  # a concurrent fetch finished it
+            hit = self._hit_under_lock(source, pod_uid, start)
             if hit is not None:
-                return FetchResult(hit.path, True, 0, time.monotonic() - start)
+                return hit
             manifest = self.read_manifest(source)
             fetched = self._bring_blobs(source, manifest)
             marker = Marker(
@@ -159,6 +167,45 @@ class Fetcher:
         )
         return FetchResult(str(path), False, fetched, seconds)
 
+    def _hit_under_lock(
+        self, source: Source, pod_uid: str | None, start: float
+    ) -> FetchResult | None:
+        """The revision as it is once we hold its lock: a hit if a concurrent fetch
+        finished it; a hit of another source only if that source's manifest is the same
+        (UsageError otherwise); None (a miss) if it is absent, or damaged since it was
+        marked (then it is unmarked and its damaged blobs quarantined, issue 9 item 2)."""
+        marker = self.store.read_marker(source.name, source.revision)
+        if marker is None or (marker.name, marker.revision) != (source.name, source.revision):
+            return None
+        if marker.source != source.url:
+            self._check_same_content(source, marker)
+        damaged = self.store.repair(marker)
+        if damaged:
+            log.warning(
+                "%s: %d file(s) no longer of their size (e.g. %s); unmarked it and "
+                "downloading them again", source.label, len(damaged), damaged[0]
+            )  # fmt: skip
+            return None
+        self.index.record_access(source.name, source.revision, pod_uid=pod_uid)
+        path = str(self.layout.revision_dir(source.name, source.revision))
+        return FetchResult(path, True, 0, time.monotonic() - start)
+
+    def _check_same_content(self, source: Source, marker: Marker) -> None:
+        """Prove with one small GET that `source` has the manifest the revision was
+        fetched with from `marker.source`; raise UsageError naming both otherwise."""
+        data = self.origin.get_bytes(source.bucket, source.key(MANIFEST_NAME))
+        if hashlib.sha256(data).hexdigest() == marker.manifest_sha256:
+            log.info("%s was fetched from %s; %s has the same %s, serving it", source.label,
+                     marker.source, source.url, MANIFEST_NAME)  # fmt: skip
+            return
+        root = self.layout.revision_dir(source.name, source.revision)
+        raise UsageError(
+            f"{source.label} in the cache was fetched from {marker.source}, and {source.url} "
+            f"has a different {MANIFEST_NAME}; one name/revision holds one content: fetch it "
+            f"under another --name or --revision, or remove the cached one first "
+            f"(rm -rf {root})"
+        )
+
     def read_manifest(self, source: Source) -> Manifest:
         """SHA256SUMS of the revision, validated, with each file's size from the listing."""
         where = f"s3://{source.bucket}/{source.key(MANIFEST_NAME)}"
@@ -175,7 +222,7 @@ class Fetcher:
                 f"{where} lists {len(missing)} file(s) missing under {source.url}/, e.g. "
                 f"{missing[0]!r}; upload them or fix the manifest"
             )
-        return manifest.with_sizes(sizes)
+        return manifest.with_sizes(sizes, where)
 
     # -- blobs ---------------------------------------------------------------------------------
 
@@ -187,7 +234,7 @@ class Fetcher:
         """
         wanted: dict[str, ManifestEntry] = {}
         for entry in manifest.entries:
-            if not self.store.has_blob(entry.sha256):
+            if not self.store.has_blob(entry.sha256, entry.size):
                 wanted.setdefault(entry.sha256, entry)
         if not wanted:
             return 0
@@ -208,13 +255,14 @@ class Fetcher:
                 lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
                 mine.append((entry, lock if lock.acquire(self._holder_stalled()) else None))
             try:
-                todo = [(e, lock is None) for e, lock in mine if not self.store.has_blob(e.sha256)]
+                has = self.store.has_blob
+                todo = [(e, lock is None) for e, lock in mine if not has(e.sha256, e.size)]
                 fetched += self._download_verified(source, todo)
             finally:
                 for _, held in mine:
                     if held is not None:
                         held.release()
-            pending = [e for e in theirs if not self.store.has_blob(e.sha256)]
+            pending = [e for e in theirs if not self.store.has_blob(e.sha256, e.size)]
         self.store.sync_blobs()
         return fetched
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from weightcache.errors import SourceError
+from weightcache.errors import IntegrityError, SourceError
 from weightcache.layout import MARKER
 
 MANIFEST_NAME = "SHA256SUMS"
@@ -34,11 +34,25 @@ class Manifest:
     def total_size(self) -> int:
         return sum(e.size for e in self.entries)
 
-    def with_sizes(self, sizes: dict[str, int]) -> Manifest:
-        return Manifest(
-            tuple(ManifestEntry(e.path, e.sha256, sizes[e.path]) for e in self.entries),
-            self.digest,
-        )
+    def with_sizes(self, sizes: dict[str, int], where: str = MANIFEST_NAME) -> Manifest:
+        """The manifest with each file's size from the object listing.
+
+        Raises IntegrityError when two files of one sha256 have different sizes: one
+        content has one size, so one of the objects differs from the manifest (and a blob
+        of either size would never match the other file's marker entry).
+        """
+        entries = tuple(ManifestEntry(e.path, e.sha256, sizes[e.path]) for e in self.entries)
+        first: dict[str, ManifestEntry] = {}
+        for entry in entries:
+            other = first.setdefault(entry.sha256, entry)
+            if other.size != entry.size:
+                raise IntegrityError(
+                    f"{where} lists {other.path} ({other.size} bytes) and {entry.path} "
+                    f"({entry.size} bytes) with the same sha256 {entry.sha256}, but one "
+                    "content has one size: re-upload the object that differs or regenerate "
+                    f"{MANIFEST_NAME} with sha256sum"
+                )
+        return Manifest(entries, self.digest)
 
 
 def parse(data: bytes, where: str) -> Manifest:

@@ -8,21 +8,25 @@ assembled aside with its marker already inside. `FileLock` only avoids duplicate
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightcache.errors import SourceError
 from weightcache.layout import MARKER, Layout
-from weightcache.manifest import Manifest
+from weightcache.manifest import Manifest, check_path
 
 log = logging.getLogger(__name__)
 MARKER_VERSION = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -56,32 +60,100 @@ class Marker:
 
     @classmethod
     def from_json(cls, text: str) -> Marker:
-        d = json.loads(text)
-        if d.get("version") != MARKER_VERSION:
-            raise ValueError(f"unknown marker version {d.get('version')!r}")
-        files = {p: (f["sha256"], int(f["size"])) for p, f in d["files"].items()}
-        return cls(
-            d["name"], d["revision"], d["source"], d["manifest_sha256"], files, float(d["created"])
-        )
+        """Parse a marker; raises ValueError naming what is wrong.
+
+        Every file path is validated as a manifest path and every digest as 64 hex
+        digits: a marker is read back from disk, where anyone who can write the cache
+        can plant one, and its paths are hashed and removed by `verify` (issue 9, item 14).
+        """
+        try:
+            d = json.loads(text)
+            if d.get("version") != MARKER_VERSION:
+                raise ValueError(f"unknown marker version {d.get('version')!r}")
+            files = {_checked_path(p): _checked_file(p, f) for p, f in d["files"].items()}
+            return cls(
+                d["name"], d["revision"], d["source"], d["manifest_sha256"], files,
+                float(d["created"]),
+            )  # fmt: skip
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed marker ({type(e).__name__}: {e})") from e
+
+
+def _checked_path(raw: str) -> str:
+    try:
+        return check_path(raw, "the marker")
+    except SourceError as e:
+        raise ValueError(str(e)) from e
+
+
+def _checked_file(path: str, entry: dict[str, object]) -> tuple[str, int]:
+    sha256, size = entry["sha256"], int(entry["size"])  # type: ignore[call-overload]
+    if not isinstance(sha256, str) or not _HEX64.fullmatch(sha256) or size < 0:
+        raise ValueError(f"the marker lists {path!r} with sha256 {sha256!r} and size {size}")
+    return sha256, size
+
+
+class FileOps:
+    """The filesystem calls that publish blobs and revisions, in one object so that a test
+    can make any one of them fail or "crash" (STYLE: pass the filesystem in, as s3transfer
+    passes its OSUtils). Reads are not routed here: only writes change what a crash leaves.
+    """
+
+    def mkdir(self, path: Path, exist_ok: bool = False) -> None:
+        path.mkdir(parents=exist_ok, exist_ok=exist_ok)
+
+    def link(self, src: Path, dst: Path) -> None:
+        os.link(src, dst)
+
+    def write_durably(self, path: Path, text: str) -> None:
+        with open(path, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def fsync_dir(self, path: Path) -> None:
+        _fsync_dir(path)
+
+    def chmod(self, path: Path, mode: int) -> None:
+        os.chmod(path, mode)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+    def rmtree(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Store:
     """Blobs and revisions of one cache directory."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, ops: FileOps | None = None) -> None:
         self.layout = layout
+        self.ops = ops or FileOps()
 
     # -- reading -------------------------------------------------------------------------------
 
-    def read_marker(self, name: str, revision: str) -> Marker | None:
+    def load_marker(self, name: str, revision: str) -> Marker | None:
+        """The revision's marker, None if it has none; ValueError if it is unreadable or
+        lists an unsafe path (see Marker.from_json)."""
         try:
             text = self.layout.marker(name, revision).read_text()
         except (FileNotFoundError, NotADirectoryError):
             return None
+        return Marker.from_json(text)
+
+    def read_marker(self, name: str, revision: str) -> Marker | None:
+        """The marker, or None if absent or unreadable (then the revision is not ready)."""
         try:
-            return Marker.from_json(text)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            log.warning("ignoring unreadable marker of %s/%s", name, revision)
+            return self.load_marker(name, revision)
+        except ValueError as e:
+            log.warning("ignoring unreadable marker of %s/%s: %s", name, revision, e)
             return None
 
     def ready(self, name: str, revision: str) -> Marker | None:
@@ -102,8 +174,39 @@ class Store:
                 return None
         return marker
 
-    def has_blob(self, sha256: str) -> bool:
-        return self.layout.blob(sha256).is_file()
+    def has_blob(self, sha256: str, size: int | None = None) -> bool:
+        """The blob is in the store (with `size` bytes, when given: a blob of another size
+        is damaged and must be downloaded again, never linked)."""
+        try:
+            st = self.layout.blob(sha256).stat()
+        except FileNotFoundError:
+            return False
+        return size is None or st.st_size == size
+
+    def damaged_files(self, marker: Marker) -> dict[str, str]:
+        """{path: sha256} of the marker's files that are missing or not of their size."""
+        root = self.layout.revision_dir(marker.name, marker.revision)
+        damaged = {}
+        for path, (sha256, size) in marker.files.items():
+            try:
+                if os.stat(root / path).st_size != size:
+                    damaged[path] = sha256
+            except OSError:
+                damaged[path] = sha256
+        return damaged
+
+    def repair(self, marker: Marker) -> list[str]:
+        """Unmark a revision whose files lost their marked sizes: drop the marker first,
+        then quarantine each damaged file with its blob (when it is the same inode), so
+        the next assembly downloads them again instead of linking the damage (issue 9,
+        item 2). Returns the damaged paths (none: nothing is changed)."""
+        damaged = self.damaged_files(marker)
+        if damaged:
+            self.drop_marker(marker.name, marker.revision)
+            root = self.layout.revision_dir(marker.name, marker.revision)
+            for path, sha256 in sorted(damaged.items()):
+                self.quarantine(root / path, sha256)
+        return sorted(damaged)
 
     # -- blobs ---------------------------------------------------------------------------------
 
@@ -115,10 +218,12 @@ class Store:
         costs a download, never correctness.
         """
         blob = self.layout.blob(sha256)
-        os.chmod(partial, 0o444)
-        os.replace(partial, blob)
+        # Read-only before it has its name: every revision file is a hard link to it, so
+        # an engine that opens one for writing gets EACCES instead of damaging them all.
+        self.ops.chmod(partial, 0o444)
+        self.ops.replace(partial, blob)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial.with_name(partial.name + ".json"))
+            self.ops.unlink(partial.with_name(partial.name + ".json"))
         return blob
 
     def sync_blobs(self) -> None:
@@ -196,35 +301,47 @@ class Store:
     def assemble(self, marker: Marker, manifest: Manifest) -> Path:
         """Link the revision's blobs into a directory aside, marker inside, rename into place.
 
-        Raises FileNotFoundError if a blob vanished (evicted) before it could be linked;
-        the caller downloads it again.
+        The marker is written after every file is linked, and the directory only takes
+        its name once both are durable: a crash at any step leaves either the previous
+        revision or the complete new one (tests/integration/test_publish_crash.py).
+        Raises FileNotFoundError if a blob vanished (evicted) or was found damaged (not
+        of its manifest size: it is quarantined) before it could be linked; the caller
+        downloads it again.
         """
         target = self.layout.revision_dir(marker.name, marker.revision)
         staging = self.layout.tmp / f"rev-{marker.name}@{marker.revision}-{os.urandom(8).hex()}"
-        staging.mkdir()
+        self.ops.mkdir(staging)
         try:
             dirs = {staging}
             for entry in manifest.entries:
                 dest = staging / entry.path
-                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.ops.mkdir(dest.parent, exist_ok=True)
                 dirs.add(dest.parent)
-                os.link(self.layout.blob(entry.sha256), dest)
-            marker_path = staging / MARKER
-            with open(marker_path, "w") as fh:
-                fh.write(marker.to_json())
-                fh.flush()
-                os.fsync(fh.fileno())
+                self._link_blob(entry.sha256, entry.size, dest)
+            self.ops.write_durably(staging / MARKER, marker.to_json())
             for d in dirs:
-                _fsync_dir(d)
-            target.parent.mkdir(parents=True, exist_ok=True)
+                self.ops.fsync_dir(d)
+            self.ops.mkdir(target.parent, exist_ok=True)
             self.layout.check_inside(target)
             self._move_aside(target)
-            os.rename(staging, target)
-            _fsync_dir(target.parent)
+            self.ops.rename(staging, target)
+            self.ops.fsync_dir(target.parent)
         finally:
             if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+                self.ops.rmtree(staging)
         return target
+
+    def _link_blob(self, sha256: str, size: int, dest: Path) -> None:
+        """Link a blob at `dest`, refusing (quarantine, FileNotFoundError) one whose size
+        differs from the manifest's: the size is checked on the linked inode itself, so a
+        blob replaced between a check and the link cannot slip through."""
+        self.ops.link(self.layout.blob(sha256), dest)
+        actual = os.stat(dest).st_size
+        if actual != size:
+            log.warning("blob %s has %d bytes instead of %d; removing it to download it "
+                        "again", sha256, actual, size)  # fmt: skip
+            self.quarantine(dest, sha256)
+            raise FileNotFoundError(errno.ENOENT, f"blob {sha256} was damaged", str(dest))
 
     def remove_revision(self, name: str, revision: str) -> None:
         """Make the revision vanish atomically (rename away), then delete its files."""
@@ -240,7 +357,9 @@ class Store:
 
     def quarantine(self, damaged: Path, sha256: str) -> None:
         """Remove a damaged revision file and, if it is the blob's own inode, the blob,
-        so that the next fetch downloads it again instead of linking the damage."""
+        so that the next fetch downloads it again instead of linking the damage.
+        Refuses (UsageError) a path that resolves outside the cache."""
+        self.layout.check_inside(damaged)
         blob = self.layout.blob(sha256)
         with contextlib.suppress(FileNotFoundError):
             if os.path.samefile(damaged, blob):
@@ -252,9 +371,9 @@ class Store:
         if not path.exists() and not path.is_symlink():
             return
         trash = self.layout.tmp / f"trash-{os.urandom(8).hex()}"
-        os.rename(path, trash)
-        _fsync_dir(path.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        self.ops.rename(path, trash)
+        self.ops.fsync_dir(path.parent)
+        self.ops.rmtree(trash)
 
     def clean_tmp(self, older_than: float = 3600.0, partials_older_than: float = 86400.0) -> None:
         """Remove what killed processes left in tmp/: staging and trash directories and

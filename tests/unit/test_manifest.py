@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from weightcache import manifest
-from weightcache.errors import SourceError
+from weightcache.errors import IntegrityError, SourceError
 from weightcache.manifest import Manifest, ManifestEntry
 
 H1 = hashlib.sha256(b"one").hexdigest()
@@ -69,6 +69,22 @@ def test_with_sizes_and_total_size() -> None:
     m = _parse(f"{H1}  a.bin\n{H2}  d/b.bin\n").with_sizes({"a.bin": 10, "d/b.bin": 32})
     assert [(e.path, e.size) for e in m.entries] == [("a.bin", 10), ("d/b.bin", 32)]
     assert m.total_size == 42
+
+
+def test_with_sizes_same_sha256_same_size_is_fine() -> None:
+    m = _parse(f"{H1}  a.bin\n{H1}  copy/a.bin\n").with_sizes({"a.bin": 3, "copy/a.bin": 3})
+    assert m.total_size == 6
+
+
+def test_with_sizes_same_sha256_different_sizes_is_an_integrity_error() -> None:
+    # issue 9, item 3: exit 0 with a marker that never hits afterwards.
+    m = _parse(f"{H1}  a.bin\n{H2}  b.bin\n{H1}  d/c.bin\n")
+    with pytest.raises(IntegrityError) as info:
+        m.with_sizes({"a.bin": 3, "b.bin": 3, "d/c.bin": 4}, WHERE)
+    message = str(info.value)
+    assert info.value.exit_code == 4
+    assert "a.bin (3 bytes)" in message and "d/c.bin (4 bytes)" in message
+    assert WHERE in message and H1 in message
 
 
 @pytest.mark.parametrize(
