@@ -71,7 +71,67 @@ def test_marker_unknown_version(version: object) -> None:
         Marker.from_json(json.dumps(d))
 
 
+@pytest.mark.parametrize(
+    ("path", "sha256", "size"),
+    [
+        ("../../../etc/passwd", "1" * 64, 1),
+        ("/etc/passwd", "1" * 64, 1),
+        ("a/../../x", "1" * 64, 1),
+        ("ok.bin", "../../blobs", 1),
+        ("ok.bin", "1" * 64, -1),
+    ],
+)
+def test_marker_with_an_unsafe_entry_is_refused(path: str, sha256: str, size: int) -> None:
+    d = json.loads(Marker("m", "r", "s", "d" * 64, {"ok.bin": ("1" * 64, 1)}, 0.0).to_json())
+    d["files"][path] = {"sha256": sha256, "size": size}
+    with pytest.raises(ValueError):
+        Marker.from_json(json.dumps(d))
+
+
+def test_read_marker_ignores_an_unsafe_marker_and_load_marker_says_why(
+    store: Store, layout: Layout
+) -> None:
+    d = json.loads(Marker("m", "r", "s", "d" * 64, {}, 0.0).to_json())
+    d["files"]["../../../x"] = {"sha256": "1" * 64, "size": 1}
+    (layout.root / "m" / "r").mkdir(parents=True)
+    (layout.root / "m" / "r" / MARKER).write_text(json.dumps(d))
+    assert store.read_marker("m", "r") is None
+    with pytest.raises(ValueError, match="unsafe path"):
+        store.load_marker("m", "r")
+
+
 # -- assemble / ready --------------------------------------------------------------------------
+
+
+def test_assemble_refuses_a_blob_not_of_its_size_and_quarantines_it(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, {"a.bin": b"A" * 100, "b.bin": b"B" * 50})
+    damaged = layout.blob(marker.files["a.bin"][0])
+    os.truncate(damaged, 10)
+    assert not store.has_blob(marker.files["a.bin"][0], 100)
+    assert store.has_blob(marker.files["b.bin"][0], 50)
+    with pytest.raises(FileNotFoundError):
+        store.assemble(marker, m)
+    assert not damaged.exists(), "the damaged blob was kept"
+    assert not layout.revision_dir("m", "r").exists()
+    assert list(layout.tmp.iterdir()) == []
+
+
+def test_repair_unmarks_and_quarantines_only_damaged_files(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, {"a.bin": b"A" * 100, "b.bin": b"B" * 50})
+    target = store.assemble(marker, m)
+    assert store.repair(marker) == []
+    assert store.ready("m", "r") == marker
+    os.truncate(target / "a.bin", 3)
+    assert store.repair(marker) == ["a.bin"]
+    assert store.read_marker("m", "r") is None
+    assert not (target / "a.bin").exists()
+    assert not layout.blob(marker.files["a.bin"][0]).exists()
+    assert (target / "b.bin").read_bytes() == b"B" * 50
+    assert layout.blob(marker.files["b.bin"][0]).exists()
 
 
 def test_assemble_links_blobs_and_writes_the_marker(
