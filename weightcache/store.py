@@ -319,7 +319,7 @@ class Store:
                 dirs.add(dest.parent)
                 self._link_blob(entry.sha256, entry.size, dest)
             self.ops.write_durably(staging / MARKER, marker.to_json())
-            for d in dirs:
+            for d in sorted(dirs, reverse=True):  # children before their parents
                 self.ops.fsync_dir(d)
             self.ops.mkdir(target.parent, exist_ok=True)
             self.layout.check_inside(target)
