@@ -212,7 +212,9 @@ class Daemon:
             if self.stopping.is_set():
                 return
             key = (spec.source.name, spec.source.revision)
-            if self.store.ready(*key) is not None:
+            marker = self.store.ready(*key)
+            # Cached from another source: the Fetcher proves it the same or refuses it.
+            if marker is not None and marker.source == spec.source.url:
                 self.metrics.ready.labels(*key).set(1)
                 continue
             try:

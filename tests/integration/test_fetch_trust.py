@@ -21,6 +21,7 @@ from tests.conftest import BUCKET, CLI, Published, dead_endpoint, put_objects, u
 from tests.integration.daemon_helpers import (
     Daemons,
     daemons,  # noqa: F401 - fixture
+    wait_for,
     write_models,
 )
 from tests.support.checks import (
@@ -120,6 +121,14 @@ def test_the_daemon_refuses_another_source_under_a_cached_name(
     ok = wc.fetch(team_b.source, cache_dir, "--name", "llama-b", endpoint=pod)
     assert_ok_path(ok, cache_dir / "llama-b" / "v1")
     assert_revision_ok(cache_dir, "llama-b", "v1", team_b.model)
+
+    # Prefetch too: a models entry naming team B's model "llama" is refused, not "ready".
+    write_models(models, [{"source": team_b.source, "name": "llama", "revision": "v1"}])
+    wait_for(
+        "the daemon to refuse the models entry",
+        lambda: "prefetch of llama/v1 failed" in daemon.log() and team_a.source in daemon.log(),
+    )
+    assert_revision_ok(cache_dir, "llama", "v1", team_a.model)
 
 
 # -- item 2: a damaged blob is never linked again -----------------------------------------
