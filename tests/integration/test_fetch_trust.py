@@ -131,6 +131,37 @@ def test_the_daemon_refuses_another_source_under_a_cached_name(
     assert_revision_ok(cache_dir, "llama", "v1", team_a.model)
 
 
+def test_another_source_does_not_join_a_download_in_flight(
+    wc: CLI,
+    publish: Callable[..., Published],
+    daemons: Daemons,  # noqa: F811
+    store: Any,
+    tmp_path: Path,
+    cache_dir: Path,
+) -> None:
+    """The daemon's single-flight key includes the source: a request for team B's model
+    under team A's name, arriving while team A's download runs, is not handed its result."""
+    team_a = publish([4 * MiB], name="llama", rev="v1", seed="team-a")
+    team_b = publish([64 * 1024], name="other", rev="v1", seed="team-b")
+    models = write_models(tmp_path / "models.yaml", [])
+    daemons.start(cache_dir, models, endpoint=store.endpoint_url, extra=["--bwlimit", "1M"])
+    pod = dead_endpoint()
+    slow = wc.fetch_popen(team_a.source, cache_dir, endpoint=pod)
+    wait_for(
+        "team A's download to start",
+        lambda: any((cache_dir / ".weightcache" / "tmp").glob("*.part")),
+        timeout=30,
+        every=0.05,
+    )
+    assert slow.poll() is None, "team A's fetch ended before team B's request"
+
+    refused = wc.fetch(team_b.source, cache_dir, "--name", "llama", endpoint=pod)
+    message = assert_fails(refused, 2)
+    assert team_a.source in message and team_b.source in message, message
+    assert_ok_path(slow.finish(), team_a.local_path(cache_dir))
+    assert_revision_ok(cache_dir, "llama", "v1", team_a.model)
+
+
 # -- item 2: a damaged blob is never linked again -----------------------------------------
 
 
