@@ -100,6 +100,7 @@ class FileOps:
     """
 
     def mkdir(self, path: Path, exist_ok: bool = False) -> None:
+        """`exist_ok` also makes missing parents (`mkdir -p`); without it, a fresh name."""
         path.mkdir(parents=exist_ok, exist_ok=exist_ok)
 
     def link(self, src: Path, dst: Path) -> None:
