@@ -23,7 +23,7 @@ from tests.integration.daemon_helpers import (
     wait_for,
     write_models,
 )
-from tests.support.checks import assert_revision_ok
+from tests.support.checks import assert_revision_ok, describe, error_lines
 from tests.support.faultproxy import FaultProxy
 
 
@@ -102,3 +102,25 @@ def test_a_step_that_keeps_failing_makes_healthz_fail_until_it_works(
     assert proc.returncode == 0, (proc.stderr, time.monotonic() - started)
     assert is_marked(cache_dir, other)
     shutil.rmtree(tmp_path / "src", ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_prefetch_goes_past_an_entry_failing_with_an_oserror(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    blocked = publish([1 * MiB], name="blocked", rev="r1", seed="blocked")
+    good = publish([1 * MiB], name="good", rev="r1", seed="good")
+    cache_dir.mkdir()
+    (cache_dir / blocked.name).write_text("not a directory\n")
+    models = write_models(tmp_path / "models.yaml", [entry(blocked), entry(good)])
+
+    proc = wc.run("prefetch", "--cache-dir", cache_dir, "--models", models,
+                  "--endpoint-url", proxy.url, env={"AWS_ENDPOINT_URL": proxy.url})  # fmt: skip
+    assert proc.returncode != 0, describe(proc)
+    assert "Traceback" not in proc.stderr, describe(proc)
+    errors = error_lines(proc.stderr)
+    assert len(errors) == 1, describe(proc)
+    assert "blocked" in errors[0], errors
+    assert proc.stdout.splitlines() == [str(good.local_path(cache_dir))], describe(proc)
+    assert_revision_ok(cache_dir, good.name, good.rev, good.model)
