@@ -11,7 +11,13 @@ and, for the fetches it runs, asks them before the origin (weightcache/peers.py)
 
 Who holds credentials: the daemon downloads with its own (DaemonSet Secret or IRSA) for
 every fetch it coordinates; a Pod's `fetch` uses its own only when it falls back to
-fetching alone (no daemon, or a daemon that does not answer).
+fetching alone (no daemon, a daemon that does not answer, or one that refuses a source
+outside its `--allow-source` prefixes: any Pod on the node can reach the socket, so the
+daemon's credentials must not read whatever a Pod names).
+
+Its loops (converging to the models file; ending leases and bounding capacity) run as
+supervised workers (weightcache/worker.py): a failing step is logged and retried, and
+one that keeps failing, or dies, fails /healthz.
 """
 
 from __future__ import annotations
@@ -343,7 +349,7 @@ class Daemon:
         ]
         for worker in self._workers:
             worker.start()
-        while not self.stopping.wait(interval):
+        while not self.stopping.wait(interval):  # wake up: signal handlers run in this thread
             pass
         self._shutdown()
 
