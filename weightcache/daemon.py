@@ -328,8 +328,10 @@ class Daemon:
             try:
                 labels.patch_node(self.settings.node_name, wanted, self._labels or {})
                 self._labels = wanted
-            except OSError as e:
-                log.warning("could not label node %s: %s", self.settings.node_name, e)
+            except (OSError, KeyError, ValueError) as e:  # KeyError: not in a cluster
+                # Labels are a convenience: failing to set them never fails the converge
+                # step (nor, through it, /healthz).
+                log.warning("could not label node %s: %r", self.settings.node_name, e)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

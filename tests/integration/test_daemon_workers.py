@@ -124,3 +124,23 @@ def test_prefetch_goes_past_an_entry_failing_with_an_oserror(
     assert "blocked" in errors[0], errors
     assert proc.stdout.splitlines() == [str(good.local_path(cache_dir))], describe(proc)
     assert_revision_ok(cache_dir, good.name, good.rev, good.model)
+
+
+@pytest.mark.timeout(120)
+def test_failing_node_labels_never_stop_convergence_nor_fail_healthz(
+    publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path, tmp_path: Path,
+    daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    a = publish([1 * MiB], name="alpha", rev="r1", seed="alpha")
+    b = publish([1 * MiB], name="beta", rev="r1", seed="beta")
+    models = write_models(tmp_path / "models.yaml", [entry(a)])
+    # --node-name outside a cluster: labelling the node raises KeyError (no API server).
+    daemon = daemons.start(cache_dir, models, endpoint=proxy.url, extra=["--node-name", "n1"],
+                           env={"KUBERNETES_SERVICE_HOST": None})  # fmt: skip
+    wait_for("alpha", lambda: is_marked(cache_dir, a), timeout=60)
+    write_models(models, [entry(a), entry(b)])
+    wait_for("beta, after the models file changed", lambda: is_marked(cache_dir, b), timeout=60)
+    time.sleep(3)  # six converge steps at 0.5 s
+    assert daemon.get("/healthz") == (200, "ok\n"), daemon.log()
+    assert "could not label node n1" in daemon.log(), daemon.log()
+    assert "Traceback" not in daemon.log(), daemon.log()
