@@ -23,6 +23,7 @@ from weightcache.config import (
     PeerSettings,
     Source,
     StoreSettings,
+    parse_allow_sources,
     parse_duration,
     parse_size,
 )
@@ -240,7 +241,7 @@ def _daemon(cache_dir: Path, store: StoreSettings, **kw: Any) -> Any:
 def prefetch(cache_dir: Path, **kw: Any) -> None:
     """Converge once to the models file, then exit 0 when every listed revision is ready."""
     daemon = _daemon(cache_dir, settings_from(kw), **kw)
-    daemon.reload()
+    daemon.load_models()  # missing or invalid: exit 2
     if not daemon.desired.models and not daemon.desired.problems:
         log.warning("the models file %s lists no models", kw["models_file"])
     daemon.converge_once()
@@ -277,6 +278,16 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
     show_default=True,
     callback=converter(parse_duration, "--interval"),
     help="How often to check the models file, leases and capacity.",
+)
+@click.option(
+    "--allow-source",
+    "allow_sources",
+    envvar=env("allow-source"),
+    multiple=True,
+    callback=converter(parse_allow_sources, "--allow-source"),
+    help="Fetch for Pods only sources under this s3://bucket[/prefix] (repeatable; the "
+    "variable takes several, space-separated). Default: the parent of each source of the "
+    "models file. Other Pods fetch alone, with their own credentials.",
 )
 @peer_options
 @store_options

@@ -165,6 +165,54 @@ class Source:
         return f"{self.prefix}/{relpath}"
 
 
+@dataclass(frozen=True, order=True)
+class SourcePrefix:
+    """A bucket and key prefix the node daemon may fetch under for Pods (`--allow-source`).
+
+    Matching is by whole path segments: s3://models/team covers s3://models/team/llama/v1,
+    never s3://models/teamB/llama/v1 (issue 9 item 15: the socket is a confused deputy).
+    """
+
+    bucket: str
+    segments: tuple[str, ...] = ()  # () covers the whole bucket
+
+    @classmethod
+    def parse(cls, text: str, what: str = "--allow-source") -> SourcePrefix:
+        """`s3://bucket`, `s3://bucket/` or `s3://bucket/a/b/`. Raises UsageError."""
+        m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?", str(text).strip())
+        segments = tuple((m.group(2) or "").strip("/").split("/")) if m else ()
+        if segments == ("",):
+            segments = ()
+        if m is None or any(s in ("", ".", "..") for s in segments):
+            raise UsageError(
+                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, such "
+                "as s3://models/team-a"
+            )
+        return cls(m.group(1), segments)
+
+    @classmethod
+    def parent_of(cls, source: Source) -> SourcePrefix:
+        """The source URL without its last segment: every revision of a listed model."""
+        return cls(source.bucket, tuple(source.prefix.split("/"))[:-1])
+
+    def covers(self, source: Source) -> bool:
+        parts = tuple(source.prefix.split("/"))
+        return source.bucket == self.bucket and parts[: len(self.segments)] == self.segments
+
+    def __str__(self) -> str:
+        return "/".join((f"s3://{self.bucket}", *self.segments))
+
+
+def parse_allow_sources(
+    values: tuple[str, ...], what: str = "--allow-source"
+) -> tuple[SourcePrefix, ...] | None:
+    """The daemon's `--allow-source` values; None when none is given (the default then
+    comes from the models file). Raises UsageError."""
+    if not values:
+        return None
+    return tuple(sorted({SourcePrefix.parse(v, what) for v in values}))
+
+
 def parse_hostport(text: str, what: str, allow_zero: bool = False) -> tuple[str, int]:
     """`host:port` or `[v6]:port` -> (host, port). Raises UsageError naming `what`."""
     host, _, port = text.strip().rpartition(":")

@@ -4,7 +4,9 @@ Protocol: the client sends one JSON line `{"op": "fetch", "source": ..., "name":
 "revision": ..., "pod_uid": ...}` (or `"op": "hit"`, fire and forget, for metrics). The
 daemon answers with JSON lines: `{"event": "accepted"}` at once, `{"event": "waiting"}`
 every HEARTBEAT seconds, and finally `{"event": "done", "result": {...}}` or
-`{"event": "error", "exit_code": N, "message": "..."}`.
+`{"event": "error", "exit_code": N, "message": "..."}`. Instead of accepting, the daemon
+may answer `{"event": "refused", "message": "..."}` (a source outside its
+`--allow-source` prefixes): the Pod then fetches alone, with its own credentials.
 
 A hung daemon must not hang a Pod (SPEC §5): the client falls back to fetching alone when
 the socket is absent, refuses, does not accept within ACCEPT_TIMEOUT, or goes silent for
@@ -75,6 +77,9 @@ def ask_daemon(
     with contextlib.closing(sock), contextlib.closing(reader):
         try:
             first = _read_event(reader)
+            if first.get("event") == "refused":
+                log.warning("%s; fetching alone with this Pod's credentials", first.get("message"))
+                return None
             if first.get("event") != "accepted":
                 log.warning("node daemon answered %r; fetching alone", first)
                 return None

@@ -11,7 +11,13 @@ and, for the fetches it runs, asks them before the origin (weightcache/peers.py)
 
 Who holds credentials: the daemon downloads with its own (DaemonSet Secret or IRSA) for
 every fetch it coordinates; a Pod's `fetch` uses its own only when it falls back to
-fetching alone (no daemon, or a daemon that does not answer).
+fetching alone (no daemon, a daemon that does not answer, or one that refuses a source
+outside its `--allow-source` prefixes: any Pod on the node can reach the socket, so the
+daemon's credentials must not read whatever a Pod names).
+
+Its loops (converging to the models file; ending leases and bounding capacity) run as
+supervised workers (weightcache/worker.py): a failing step is logged and retried, and
+one that keeps failing, or dies, fails /healthz.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from weightcache import coord, eviction, labels
-from weightcache.config import Capacity, PeerSettings, Source, StoreSettings
+from weightcache.config import Capacity, PeerSettings, Source, SourcePrefix, StoreSettings
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 from weightcache.eviction import Watermarks
 from weightcache.fetch import Fetcher, FetchResult
@@ -40,6 +46,7 @@ from weightcache.models import DesiredState, load
 from weightcache.peers import Peers, PeerServer
 from weightcache.progress import human
 from weightcache.store import Store
+from weightcache.worker import Worker, backoff
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,14 @@ class DaemonSettings:
     node_name: str | None = None  # set to label the node (needs RBAC, see daemonset/)
     grace: float = 25.0  # seconds to wind down after SIGTERM, within the Pod's grace period
     peer: PeerSettings | None = None  # serve and fetch blobs between nodes (SPEC §8)
+    #: Where the daemon fetches for Pods (`--allow-source`); None: under the parent of
+    #: every source of the models file (any revision of a listed model).
+    allow_sources: tuple[SourcePrefix, ...] | None = None
+
+
+#: A models entry that failed is retried after ENTRY_RETRY x 2**(n-1) s, at most ENTRY_RETRY_MAX.
+ENTRY_RETRY = 10.0
+ENTRY_RETRY_MAX = 300.0
 
 
 class Daemon:
@@ -81,6 +96,11 @@ class Daemon:
         self._servers: list[socketserver.BaseServer] = []
         self._labels: dict[str, str] | None = None
         self.failures: dict[tuple[str, str], WeightcacheError] = {}
+        #: (failures in a row, monotonic time of the next attempt) of failing entries
+        self._retry: dict[tuple[str, str], tuple[int, float]] = {}
+        self._models_error: str | None = None  # why the models file is unusable, if it is
+        self._converged = False  # every listed entry was attempted since the last change
+        self._workers: list[Worker] = []
 
     # -- single-flight fetches -----------------------------------------------------------------
 
@@ -125,7 +145,7 @@ class Daemon:
                 except TimeoutError:
                     if beat is not None:
                         beat()
-        except WeightcacheError:
+        except Exception:  # any failure is this caller's failed fetch
             self.metrics.fetches.labels("error").inc()
             self.metrics.duration.labels("error").observe(time.monotonic() - start)
             raise
@@ -190,46 +210,84 @@ class Daemon:
 
     # -- convergence ---------------------------------------------------------------------------
 
+    def load_models(self) -> None:
+        """Read the models file at start; raises UsageError (exit 2) when it is missing or
+        invalid: there is no last good state to keep yet."""
+        self._apply(load(self.settings.models_file))
+
     def reload(self) -> bool:
-        """Re-read the models file; True if it changed."""
+        """Re-read the models file; True if it changed. A file that vanished or turned
+        invalid keeps the last good state, logged once until the error changes."""
         try:
             desired = load(self.settings.models_file)
         except UsageError as e:
-            log.error("%s; keeping the previous desired state", e)
+            if str(e) != self._models_error:
+                log.error("%s; keeping the last good desired state", e)
+                self._models_error = str(e)
             return False
+        if self._models_error is not None:
+            log.info("the models file %s is usable again", self.settings.models_file)
+            self._models_error = None
+        return self._apply(desired)
+
+    def _apply(self, desired: DesiredState) -> bool:
         if desired.digest == self.desired.digest:
             return False
         for problem in desired.problems:
             log.error("skipping a bad models entry: %s", problem)
-        self.desired = desired
         self.index.set_pins(set(desired.pinned))
+        self.desired = desired
+        self._converged = False
+        self._retry.clear()
         log.info("desired state: %d model(s), %d pinned", len(desired.models), len(desired.pinned))
         return True
 
     def converge_once(self) -> None:
-        """Fetch every listed revision that is not ready, one at a time."""
+        """Fetch every listed revision that is not ready, one at a time. A failing entry
+        (whatever it raises) never stops the others: it is recorded in `failures` and
+        retried with a backoff (`retry_due`)."""
+        now = time.monotonic()
         for spec in self.desired.models:
             if self.stopping.is_set():
                 return
             key = (spec.source.name, spec.source.revision)
+            if self._retry.get(key, (0, now))[1] <= now:
+                self._converge_entry(spec.source)
+        self._update_labels()
+
+    def _converge_entry(self, source: Source) -> None:
+        key = (source.name, source.revision)
+        try:
             marker = self.store.ready(*key)
             # Cached from another source: the Fetcher proves it the same or refuses it.
-            if marker is not None and marker.source == spec.source.url:
-                self.metrics.ready.labels(*key).set(1)
-                continue
-            try:
-                self.wait(spec.source)
-                self.failures.pop(key, None)
-                self.metrics.ready.labels(*key).set(1)
-            except WeightcacheError as e:
-                self.failures[key] = e
-                self.metrics.ready.labels(*key).set(0)
-                log.error("prefetch of %s failed: %s", spec.source.label, e)
-        self._update_labels()
+            if marker is None or marker.source != source.url:
+                self.wait(source)
+        except Exception as e:
+            failures = self._retry.get(key, (0, 0.0))[0] + 1
+            delay = backoff(failures, ENTRY_RETRY, ENTRY_RETRY_MAX)
+            self._retry[key] = (failures, time.monotonic() + delay)
+            if not isinstance(e, WeightcacheError):  # a bug or the disk: say what it was
+                e = WeightcacheError(f"unexpected {type(e).__name__}: {e}")
+            self.failures[key] = e
+            self.metrics.ready.labels(*key).set(0)
+            log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
+            return
+        self.failures.pop(key, None)
+        self._retry.pop(key, None)
+        self.metrics.ready.labels(*key).set(1)
+
+    def retry_due(self) -> bool:
+        """A failed entry's backoff has run out."""
+        now = time.monotonic()
+        return any(at <= now for _, at in self._retry.values())
 
     def health_problem(self) -> str | None:
         """None while the daemon can do its job, else one line saying what is wrong
-        (the /healthz contract: a 503 with that line)."""
+        (the /healthz contract: a 503 with that line): a worker died or keeps failing."""
+        for worker in self._workers:
+            problem = worker.problem()
+            if problem is not None:
+                return problem
         return None
 
     def ready(self) -> bool:
@@ -275,37 +333,43 @@ class Daemon:
             try:
                 labels.patch_node(self.settings.node_name, wanted, self._labels or {})
                 self._labels = wanted
-            except OSError as e:
-                log.warning("could not label node %s: %s", self.settings.node_name, e)
+            except (OSError, KeyError, ValueError) as e:  # KeyError: not in a cluster
+                # Labels are a convenience: failing to set them never fails the converge
+                # step (nor, through it, /healthz).
+                log.warning("could not label node %s: %r", self.settings.node_name, e)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Serve until `stopping` is set (SIGTERM)."""
+        """Serve until `stopping` is set (SIGTERM). Raises UsageError before serving
+        anything when the models file is missing or invalid."""
+        self.load_models()
         self.store.clean_tmp()
-        self.reload()
         self._serve_socket()
         self._serve_peers()
         if self.settings.metrics_addr is not None:
             self._serve_http(self.settings.metrics_addr)
-        converger = threading.Thread(target=self._converge_loop, name="converge", daemon=True)
-        converger.start()
-        while not self.stopping.wait(self.settings.interval):
-            try:
-                self.reap_leases()
-                self.enforce_capacity()
-            except WeightcacheError as e:
-                log.error("%s", e)
-        self._shutdown(converger)
+        interval = self.settings.interval
+        self._workers = [
+            Worker("converge", self.converge_step, interval, self.stopping),
+            Worker("lease and capacity", self.housekeeping_step, interval, self.stopping),
+        ]
+        for worker in self._workers:
+            worker.start()
+        while not self.stopping.wait(interval):  # wake up: signal handlers run in this thread
+            pass
+        self._shutdown()
 
-    def _converge_loop(self) -> None:
-        changed = True
-        while not self.stopping.is_set():
-            if changed or self.failures:
-                self.converge_once()
-                self.enforce_capacity()
-            self.stopping.wait(self.settings.interval if not self.failures else 10.0)
-            changed = self.reload()
+    def converge_step(self) -> None:
+        """Follow the models file: converge after a change or when a retry is due."""
+        if self.reload() or not self._converged or self.retry_due():
+            self.converge_once()
+            self.enforce_capacity()
+            self._converged = True
+
+    def housekeeping_step(self) -> None:
+        self.reap_leases()
+        self.enforce_capacity()
 
     def stop(self) -> None:
         """Ask `run()` to return (safe from a signal handler): no new work, downloads
@@ -313,9 +377,11 @@ class Daemon:
         self.stopping.set()
         self.fetcher.interrupt()
 
-    def _shutdown(self, converger: threading.Thread) -> None:
+    def _shutdown(self) -> None:
         log.info("stopping: no new work, downloads interrupted, partial files kept")
-        converger.join(self.settings.grace)
+        deadline = time.monotonic() + self.settings.grace
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
         for server in self._servers:
             server.shutdown()
             server.server_close()
@@ -351,12 +417,35 @@ class Daemon:
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
         log.info("metrics on http://%s:%d/metrics", *server.server_address[:2])
 
+    def allowed_sources(self) -> tuple[SourcePrefix, ...]:
+        """Where the daemon fetches for Pods: `--allow-source`, else the parent of every
+        source of the models file (so any revision of a listed model)."""
+        if self.settings.allow_sources is not None:
+            return self.settings.allow_sources
+        return tuple(sorted({SourcePrefix.parent_of(m.source) for m in self.desired.models}))
+
+    def refusal(self, source: Source) -> str | None:
+        """Why the daemon will not fetch `source` for a Pod, or None. Its credentials
+        serve only the allowed prefixes, so a Pod cannot make it read any bucket it can."""
+        if any(prefix.covers(source) for prefix in self.allowed_sources()):
+            return None
+        return (
+            f"the node daemon does not fetch {source.url} for Pods: it is not under its "
+            "--allow-source prefixes"
+        )
+
     def handle_fetch(self, msg: dict[str, Any], send: Any) -> None:
-        """Serve one Pod's fetch over the socket: accept, heartbeat, answer."""
+        """Serve one Pod's fetch over the socket: refuse, or accept, heartbeat, answer."""
         source = Source.parse(msg["source"], msg.get("name"), msg.get("revision"))
         pod_uid = msg.get("pod_uid")
         if msg.get("op") == "hit":
             self.record_hit(source)
+            return
+        refusal = self.refusal(source)
+        if refusal is not None:
+            allowed = " ".join(map(str, self.allowed_sources())) or "none"
+            log.info("refused a Pod's fetch of %s (allowed: %s)", source.url, allowed)
+            send({"event": "refused", "message": refusal})
             return
         send({"event": "accepted"})
         self.metrics.replica_waiting(+1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -102,26 +103,40 @@ class Fetcher:
         self._downloader = downloader
         self._reserve = reserve
         self.peers = peers
+        # Guards building the downloader and `_interrupted` (issue 9 item 17): two threads
+        # building it at once made two token buckets, one that interrupt() never reached.
+        self._downloader_lock = threading.Lock()
+        self._interrupted = False
 
     @property
     def downloader(self) -> RangedDownloader:
-        if self._downloader is None:
-            from weightcache.transfer.ranged import RangedDownloader
-            from weightcache.transfer.s3 import ObjectStore
+        """The one downloader of this Fetcher (so one token bucket and one AIMD gate),
+        built on first use; concurrent first uses get the same object. Built after
+        `interrupt()`, it is interrupted at once."""
+        with self._downloader_lock:
+            if self._downloader is None:
+                from weightcache.transfer.ranged import RangedDownloader
+                from weightcache.transfer.s3 import ObjectStore
 
-            self._downloader = RangedDownloader(
-                ObjectStore(self.settings), self.settings, self._observer
-            )
-        return self._downloader
+                self._downloader = RangedDownloader(
+                    ObjectStore(self.settings), self.settings, self._observer
+                )
+                if self._interrupted:
+                    self._downloader.interrupt()
+            return self._downloader
 
     @property
     def origin(self) -> ObjectStore:
         return self.downloader.store
 
     def interrupt(self) -> None:
-        """Stop running downloads for good (SIGTERM); partial files stay resumable."""
-        if self._downloader is not None:
-            self._downloader.interrupt()
+        """Stop running downloads for good (SIGTERM), and those of a downloader still
+        being built; partial files stay resumable."""
+        with self._downloader_lock:
+            self._interrupted = True
+            downloader = self._downloader
+        if downloader is not None:
+            downloader.interrupt()
 
     def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
         """Make the revision ready; raises a WeightcacheError subclass on failure."""

@@ -28,8 +28,8 @@ def env(option: str) -> str:
     return "WEIGHTCACHE_" + option.upper().replace("-", "_")
 
 
-def converter(parse: Callable[[str, str], Any], what: str) -> Callable[..., Any]:
-    def convert(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+def converter(parse: Callable[[Any, str], Any], what: str) -> Callable[..., Any]:
+    def convert(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
         if value is None:
             return None
         try:

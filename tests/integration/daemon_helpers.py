@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import CLI, Published, cli_env
+from tests.conftest import BUCKET, CLI, Published, cli_env
 from tests.support.checks import describe
 from weightcache.devstore import free_port
 
@@ -146,7 +146,10 @@ class Daemons:
         extra: Sequence[str] = (),
         wait: bool = True,
         env: Mapping[str, str | None] | None = None,
+        allow_source: Sequence[str] = (f"s3://{BUCKET}",),
     ) -> DaemonProc:
+        """Start a daemon; by default it fetches for Pods anything in the test bucket
+        (`allow_source=()` leaves the daemon's own default: the models file's prefixes)."""
         if pods_dir is None:
             pods_dir = self.tmp_path / "pods"
         pods_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +160,8 @@ class Daemons:
             "--kubelet-pods-dir", str(pods_dir), "--interval", "0.5s",
             "--endpoint-url", endpoint, *extra,
         ]  # fmt: skip
+        for prefix in allow_source:
+            args += ["--allow-source", prefix]
         logs = self.tmp_path / "logs"
         logs.mkdir(exist_ok=True)
         n = len(self.started) + 1

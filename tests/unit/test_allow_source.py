@@ -1,0 +1,91 @@
+"""`--allow-source` (issue 9 item 15): which sources the node daemon fetches for Pods.
+Prefixes match whole path segments; the option is repeatable and reads
+WEIGHTCACHE_ALLOW_SOURCE (several prefixes, space-separated)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+
+from weightcache import cli
+from weightcache.config import Source, SourcePrefix, parse_allow_sources
+from weightcache.errors import UsageError
+
+
+def covers(prefix: str, source: str) -> bool:
+    return SourcePrefix.parse(prefix).covers(Source.parse(source))
+
+
+@pytest.mark.parametrize(
+    ("prefix", "source", "expected"),
+    [
+        ("s3://models/team", "s3://models/team/llama/v1", True),
+        ("s3://models/team/", "s3://models/team/llama/v1", True),
+        ("s3://models/team", "s3://models/teamB/llama/v1", False),  # segments, not strings
+        ("s3://models/team", "s3://models/tea/m/llama/v1", False),
+        ("s3://models/team/llama", "s3://models/team/llama/v1", True),
+        ("s3://models/team/llama", "s3://models/team/llama2/v1", False),
+        ("s3://models/team/llama/v1", "s3://models/team/llama/v1", True),
+        ("s3://models", "s3://models/anything/llama/v1", True),
+        ("s3://models/", "s3://models/anything/llama/v1", True),
+        ("s3://models", "s3://models2/team/llama/v1", False),
+        ("s3://models/team", "s3://other/team/llama/v1", False),
+        ("s3://models/a/b", "s3://models/a/llama/v1", False),  # shorter than the prefix
+    ],
+)
+def test_prefixes_match_whole_segments(prefix: str, source: str, expected: bool) -> None:
+    assert covers(prefix, source) is expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["models/team", "s3://", "s3://Models/team", "s3://models/a//b", "s3://models/../x",
+     "s3://models/./x", "https://models/team", "s3://m"],
+)  # fmt: skip
+def test_invalid_prefixes_are_refused(text: str) -> None:
+    with pytest.raises(UsageError, match="--allow-source"):
+        SourcePrefix.parse(text)
+
+
+def test_parent_of_a_source_is_every_revision_of_its_model() -> None:
+    parent = SourcePrefix.parent_of(Source.parse("s3://models/team/llama/v1"))
+    assert str(parent) == "s3://models/team/llama"
+    assert parent.covers(Source.parse("s3://models/team/llama/v2"))
+    assert not parent.covers(Source.parse("s3://models/team/qwen/v1"))
+    assert str(SourcePrefix.parse("s3://models/")) == "s3://models"
+
+
+def test_no_value_means_the_models_file_default() -> None:
+    assert parse_allow_sources(()) is None
+    assert parse_allow_sources(("s3://bbb/x", "s3://aaa", "s3://bbb/x/")) == (
+        SourcePrefix("aaa"),
+        SourcePrefix("bbb", ("x",)),
+    )
+
+
+def _daemon_params(args: list[str]) -> dict[str, object]:
+    base = ["--cache-dir", "/tmp/c", "--models", "/tmp/m.yaml", "--capacity", "1G"]
+    with cli.daemon.make_context("daemon", [*base, *args]) as ctx:
+        return dict(ctx.params)
+
+
+def test_the_option_is_repeatable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEIGHTCACHE_ALLOW_SOURCE", raising=False)
+    assert _daemon_params([])["allow_sources"] is None
+    params = _daemon_params(["--allow-source", "s3://aaa/x", "--allow-source", "s3://bbb"])
+    assert params["allow_sources"] == (SourcePrefix("aaa", ("x",)), SourcePrefix("bbb"))
+
+
+def test_the_variable_takes_several_prefixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHTCACHE_ALLOW_SOURCE", "s3://aaa/x  s3://bbb/y/z")
+    params = _daemon_params([])
+    assert params["allow_sources"] == (
+        SourcePrefix("aaa", ("x",)),
+        SourcePrefix("bbb", ("y", "z")),
+    )
+
+
+def test_a_bad_prefix_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEIGHTCACHE_ALLOW_SOURCE", raising=False)
+    with pytest.raises(click.BadParameter, match="s3://bucket or s3://bucket/prefix"):
+        _daemon_params(["--allow-source", "models/team"])
