@@ -261,7 +261,7 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
 @click.option(
     "--metrics-addr",
     envvar=env("metrics-addr"),
-    default="0.0.0.0:9400",
+    default="0.0.0.0:9402",
     show_default=True,
     help="HOST:PORT for /metrics, /healthz and /readyz.",
 )

@@ -55,7 +55,7 @@ def _podman_problem() -> str | None:
 
 @pytest.fixture(scope="session")
 def image() -> str:
-    """The weightcache image built from this tree by `.ci/image` (layer cache makes reruns quick)."""
+    """The image built from this tree by `.ci/image` (its layer cache makes reruns quick)."""
     problem = _podman_problem()
     if problem is not None:
         pytest.skip(problem)
