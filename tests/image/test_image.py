@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import subprocess
 import time
 import urllib.error
@@ -19,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from tests.image.conftest import Podman, PodSandbox, node_dir, podman_args
-from tests.packaging.conftest import Container, Rendered
+from tests.packaging.conftest import (
+    DAEMONSET,
+    NODE_PREP,
+    Container,
+    Rendered,
+    kustomize,
+    overlay,
+)
 
 #: Added to the rendered environment only so the test can tell a hit from a miss:
 #: `fetch --json` reads it (every option has a WEIGHTCACHE_* variable).
@@ -185,3 +194,26 @@ def test_daemon_prefetches_then_is_ready_and_serves_metrics(
         ["podman", "stop", "--time=30", name], capture_output=True, text=True, check=False
     )
     assert stop.returncode == 0, stop.stderr
+
+
+def test_node_prep_prepares_a_fresh_node(
+    image: str, podman: Podman, tmp_path: Path, tmp_path_factory: Any
+) -> None:
+    """components/node-prep's init container, as rendered (root, CAP_CHOWN and CAP_FOWNER
+    only), turns the kubelet's fresh directories into what the daemon needs."""
+    directory = tmp_path_factory.mktemp("node-prep")
+    rendered = Rendered("node-prep", kustomize(overlay(directory, DAEMONSET, (NODE_PREP,))))
+    (prep,) = [c for c in rendered.containers() if c.init]
+    node = tmp_path / "node"
+    cache = node / "weightcache"  # as the kubelet creates a DirectoryOrCreate hostPath
+    cache.mkdir(parents=True, mode=0o755)
+    pods = node / "kubelet-pods"  # as the kubelet creates it
+    pods.mkdir(mode=0o750)
+    os.chmod(pods, 0o750)
+    sandbox = PodSandbox(tmp_path / "pod", host_paths={"weight-cache": cache, "kubelet-pods": pods})
+    for _ in range(2):  # idempotent: a restarted Pod runs it again
+        proc = podman.run(podman_args(prep, sandbox, image, podman.name()))
+        assert proc.returncode == 0, proc.stderr
+    st = cache.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65532, 65532, 0o755)
+    assert stat.S_IMODE(pods.stat().st_mode) == 0o751, oct(pods.stat().st_mode)
