@@ -114,7 +114,8 @@ def node_options(fn: F) -> F:
             envvar=env("models"),
             required=True,
             type=click.Path(dir_okay=False, path_type=Path),
-            help="The models file (SPEC 2.3), usually a mounted ConfigMap.",
+            help="The models file (YAML: models: [{source, name, revision, pin}]), usually "
+            "a mounted ConfigMap.",
         ),
         click.option(
             "--high-watermark",
