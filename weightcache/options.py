@@ -114,7 +114,8 @@ def node_options(fn: F) -> F:
             envvar=env("models"),
             required=True,
             type=click.Path(dir_okay=False, path_type=Path),
-            help="The models file (SPEC 2.3), usually a mounted ConfigMap.",
+            help="The models file (YAML: models: [{source, name, revision, pin}]), usually "
+            "a mounted ConfigMap.",
         ),
         click.option(
             "--high-watermark",
@@ -137,7 +138,9 @@ def node_options(fn: F) -> F:
             envvar=env("kubelet-pods-dir"),
             default="/var/lib/kubelet/pods",
             show_default=True,
-            type=click.Path(file_okay=False, path_type=Path),
+            # Search permission is all the lease check needs (and all the node preparation
+            # grants, docs/deploy.md): click's default readable check would refuse it.
+            type=click.Path(file_okay=False, readable=False, path_type=Path),
             help="Read-only kubelet pod directories: a lease ends when its Pod's "
             "directory is gone.",
         ),

@@ -1,4 +1,4 @@
-"""`weightcache publish`: hash a local model directory, write SHA256SUMS, upload it all.
+"""`weightcache publish`: hash a local model directory, upload it and its SHA256SUMS.
 
 The manifest is uploaded last, so a fetch that sees it finds every file it lists.
 """
@@ -24,15 +24,38 @@ def sha256_file(path: Path, chunk: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
+def link_root(root: Path) -> Path:
+    """The directory that symlinks under `root` may point into.
+
+    A Hugging Face snapshot (`<repo>/snapshots/<commit>/`) is a tree of links into
+    `<repo>/blobs/`: there it is the repo folder; anywhere else, `root` itself.
+    """
+    root = root.resolve()
+    return root.parent.parent if root.parent.name == "snapshots" else root
+
+
+def _check_link(path: Path, within: Path) -> None:
+    target = path.resolve()
+    if not target.is_relative_to(within):
+        raise UsageError(
+            f"{path} is a symlink to {target}, outside {within}; publish a directory whose "
+            "links stay inside it (or a Hugging Face snapshot folder)"
+        )
+    if target.is_dir():
+        raise UsageError(f"{path} is a symlink to a directory; link files only")
+
+
 def model_files(root: Path) -> list[str]:
-    """Relative paths of the regular files to publish (the manifest itself excluded)."""
+    """Relative paths of the files to publish (the manifest itself excluded): regular files,
+    and symlinks to files that resolve inside `link_root(root)`, read through the link."""
     if not root.is_dir():
         raise UsageError(f"{root} is not a directory; give the local model directory")
+    within = link_root(root)
     files = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
         if path.is_symlink():
-            raise UsageError(f"{path} is a symlink; publish regular files only")
+            _check_link(path, within)
         if path.is_file() and rel != MANIFEST_NAME:
             files.append(check_path(rel, str(root)))
     if not files:
@@ -41,12 +64,15 @@ def model_files(root: Path) -> list[str]:
 
 
 def publish(local_dir: Path, dest: Source, settings: StoreSettings) -> bytes:
-    """Write LOCAL_DIR/SHA256SUMS and upload the files, then the manifest; return it."""
+    """Upload the files of LOCAL_DIR, then their SHA256SUMS; return the manifest.
+
+    Nothing is written into LOCAL_DIR, so read-only model directories (a mounted volume,
+    a shared Hugging Face cache) publish as they are.
+    """
     from weightcache.transfer.s3 import ObjectStore
 
     files = model_files(local_dir)
     manifest = render([(sha256_file(local_dir / rel), rel) for rel in files])
-    (local_dir / MANIFEST_NAME).write_bytes(manifest)
     store = ObjectStore(settings)
     for rel in files:
         log.info("uploading %s to %s/%s", rel, dest.url, rel)

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 INITCONTAINER = REPO / "initcontainer"
 DAEMONSET = REPO / "daemonset"
 NODE_LABELS = DAEMONSET / "components" / "node-labels"
+NODE_PREP = DAEMONSET / "components" / "node-prep"
 
 #: The image the manifests name for weightcache before kustomize's `images:` rewrites it;
 #: after rendering, a container runs weightcache when its image repository ends in this.
@@ -177,6 +178,32 @@ def node_labels_overlay(directory: Path) -> Path:
     }
     (directory / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
     return directory
+
+
+def overlay(
+    directory: Path,
+    base: Path,
+    components: tuple[Path, ...] = (),
+    patches: tuple[str, ...] = (),
+) -> Path:
+    """A throwaway overlay of `base` with components and inline patches, as a user writes it."""
+    doc: Doc = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(base, directory)],
+    }
+    if components:
+        doc["components"] = [os.path.relpath(c, directory) for c in components]
+    if patches:
+        doc["patches"] = [{"patch": p} for p in patches]
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(doc))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def daemonset_node_prep(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    directory = tmp_path_factory.mktemp("node-prep-overlay")
+    return Rendered("daemonset+node-prep", kustomize(overlay(directory, DAEMONSET, (NODE_PREP,))))
 
 
 @pytest.fixture(scope="session")

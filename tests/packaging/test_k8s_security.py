@@ -71,7 +71,13 @@ def test_host_paths_are_the_cache_and_read_only_kubelet_pods(rendered: Any) -> N
                 # Only weightcache writes the cache; engines read it.
                 assert mount.get("readOnly") is True, f"{c.where}: {path} must be read-only"
             if path == "/var/lib/weightcache":
-                assert host.get("type") == "DirectoryOrCreate", f"{c.where}: cache hostPath type"
+                # Directory: a node nobody prepared shows up as a Pod event, not a run-time
+                # failure in a root-owned directory (components/node-prep creates it).
+                assert host.get("type") == "Directory", f"{c.where}: cache hostPath type"
+            if path == "/var/lib/kubelet/pods":
+                assert mount.get("mountPropagation") == "HostToContainer", (
+                    f"{c.where}: a private mount of {path} holds other Pods' volume mounts"
+                )
 
 
 def test_every_container_requests_resources(rendered: Any) -> None:

