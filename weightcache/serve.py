@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BACKLOG = 1024  # connections the kernel queues before we accept them (somaxconn caps it)
+#: Connections asyncio accepts in one go. Its default (the backlog) would open 1024 fds
+#: before the cap gets a chance to close any: EMFILE at the container's default limit.
+ACCEPT_BURST = 16
 SWEEP = 0.5  # seconds between checks of the idle and header deadlines
 _BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
              b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n")  # fmt: skip
@@ -153,6 +157,14 @@ def raise_fd_limit(wanted: int = 65536) -> int:
     return soft
 
 
+def tcp_listener(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for HOST:PORT (v4 or v6; "" or "0.0.0.0" for every address).
+    Raises OSError (EADDRINUSE, EADDRNOTAVAIL, ...)."""
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]  # fmt: skip
+    return socket.create_server((host, port), family=family, backlog=BACKLOG)
+
+
 # -- HTTP (aiohttp's low-level server, with the books) ----------------------------------------
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -217,9 +229,10 @@ class HttpServer:
         self._stop = asyncio.Event()
         self._web = _Server(self._track, self.books, access_log=None,
                             keepalive_timeout=self.books.limits.idle)  # fmt: skip
+        sock = tcp_listener(host, port)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._web, host or None, port, backlog=BACKLOG,
-                                                reuse_address=True)  # fmt: skip
+        self._server = await loop.create_server(self._web, sock=sock, backlog=ACCEPT_BURST)
+        sock.listen(BACKLOG)  # asyncio listened with ACCEPT_BURST; the kernel queues more
         self._sweeper = asyncio.create_task(sweep(self.books, self._stop))
         bound = self._server.sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
@@ -291,10 +304,13 @@ class SocketServer:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         self._stop = asyncio.Event()
-        self._server = await asyncio.start_unix_server(
-            self._client, str(self.path), limit=self._line_limit, backlog=BACKLOG
-        )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.path))
         os.chmod(self.path, 0o666)  # Pods may run as another uid than the daemon
+        self._server = await asyncio.start_unix_server(
+            self._client, sock=sock, limit=self._line_limit, backlog=ACCEPT_BURST
+        )
+        sock.listen(BACKLOG)
         self._sweeper = asyncio.create_task(sweep(self.books, self._stop))
 
     async def close(self) -> None:
