@@ -22,6 +22,7 @@ from tests.integration.daemon_helpers import (
     Daemons,
     MiB,
     daemons,  # noqa: F401 - fixture
+    entry,
     is_marked,
     wait_for,
     write_models,
@@ -198,15 +199,17 @@ def test_sigterm_lets_waiting_fetches_fall_back_and_succeed(
 ) -> None:  # fmt: skip
     pub = publish([4 * MiB] * 2, name="rollout", rev="r1", seed="rollout")
     proxy.configure(rate_limit=1 * MiB)  # the daemon's download crawls: 8 s for 8 MiB
-    models = write_models(tmp_path / "models.yaml", [])
+    # The daemon prefetches the revision and the Pods join that download: on SIGTERM the
+    # daemon waits for its prefetch to wind down, which leaves time to answer the Pods.
+    models = write_models(tmp_path / "models.yaml", [entry(pub, pin=True)])
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url, extra=["--part-size", "1M"])
     procs = [wc.fetch_popen(pub.source, cache_dir, endpoint=proxy.url) for _ in range(2)]
     wait_for("2 Pods waiting on the daemon", lambda: daemon.metrics()[REPLICAS] == 2,
              timeout=30, every=0.05)  # fmt: skip
     assert not is_marked(cache_dir, pub)
-    proxy.configure(rate_limit=None)
     daemon.terminate()
     assert daemon.wait(timeout=30) == 0, daemon.log()
+    proxy.configure(rate_limit=None)  # the Pods, on their own now, get the store at full speed
 
     for r in [p.finish(timeout=60) for p in procs]:
         assert_ok_path(r, pub.local_path(cache_dir))
