@@ -67,10 +67,8 @@ def open_idle(connect: Callable[[], socket.socket], count: int) -> list[socket.s
     """`count` connections that never send a byte (connects that fail are skipped)."""
     opened = []
     for _ in range(count):
-        try:
+        with contextlib.suppress(OSError):
             opened.append(connect())
-        except OSError:
-            pass
     return opened
 
 
