@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,12 +106,12 @@ def ask(path: Path, payload: bytes, timeout: float = 10.0) -> list[dict[str, obj
 
 @pytest.mark.timeout(240)
 def test_idle_floods_of_the_metrics_port_and_the_socket_leave_the_daemon_serving(
-    wc: CLI, publish: Callable[..., Published], store: object, cache_dir: Path,
+    wc: CLI, publish: Callable[..., Published], store: Any, cache_dir: Path,
     tmp_path: Path, daemons: Daemons,  # noqa: F811
 ) -> None:  # fmt: skip
     pub = publish([2 * MiB], name="flood", rev="r1", seed="flood")
     models = write_models(tmp_path / "models.yaml", [])
-    daemon = daemons.start(cache_dir, models, endpoint=store.endpoint_url)  # type: ignore[attr-defined]
+    daemon = daemons.start(cache_dir, models, endpoint=store.endpoint_url)
     # What a container gets by default, whatever the daemon raised its own limit to.
     resource.prlimit(daemon.proc.pid, resource.RLIMIT_NOFILE, (1024, 1024))
     with nofile(2 * FLOOD + 500):
@@ -122,7 +123,7 @@ def test_idle_floods_of_the_metrics_port_and_the_socket_leave_the_daemon_serving
             print(f"opened {len(idle_socket)} socket and {len(idle_http)} HTTP connections")
             assert daemon.alive(), daemon.log()
             assert daemon.get("/healthz", timeout=10)[0] == 200, daemon.log()
-            proc = wc.fetch(pub.source, cache_dir, endpoint=store.endpoint_url)  # type: ignore[attr-defined]
+            proc = wc.fetch(pub.source, cache_dir, endpoint=store.endpoint_url)
             assert_ok_path(proc, pub.local_path(cache_dir))
             assert "fetching alone" not in proc.stderr, describe(proc)
             assert daemon.metrics()[MISSES] == 1, "the fetch did not go through the daemon"
@@ -157,12 +158,12 @@ BAD_REQUESTS = {
 
 @pytest.mark.timeout(150)
 def test_malformed_socket_requests_are_one_warning_and_an_error_event(
-    wc: CLI, publish: Callable[..., Published], store: object, cache_dir: Path,
+    wc: CLI, publish: Callable[..., Published], store: Any, cache_dir: Path,
     tmp_path: Path, daemons: Daemons,  # noqa: F811
 ) -> None:  # fmt: skip
     pub = publish([1 * MiB], name="sane", rev="r1", seed="sane")
     models = write_models(tmp_path / "models.yaml", [])
-    daemon = daemons.start(cache_dir, models, endpoint=store.endpoint_url)  # type: ignore[attr-defined]
+    daemon = daemons.start(cache_dir, models, endpoint=store.endpoint_url)
     path = sock_path(cache_dir)
     for what, payload in BAD_REQUESTS.items():
         answers = ask(path, payload)
@@ -182,7 +183,7 @@ def test_malformed_socket_requests_are_one_warning_and_an_error_event(
     assert any("pod_uid" in w for w in warnings) and any("nested" in w for w in warnings), log
     assert daemon.alive() and daemon.get("/healthz")[0] == 200, log
     # A valid Pod UID is accepted: the daemon fetches for it.
-    proc = wc.fetch(pub.source, cache_dir, endpoint=store.endpoint_url, env={"POD_UID": UID})  # type: ignore[attr-defined]
+    proc = wc.fetch(pub.source, cache_dir, endpoint=store.endpoint_url, env={"POD_UID": UID})
     assert_ok_path(proc, pub.local_path(cache_dir))
     assert daemon.metrics()[MISSES] == 1, describe(proc)
 
@@ -227,11 +228,11 @@ def start_second(daemons: Daemons, first: DaemonProc, endpoint: str) -> DaemonPr
 
 @pytest.mark.timeout(150)
 def test_a_second_daemon_on_the_cache_dir_exits_2_and_leaves_the_first_serving(
-    wc: CLI, publish: Callable[..., Published], store: object, cache_dir: Path,
+    wc: CLI, publish: Callable[..., Published], store: Any, cache_dir: Path,
     tmp_path: Path, daemons: Daemons,  # noqa: F811
 ) -> None:  # fmt: skip
     pub = publish([1 * MiB], name="solo", rev="r1", seed="solo")
-    endpoint = store.endpoint_url  # type: ignore[attr-defined]
+    endpoint = store.endpoint_url
     models = write_models(tmp_path / "models.yaml", [])
     first = daemons.start(cache_dir, models, endpoint=endpoint)
     inode = sock_path(cache_dir).stat().st_ino
