@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,7 +184,10 @@ class _Protocol(web_protocol.RequestHandler):
     def log_exception(self, *args: Any, **kw: Any) -> None:
         """A malformed request is one warning line, never a traceback in the log."""
         exc = kw.get("exc_info")
-        log.warning("bad HTTP request: %s", exc if isinstance(exc, BaseException) else args[0])
+        if isinstance(exc, HttpProcessingError):
+            log.warning("bad HTTP request: %s", exc)
+        else:
+            log.error("error serving an HTTP request: %r", exc if exc is not None else args)
 
 
 class _Server(web.Server):
