@@ -5,7 +5,8 @@ Bearer <token>` (constant-time compare), one `Range` honoured. Blobs are read fr
 store (regular files, never through a symlink); a blob this node is downloading right now
 (`claim()`ed by its Fetcher) from `tmp/<hex>.part`, only the prefix of parts its `.part.json`
 records as written, a GET ahead of it waiting up to PARTIAL_WAIT for it to grow. One token
-bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads.
+bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads, PEER_LIMITS the
+connections (a cap, idle and header timeouts: weightcache/serve.py).
 
 Nothing a peer sends is trusted: the receiver hashes every blob and publishes it only if its
 sha256 is the manifest's, exactly as for the origin. A prefix served from a partial is not
@@ -355,7 +356,7 @@ class PeerServer:
         self.stopping = stopping or threading.Event()
         limit = settings.upload_limit
         self.bucket = TokenBucket(limit) if limit else None
-        self.http = HttpServer(self.handle, PEER_LIMITS)
+        self.http = HttpServer(self.handle, PEER_LIMITS, lambda: observer.peer_refused("busy"))
         self.address = settings.listen
         self._requests = 0  # being served; only the loop thread touches it
 

@@ -191,9 +191,12 @@ class _Protocol(web_protocol.RequestHandler):
 
 
 class _Server(web.Server):
-    def __init__(self, handler: Handler, books: Connections, **kw: Any) -> None:
+    def __init__(
+        self, handler: Handler, books: Connections, refused: Callable[[], None], **kw: Any
+    ) -> None:
         super().__init__(handler, **kw)
         self.books = books
+        self.refused = refused
 
     def __call__(self) -> web_protocol.RequestHandler:
         return _Protocol(self, loop=self._loop, **self._kwargs)
@@ -205,6 +208,7 @@ class _Server(web.Server):
         if victim is conn:
             transport.write(_BUSY_503)
             handler.force_close()
+            self.refused()
             return
         if victim is not None:
             victim.close()
@@ -220,9 +224,13 @@ class _Server(web.Server):
 class HttpServer:
     """One bounded HTTP listener; `handler` gets every request (no routing table)."""
 
-    def __init__(self, handler: Handler, limits: Limits) -> None:
+    def __init__(
+        self, handler: Handler, limits: Limits, refused: Callable[[], None] = lambda: None
+    ) -> None:
+        """`refused()` is called for each connection turned away at the cap (a 503)."""
         self.books = Connections(limits)
         self._handler = handler
+        self._refused = refused
         self._server: asyncio.Server | None = None
         self._web: _Server | None = None
         self._stop = asyncio.Event()
@@ -231,7 +239,7 @@ class HttpServer:
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen (raises OSError, e.g. EADDRINUSE); returns the bound address."""
         self._stop = asyncio.Event()
-        self._web = _Server(self._track, self.books, access_log=None,
+        self._web = _Server(self._track, self.books, self._refused, access_log=None,
                             keepalive_timeout=self.books.limits.idle)  # fmt: skip
         sock = tcp_listener(host, port)
         loop = asyncio.get_running_loop()
