@@ -1,17 +1,19 @@
 """Node coordination: `fetch` asks the node daemon over a Unix socket in the cache dir.
 
-Protocol: the client sends one JSON line `{"op": "fetch", "source": ..., "name": ...,
-"revision": ..., "pod_uid": ...}` (or `"op": "hit"`, fire and forget, for metrics). The
-daemon answers with JSON lines: `{"event": "accepted"}` at once, `{"event": "waiting"}`
-every HEARTBEAT seconds, and finally `{"event": "done", "result": {...}}` or
-`{"event": "error", "exit_code": N, "message": "..."}`. Instead of accepting, the daemon
-may answer `{"event": "refused", "message": "..."}` (a source outside its
-`--allow-source` prefixes): the Pod then fetches alone, with its own credentials.
+Protocol: the client sends one JSON line (at most 64 KiB, within 5 s of connecting)
+`{"op": "fetch", "source": ..., "name": ..., "revision": ..., "pod_uid": ...}` (or
+`"op": "hit"`, fire and forget, for metrics). The daemon answers with JSON lines:
+`{"event": "accepted"}` at once, `{"event": "waiting"}` every HEARTBEAT seconds, and finally
+`{"event": "done", "result": {...}}` or `{"event": "error", "exit_code": N, "message": "..."}`.
+A request the daemon cannot read gets an error event instead of "accepted". Instead of
+accepting, the daemon may answer `{"event": "refused", "message": "..."}` (a source outside
+its `--allow-source` prefixes): the Pod then fetches alone, with its own credentials.
 
 A hung daemon must not hang a Pod (SPEC §5): the client falls back to fetching alone when
-the socket is absent, refuses, does not accept within ACCEPT_TIMEOUT, or goes silent for
-SILENCE_TIMEOUT. Falling back is always safe: the cache's correctness never depends on
-who downloads.
+the socket is absent, refuses, does not accept within ACCEPT_TIMEOUT, goes silent for
+SILENCE_TIMEOUT, or closes the connection before its verdict (a stopping daemon does: it
+never answers an error it caused by stopping). Falling back is always safe: the cache's
+correctness never depends on who downloads.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from weightcache.config import Source
-from weightcache.errors import WeightcacheError
+from weightcache.config import Source, parse_pod_uid
+from weightcache.errors import UsageError, WeightcacheError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,31 @@ def request(source: Source, pod_uid: str | None, op: str = "fetch") -> bytes:
         "pod_uid": pod_uid,
     }
     return json.dumps(payload).encode() + b"\n"
+
+
+def parse_request(line: bytes) -> dict[str, Any]:
+    """The request a Pod sent, checked field by field (the daemon trusts no Pod); the
+    pod_uid normalised, "" read as none. Raises ValueError saying what is wrong."""
+    try:
+        msg = json.loads(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(msg, dict):
+        raise ValueError(f"a JSON object expected, not {type(msg).__name__}")
+    if msg.get("op", "fetch") not in ("fetch", "hit"):
+        raise ValueError(f'unknown "op" {str(msg.get("op"))[:40]!r}: use "fetch" or "hit"')
+    if not isinstance(msg.get("source"), str):
+        raise ValueError(f'"source" must be a string, not {type(msg.get("source")).__name__}')
+    for key in ("name", "revision", "pod_uid"):
+        if not isinstance(msg.get(key), str | None):
+            raise ValueError(f'"{key}" must be a string or null, not {type(msg[key]).__name__}')
+    try:
+        msg["pod_uid"] = parse_pod_uid(msg["pod_uid"], "pod_uid") if msg.get("pod_uid") else None
+    except UsageError as e:
+        raise ValueError(str(e)) from None
+    return msg
 
 
 def ask_daemon(

@@ -22,19 +22,17 @@ one that keeps failing, or dies, fails /healthz.
 
 from __future__ import annotations
 
-import json
+import fcntl
 import logging
 import os
-import socketserver
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from weightcache import coord, eviction, labels
+from weightcache import coord, eviction, labels, serve
 from weightcache.config import Capacity, PeerSettings, Source, SourcePrefix, StoreSettings
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 from weightcache.eviction import Watermarks
@@ -49,6 +47,14 @@ from weightcache.store import Store
 from weightcache.worker import Worker, backoff
 
 log = logging.getLogger(__name__)
+
+#: The fetch socket: Pods waiting at once (a node runs at most ~110 Pods), and 5 s for the
+#: request line, which `fetch` sends as soon as it connects (issue 9, item 10).
+SOCKET_LIMITS = serve.Limits(connections=256, idle=5.0, header=5.0)
+REQUEST_LINE_LIMIT = 64 << 10  # bytes; a request is ~300
+#: /metrics, /healthz, /readyz: a scraper and the kubelet's probes.
+HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0)
+TEXT = "text/plain; charset=utf-8"
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,11 @@ class Daemon:
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fetch")
-        self._servers: list[socketserver.BaseServer] = []
+        self._loop: serve.LoopThread | None = None
+        self._socket = serve.SocketServer(layout.socket, self.handle_line, SOCKET_LIMITS,
+                                          REQUEST_LINE_LIMIT)  # fmt: skip
+        self._http: list[serve.HttpServer] = []  # the metrics port, the peer port
+        self._dir_lock: int | None = None
         self._labels: dict[str, str] | None = None
         self.failures: dict[tuple[str, str], WeightcacheError] = {}
         #: (failures in a row, monotonic time of the next attempt) of failing entries
@@ -342,13 +352,16 @@ class Daemon:
 
     def run(self) -> None:
         """Serve until `stopping` is set (SIGTERM). Raises UsageError before serving
-        anything when the models file is missing or invalid."""
-        self.load_models()
+        anything when another daemon holds the cache dir (checked before touching it), the
+        models file is missing or invalid, or a port is taken."""
+        self._dir_lock = hold_cache_dir(self.layout)
+        self.load_models()  # before /readyz answers: it must not say ready for an empty list
+        serve.raise_fd_limit()
         self.store.clean_tmp()
-        self._serve_socket()
-        self._serve_peers()
-        if self.settings.metrics_addr is not None:
-            self._serve_http(self.settings.metrics_addr)
+        self._loop = serve.LoopThread()
+        self._loop.run(self._listen())
+        self._loop.run(self._socket.start())
+        log.info("coordinating fetches on %s", self.layout.socket)
         interval = self.settings.interval
         self._workers = [
             Worker("converge", self.converge_step, interval, self.stopping),
@@ -371,6 +384,24 @@ class Daemon:
         self.reap_leases()
         self.enforce_capacity()
 
+    async def _listen(self) -> None:
+        """The peer port and the metrics port, on the loop; UsageError if one is taken."""
+        if self.peers is not None and self.settings.peer is not None:
+            server = PeerServer(self.settings.peer, self.layout, self.peers, self.metrics,
+                                self.stopping)  # fmt: skip
+            await server.start()
+            self._http.append(server.http)
+        if self.settings.metrics_addr is not None:
+            http = serve.HttpServer(serve.page_handler(self._pages()), HTTP_LIMITS)
+            host, port = self.settings.metrics_addr
+            try:
+                bound = await http.start(host, port)
+            except OSError as e:
+                raise UsageError(f"cannot serve metrics on {host}:{port} ({e.strerror}); "
+                                 "choose a free --metrics-addr") from e  # fmt: skip
+            self._http.append(http)
+            log.info("metrics on http://%s:%d/metrics", *bound)
+
     def stop(self) -> None:
         """Ask `run()` to return (safe from a signal handler): no new work, downloads
         interrupted at their next read, partial files kept resumable."""
@@ -378,44 +409,65 @@ class Daemon:
         self.fetcher.interrupt()
 
     def _shutdown(self) -> None:
+        """The socket closes first, without a last answer: the Pods waiting on it fall back
+        to fetching alone at once, rather than fail or wait for us."""
         log.info("stopping: no new work, downloads interrupted, partial files kept")
+        assert self._loop is not None
+        self._loop.run(self._socket.close())
         deadline = time.monotonic() + self.settings.grace
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
-        for server in self._servers:
-            server.shutdown()
-            server.server_close()
+        for http in self._http:
+            self._loop.run(http.close())
+        self._loop.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.peers is not None:
             self.peers.close()
-        if self.layout.socket.exists():
-            self.layout.socket.unlink()
 
-    def _serve_socket(self) -> None:
-        path = self.layout.socket
-        if path.exists() or path.is_symlink():
-            path.unlink()
-        server = socketserver.ThreadingUnixStreamServer(str(path), _make_socket_handler(self))
-        server.daemon_threads = True
-        os.chmod(path, 0o666)  # Pods may run as another uid than the daemon
-        self._servers.append(server)
-        threading.Thread(target=server.serve_forever, name="socket", daemon=True).start()
-        log.info("coordinating fetches on %s", path)
+    def _pages(self) -> dict[str, serve.Page]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    def _serve_peers(self) -> None:
-        if self.peers is None or self.settings.peer is None:
+        def metrics() -> tuple[int, bytes, str]:
+            return 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
+
+        return {"/metrics": metrics, "/healthz": self._healthz, "/readyz": self._readyz}
+
+    def _healthz(self) -> tuple[int, bytes, str]:
+        problem = self.health_problem()
+        return (200, b"ok\n", TEXT) if problem is None else (503, f"{problem}\n".encode(), TEXT)
+
+    def _readyz(self) -> tuple[int, bytes, str]:
+        pinned = sorted(self.desired.pinned)
+        missing = [f"{n}/{r}" for n, r in pinned if self.store.ready(n, r) is None]
+        if not missing:
+            return 200, b"ready\n", TEXT
+        return 503, ("missing: " + " ".join(missing) + "\n").encode(), TEXT
+
+    # -- the fetch socket ----------------------------------------------------------------------
+
+    def handle_line(self, line: bytes, send: Any) -> None:
+        """One request line from the socket (any bytes): a bad one is one warning line and
+        an error event (the Pod falls back); nothing a Pod sends stops the daemon."""
+        try:
+            msg = coord.parse_request(line)
+        except ValueError as e:
+            log.warning("bad request on the fetch socket: %s", e)
+            self._answer_error(send, UsageError(f"bad request: {e}"))
             return
-        server = PeerServer(self.settings.peer, self.layout, self.peers, self.metrics,
-                            self.stopping)  # fmt: skip
-        self._servers.append(server.http)
-        server.start()
+        try:
+            self.handle_fetch(msg, send)
+        except WeightcacheError as e:
+            self._answer_error(send, e)
+        except OSError:
+            raise  # the connection is gone: nothing to answer
+        except Exception as e:  # a bug must not end the socket; the Pod falls back
+            log.error("internal error serving a fetch of %s: %r", msg.get("source"), e)
 
-    def _serve_http(self, addr: tuple[str, int]) -> None:
-        server = ThreadingHTTPServer(addr, _make_http_handler(self))
-        server.daemon_threads = True
-        self._servers.append(server)
-        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-        log.info("metrics on http://%s:%d/metrics", *server.server_address[:2])
+    def _answer_error(self, send: Any, e: WeightcacheError) -> None:
+        """A stopping daemon gives no verdict (the download was interrupted by us, not
+        failed): its socket closes and the Pod falls back to fetching alone."""
+        if not self.stopping.is_set():
+            send({"event": "error", "exit_code": e.exit_code, "message": str(e)})
 
     def allowed_sources(self) -> tuple[SourcePrefix, ...]:
         """Where the daemon fetches for Pods: `--allow-source`, else the parent of every
@@ -453,7 +505,7 @@ class Daemon:
             result = self.wait(source, pod_uid, beat=lambda: send({"event": "waiting"}))
             send({"event": "done", "result": result.to_dict()})
         except WeightcacheError as e:
-            send({"event": "error", "exit_code": e.exit_code, "message": str(e)})
+            self._answer_error(send, e)
         finally:
             self.metrics.replica_waiting(-1)
 
@@ -467,57 +519,21 @@ def _pod_dir_exists(path: Path) -> bool:
     return True
 
 
-def _make_socket_handler(daemon: Daemon) -> type[socketserver.StreamRequestHandler]:
-    class Handler(socketserver.StreamRequestHandler):
-        def handle(self) -> None:
-            def send(msg: dict[str, Any]) -> None:
-                self.wfile.write(json.dumps(msg).encode() + b"\n")
-                self.wfile.flush()
-
-            try:
-                msg = json.loads(self.rfile.readline(65536))
-                daemon.handle_fetch(msg, send)
-            except (OSError, ValueError, KeyError) as e:
-                log.warning("bad request on the fetch socket: %s", e)
-            except WeightcacheError as e:
-                send({"event": "error", "exit_code": e.exit_code, "message": str(e)})
-
-    return Handler
-
-
-def _make_http_handler(daemon: Daemon) -> type[BaseHTTPRequestHandler]:
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                self._send(200, generate_latest(daemon.metrics.registry), CONTENT_TYPE_LATEST)
-            elif self.path == "/healthz":
-                problem = daemon.health_problem()
-                if problem is None:
-                    self._send(200, b"ok\n")
-                else:
-                    self._send(503, (problem + "\n").encode())
-            elif self.path == "/readyz":
-                ok = daemon.ready()
-                missing = [
-                    f"{n}/{r}"
-                    for n, r in sorted(daemon.desired.pinned)
-                    if daemon.store.ready(n, r) is None
-                ]
-                body = b"ready\n" if ok else ("missing: " + " ".join(missing) + "\n").encode()
-                self._send(200 if ok else 503, body)
-            else:
-                self._send(404, b"not found\n")
-
-        def _send(self, code: int, body: bytes, ctype: str = "text/plain") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    return Handler
+def hold_cache_dir(layout: Layout) -> int:
+    """flock the cache dir's daemon lock for the life of the process (the fd stays open;
+    the kernel releases it on any exit). Raises UsageError naming the holder's pid: two
+    daemons on one cache dir would take each other's socket and partials (issue 9, item 11)."""
+    fd = os.open(layout.daemon_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        pid = f" (pid {holder})" if holder.isdigit() else ""
+        raise UsageError(
+            f"another weightcache daemon{pid} holds the cache directory {layout.root}; run "
+            "one daemon per cache directory: stop that one or give this one another --cache-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

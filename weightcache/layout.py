@@ -10,6 +10,7 @@ DIR/.weightcache/tmp/                 partial blobs (<hex>.part + <hex>.part.jso
 DIR/.weightcache/locks/               flock files: single-flight only, never correctness
 DIR/.weightcache/state.db             SQLite (WAL): entries, last access, pins, leases
 DIR/.weightcache/daemon.sock          the node daemon's Unix socket, when one runs
+DIR/.weightcache/daemon.lock          flocked by the one daemon of this cache dir (its pid)
 ```
 A revision appears by `rename(2)` of a directory assembled under tmp/ with its marker
 already inside, so a marked revision is always complete (SPEC §3, invariants 1 and 2).
@@ -86,6 +87,10 @@ class Layout:
     @property
     def socket(self) -> Path:
         return self.internal / "daemon.sock"
+
+    @property
+    def daemon_lock(self) -> Path:
+        return self.internal / "daemon.lock"
 
     def blob(self, sha256: str) -> Path:
         if not _HEX.fullmatch(sha256):

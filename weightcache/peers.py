@@ -5,7 +5,8 @@ Bearer <token>` (constant-time compare), one `Range` honoured. Blobs are read fr
 store (regular files, never through a symlink); a blob this node is downloading right now
 (`claim()`ed by its Fetcher) from `tmp/<hex>.part`, only the prefix of parts its `.part.json`
 records as written, a GET ahead of it waiting up to PARTIAL_WAIT for it to grow. One token
-bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads.
+bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads, PEER_LIMITS the
+connections (a cap, idle and header timeouts: weightcache/serve.py).
 
 Nothing a peer sends is trusted: the receiver hashes every blob and publishes it only if its
 sha256 is the manifest's, exactly as for the origin. A prefix served from a partial is not
@@ -21,6 +22,7 @@ more than the gap between two claims only cost a second origin download, never w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import http.client
@@ -37,13 +39,15 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
+
+from aiohttp import web
 
 from weightcache.config import PeerSettings
 from weightcache.errors import UsageError
 from weightcache.layout import Layout
+from weightcache.serve import HttpServer, Limits
 from weightcache.transfer.pacing import TokenBucket
 from weightcache.transfer.parts import PartState
 
@@ -320,6 +324,11 @@ def _holding(peer: str, resp: http.client.HTTPResponse, size: int) -> Holding | 
 
 # -- the server -------------------------------------------------------------------------------
 
+#: Peer connections: more than MAX_REQUESTS so that HEADs still get in while uploads run;
+#: an idle keep-alive connection lives a minute (the downloaders reuse theirs), a request
+#: head must arrive within 10 s of its first byte (issue 9, item 10).
+PEER_LIMITS = Limits(connections=2 * MAX_REQUESTS, idle=60.0, header=10.0)
+
 
 class ServedObserver(Protocol):
     """The daemon's metrics, from the serving side."""
@@ -333,7 +342,8 @@ class _Abort(Exception):
 
 
 class PeerServer:
-    """Serves this node's blobs to the other daemons (see the module docstring)."""
+    """Serves this node's blobs to the other daemons (see the module docstring), on the
+    daemon's event loop (weightcache/serve.py bounds the connections)."""
 
     def __init__(
         self, settings: PeerSettings, layout: Layout, peers: Peers, observer: ServedObserver,
@@ -346,75 +356,75 @@ class PeerServer:
         self.stopping = stopping or threading.Event()
         limit = settings.upload_limit
         self.bucket = TokenBucket(limit) if limit else None
-        self._slots = threading.BoundedSemaphore(MAX_REQUESTS)
+        self.http = HttpServer(self.handle, PEER_LIMITS, lambda: observer.peer_refused("busy"))
+        self.address = settings.listen
+        self._requests = 0  # being served; only the loop thread touches it
+
+    async def start(self) -> None:
+        """Listen on `settings.listen`; raises UsageError when that address is taken."""
         try:
-            self.http = ThreadingHTTPServer(settings.listen, _make_handler(self))
+            self.address = await self.http.start(*self.settings.listen)
         except OSError as e:
-            host, port = settings.listen
+            host, port = self.settings.listen
             raise UsageError(
                 f"cannot serve peers on {host}:{port} ({e.strerror}); choose a free --peer-addr"
             ) from e
-        self.http.daemon_threads = True
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.http.server_address[:2]
-        return str(host), int(port)
-
-    def start(self) -> None:
-        threading.Thread(target=self.http.serve_forever, name="peers", daemon=True).start()
         log.info("serving blobs to peers on %s:%d", *self.address)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         self.stopping.set()
-        self.http.shutdown()
-        self.http.server_close()
+        await self.http.close()
 
     # -- one request ---------------------------------------------------------------------------
 
-    def serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        head = request.method == "HEAD"
+        if request.method not in ("GET", "HEAD"):
+            return self._refuse(405, "method", head, {"Allow": "GET, HEAD"}, close=True)
+        if self._requests >= MAX_REQUESTS:
+            return self._refuse(503, "busy", head)
+        self._requests += 1
         try:
-            if h.headers.get("Content-Length", "0") != "0" or h.headers.get("Transfer-Encoding"):
-                h.close_connection = True  # a body we will not read: the connection ends here
-            if not self._slots.acquire(blocking=False):
-                return self._refuse(h, 503, "busy", head)
-            try:
-                self._serve(h, head)
-            finally:
-                self._slots.release()
-        except (_Abort, OSError):
-            h.close_connection = True  # the receiver sees a cut body or a reset, and retries
+            resp = await self._serve(request, head)
+        finally:
+            self._requests -= 1
+        if request.content_length or "Transfer-Encoding" in request.headers:
+            resp.force_close()  # a body we will not read: the connection ends here
+        return resp
 
-    def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
-        reason = refusal(h.headers.get("Authorization"), self.settings.token)
+    async def _serve(self, request: web.BaseRequest, head: bool) -> web.StreamResponse:
+        reason = refusal(request.headers.get("Authorization"), self.settings.token)
         if reason is not None:
-            return self._refuse(h, 401 if reason == "no_token" else 403, reason, head)
-        m = BLOB_PATH.fullmatch(h.path)
+            return self._refuse(401 if reason == "no_token" else 403, reason, head, close=True)
+        m = BLOB_PATH.fullmatch(request.raw_path)
         if m is None:
-            return self._refuse(h, 404, "bad_path", head)
+            return self._refuse(404, "bad_path", head)
         sha256 = m.group(1)
-        where = self._where(sha256)
+        where = await asyncio.to_thread(self._where, sha256)
         if where is None:
-            return self._refuse(h, 404, "not_found", head)
+            return self._refuse(404, "not_found", head)
         _, size, available, claim = where
         try:
-            wanted = parse_range(h.headers.get("Range"), size)
+            wanted = parse_range(request.headers.get("Range"), size)
         except ValueError:
-            return self._refuse(h, 416, "bad_range", head, {"Content-Range": f"bytes */{size}"})
+            return self._refuse(416, "bad_range", head, {"Content-Range": f"bytes */{size}"})
         start, end = wanted or (0, size)
-        h.send_response(200 if wanted is None else 206)
-        h.send_header("Content-Type", "application/octet-stream")
-        h.send_header("Content-Length", str(end - start))
+        headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
+                   "X-Weightcache-Node": self.peers.node_id,
+                   "X-Weightcache-Available": str(available)}  # fmt: skip
         if wanted is not None:
-            h.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-        h.send_header("Accept-Ranges", "bytes")
-        h.send_header("X-Weightcache-Node", self.peers.node_id)
-        h.send_header("X-Weightcache-Available", str(available))
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if claim is not None:
-            h.send_header("X-Weightcache-Claim", claim.header())
-        h.end_headers()
+            headers["X-Weightcache-Claim"] = claim.header()
+        resp = web.StreamResponse(status=200 if wanted is None else 206, headers=headers)
+        resp.content_length = end - start
+        await resp.prepare(request)
         if not head:
-            self._send(h, sha256, start, end)
+            try:
+                await self._send(resp, sha256, start, end)
+            except (_Abort, OSError):
+                request.protocol.force_close()  # the receiver sees a cut body, and retries
+        return resp
 
     def _where(self, sha256: str) -> tuple[Path, int, int, Claim | None] | None:
         """(file, blob size, bytes readable from its start, claim) now; None: not held."""
@@ -429,51 +439,43 @@ class PeerServer:
         state = d.partial.with_name(d.partial.name + ".json")
         return d.partial, d.size, partial_prefix(state, d.size), d.claim
 
-    def _send(self, h: BaseHTTPRequestHandler, sha256: str, start: int, end: int) -> None:
+    async def _send(self, resp: web.StreamResponse, sha256: str, start: int, end: int) -> None:
         """Send [start, end), waiting for a partial's prefix to grow; raises _Abort."""
         pos, path, available = start, self.layout.blob(sha256), 0
         idle_since = time.monotonic()
         while pos < end:
             if pos >= available:
-                where = self._where(sha256)
+                where = await asyncio.to_thread(self._where, sha256)
                 if where is None:
                     raise _Abort()
                 path, _, available, _ = where
-            data = (
-                _pread(path, min(CHUNK, end - pos, available - pos), pos)
-                if pos < available
-                else None
-            )
+            n = min(CHUNK, end - pos, available - pos)
+            data = await asyncio.to_thread(_pread, path, n, pos) if n > 0 else None
             if data is None:  # nothing new yet, or the partial was published or dropped
                 available = pos
-                if time.monotonic() - idle_since > PARTIAL_WAIT or self.stopping.wait(0.05):
+                if time.monotonic() - idle_since > PARTIAL_WAIT or self.stopping.is_set():
                     raise _Abort()
+                await asyncio.sleep(0.05)
                 continue
             if self.bucket is not None:
-                self.bucket.take(len(data))
-            h.wfile.write(data)
+                await asyncio.sleep(self.bucket.reserve(len(data)))
+            await resp.write(data)
             self.observer.peer_uploaded(len(data))
             pos += len(data)
             idle_since = time.monotonic()
 
     def _refuse(
-        self, h: BaseHTTPRequestHandler, code: int, reason: str, head: bool,
-        headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+        self, code: int, reason: str, head: bool, headers: dict[str, str] | None = None,
+        close: bool = False,
+    ) -> web.StreamResponse:  # fmt: skip
         self.observer.peer_refused(reason)
-        body = f"refused: {reason}\n".encode()
-        h.send_response(code)
+        all_headers = dict(headers or {})
         if code == 401:
-            h.send_header("WWW-Authenticate", 'Bearer realm="weightcache-peer"')
-        for name, value in (headers or {}).items():
-            h.send_header(name, value)
-        h.send_header("Content-Type", "text/plain")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        if not head:
-            h.wfile.write(body)
-        if code in (401, 403):
-            h.close_connection = True
+            all_headers["WWW-Authenticate"] = 'Bearer realm="weightcache-peer"'
+        resp = web.Response(status=code, text=f"refused: {reason}\n", headers=all_headers)
+        if close:
+            resp.force_close()
+        return resp
 
 
 def _pread(path: Path, n: int, offset: int) -> bytes | None:
@@ -491,29 +493,3 @@ def _pread(path: Path, n: int, offset: int) -> bytes | None:
     if len(data) != n:
         raise _Abort()
     return data
-
-
-def _make_handler(server: PeerServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: the downloader reuses its connections
-        server_version = "weightcache-peer"
-        sys_version = ""
-        timeout = 60  # an idle keep-alive connection frees its thread after this
-
-        def do_GET(self) -> None:
-            server.serve(self, head=False)
-
-        def do_HEAD(self) -> None:
-            server.serve(self, head=True)
-
-        def refuse_method(self) -> None:
-            self.close_connection = True  # its body, if any, is not read
-            with contextlib.suppress(OSError):
-                server._refuse(self, 405, "method", head=False, headers={"Allow": "GET, HEAD"})
-
-        do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = refuse_method
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    return Handler

@@ -387,3 +387,76 @@ def test_the_upload_limit_holds_under_load(
     assert elapsed >= (total - burst) / rate * 0.97, f"{total / elapsed / MiB:.2f} MiB/s"
     assert elapsed <= total / rate * 1.5 + 2, f"only {total / elapsed / MiB:.2f} MiB/s"
     assert node.d.metrics()[UPLOADED] == total
+
+
+# -- misbehaving clients (issue 9, item 10) ---------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_client_trickling_its_request_head_is_cut_off(
+    wc: CLI, publish: Callable[..., Published], store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([1 * MiB], name="slowloris", rev="r1", seed="slowloris")
+    (node,) = make_nodes(tmp_path, 1)
+    prewarm(wc, pub, node, store)
+    start(daemons, node, tmp_path, store.endpoint_url, [])
+    head = f"GET /blobs/sha256/{pub.model.files[0].sha256} HTTP/1.1\r\n".encode()
+    with socket.create_connection(("127.0.0.1", node.peer_port), timeout=5) as s:
+        started = time.monotonic()
+        cut = False
+        for i in range(len(head)):  # one byte every 2 s: 60+ s for the request line alone
+            if time.monotonic() - started > 40:
+                break
+            try:
+                s.sendall(head[i : i + 1])
+                s.settimeout(2.0)
+                cut = s.recv(1024) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                cut = True
+            if cut:
+                break
+        elapsed = time.monotonic() - started
+    assert cut, f"the connection was still open after {elapsed:.0f}s of trickling"
+    assert elapsed < 30, f"cut off only after {elapsed:.0f}s"
+    assert node.d.alive(), node.d.log()
+    # A well-behaved request still gets the blob.
+    assert peer_get(node.peer_port, f"/blobs/sha256/{pub.model.files[0].sha256}")[0] == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_of_heads_is_answered_without_backlog_timeouts(
+    wc: CLI, publish: Callable[..., Published], store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([1 * MiB], name="burst", rev="r1", seed="burst")
+    (node,) = make_nodes(tmp_path, 1)
+    prewarm(wc, pub, node, store)
+    start(daemons, node, tmp_path, store.endpoint_url, [])
+    path = f"/blobs/sha256/{pub.model.files[0].sha256}"
+    clients = 300
+    barrier = threading.Barrier(clients)
+    results: list[int | str] = []
+
+    def head() -> None:
+        barrier.wait(timeout=60)
+        # The timeout the daemons use between themselves (peers.HEAD_TIMEOUT is 1 s), with
+        # room for a loaded test machine; a SYN dropped by a full backlog costs 1 s, then 3 s.
+        conn = http.client.HTTPConnection("127.0.0.1", node.peer_port, timeout=3.0)
+        try:
+            conn.request("HEAD", path, headers={"Authorization": f"Bearer {TOKEN}"})
+            results.append(conn.getresponse().status)
+        except OSError as e:
+            results.append(repr(e))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=head) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    failed = [r for r in results if r != 200]
+    assert len(results) == clients and not failed, f"{len(failed)} of {clients}: {failed[:5]}"
