@@ -351,3 +351,22 @@ def test_rejects_bad_configuration(proxy: FaultProxy) -> None:
         proxy.configure(Faults(script=("explode",)))
     with pytest.raises(ValueError):
         proxy.set_down("sideways")
+
+
+def test_concurrency_timeline_counts_ranged_gets_in_progress(proxy: FaultProxy) -> None:
+    proxy.configure(latency=0.3)
+
+    def one() -> None:
+        _get(_conn(proxy), KEY, "bytes=0-9").read()
+
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _get(_conn(proxy), KEY).read()  # not ranged: not in the timeline
+    timeline = proxy.concurrency()
+    assert [n for _, n in timeline] == [1, 2, 3, 2, 1, 0]
+    assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+    proxy.reset_stats()
+    assert proxy.concurrency() == []
