@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import time
 from collections.abc import Callable
@@ -102,6 +103,27 @@ def test_throttling_halves_concurrency_and_is_counted(
     assert throttled == slowdowns, (
         f"weightcache_origin_throttled_total rose by {throttled} for {slowdowns} SlowDowns"
     )
+
+
+@pytest.mark.timeout(120)
+def test_bwlimit_bounds_the_rate_of_a_fetch(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    """--bwlimit is an upper bound on the bytes/s over all connections: 16 MiB at 2 MiB/s
+    cannot take less than (16 MiB - one burst of 0.5 MiB) / 2 MiB/s = 7.75 s, however the
+    CPU is loaded (a loaded CPU only makes it slower). Unlimited, it takes ~0.5-2 s."""
+    pub = publish([4 * MiB] * 4, name="paced", rev="r1", seed="paced")
+    proc = wc.fetch(pub.source, cache_dir, "--no-daemon", "--json", "--bwlimit", "2M",
+                    "--part-size", "1M", endpoint=proxy.url, timeout=100)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+    # The fetch's own clock: the proxy's can't tell, its sends land in socket buffers.
+    seconds = doc["seconds"]
+    rate = doc["bytes_from_origin"] / seconds
+    print(f"{doc['bytes_from_origin']} bytes in {seconds:.2f}s: {rate / MiB:.2f} MiB/s")
+    assert doc["bytes_from_origin"] >= pub.model.total_size, doc
+    assert seconds >= 7.0, f"16 MiB in {seconds:.2f}s ({rate / MiB:.1f} MiB/s) with --bwlimit 2M"
 
 
 @pytest.mark.timeout(180)
