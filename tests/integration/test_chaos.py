@@ -36,7 +36,7 @@ from tests.integration.daemon_helpers import (
     daemons,  # noqa: F401 - fixture
     write_models,
 )
-from tests.support.checks import MARKER, describe, markers, revision_files
+from tests.support.checks import MARKER, describe, error_lines, markers, revision_files
 from tests.support.faultproxy import FaultProxy
 from tests.support.modelgen import sha256_file
 
@@ -44,6 +44,7 @@ KiB = 1024
 ROUNDS = 20
 DAEMON_CAPACITY = 3 * 1024 * KiB  # ~2.5 of the five revisions: the daemon must evict
 ACCEPTABLE_EXITS = {0, 5, 6, -9}  # ready, no space (leases hold it), store faults, killed
+FAULTY_STORE_EXITS = {4}  # a file corrupted twice by the store in a row
 
 
 @dataclass
@@ -150,13 +151,17 @@ def kill_some(chaos: Chaos, started: list[Started], daemon: DaemonProc | None) -
     return daemon_killed
 
 
-def finish_round(chaos: Chaos, round_: int, started: list[Started]) -> None:
+def finish_round(chaos: Chaos, round_: int, started: list[Started], faulty: bool) -> None:
     """Wait for the round's processes; check their exits; lease the printed paths."""
+    acceptable = ACCEPTABLE_EXITS | (FAULTY_STORE_EXITS if faulty else set())
     for s in started:
         result = s.running.finish(timeout=90)
         what = f"{s.kind} {s.pub.name}/{s.pub.rev}" if s.pub else s.kind
-        if result.returncode not in ACCEPTABLE_EXITS or "Traceback" in result.stderr:
+        if result.returncode not in acceptable or "Traceback" in result.stderr:
             chaos.broke(round_, f"{what} exited {result.returncode}\n{describe(result)}")
+        elif result.returncode in (4, 5, 6):
+            print(f"round {round_}: {what} exited {result.returncode}: "
+                  f"{error_lines(result.stderr)}")  # fmt: skip
         if s.pub is None or s.uid is None or not result.stdout.strip():
             continue
         # The fetch printed the path to a Pod that still lives: it must be there now.
@@ -172,25 +177,32 @@ def finish_round(chaos: Chaos, round_: int, started: list[Started]) -> None:
 
 
 def check_leases(chaos: Chaos, round_: int) -> None:
-    """No revision leased by a live Pod was evicted (or evicted and fetched again)."""
-    for lease in chaos.leases:
-        rev_dir = lease.pub.local_path(chaos.cache_dir)
-        what = (f"{lease.pub.name}/{lease.pub.rev}, leased by live Pod {lease.uid} since "
-                f"round {lease.since_round}")  # fmt: skip
-        try:
-            inode = rev_dir.stat().st_ino
-        except FileNotFoundError:
-            chaos.broke(round_, f"{what}, was evicted")
-            continue
-        if inode != lease.inode:
-            chaos.broke(round_, f"{what}, was evicted and fetched again (new directory)")
-        elif not (rev_dir / MARKER).is_file():
-            chaos.broke(round_, f"{what}, lost its marker")
-        else:
-            sizes = {rel: p.stat().st_size for rel, p in revision_files(rev_dir).items()}
-            expected = lease.pub.model.sizes
-            if {rel: sizes.get(rel) for rel in expected} != expected:
-                chaos.broke(round_, f"{what}, lost files or bytes: {sizes}")
+    """No revision leased by a live Pod was evicted (or evicted and fetched again).
+
+    A broken lease is reported once, then its Pod ends (so one eviction is one line)."""
+    for lease in list(chaos.leases):
+        problem = lease_problem(chaos, lease)
+        if problem is not None:
+            chaos.broke(round_, f"{lease.pub.name}/{lease.pub.rev}, leased by live Pod "
+                                f"{lease.uid} since round {lease.since_round}, {problem}")  # fmt: skip
+            chaos.end_pod(lease)
+
+
+def lease_problem(chaos: Chaos, lease: Lease) -> str | None:
+    rev_dir = lease.pub.local_path(chaos.cache_dir)
+    try:
+        inode = rev_dir.stat().st_ino
+    except FileNotFoundError:
+        return "was evicted"
+    if inode != lease.inode:
+        return "was evicted and fetched again (new directory)"
+    if not (rev_dir / MARKER).is_file():
+        return "lost its marker"
+    sizes = {rel: p.stat().st_size for rel, p in revision_files(rev_dir).items()}
+    expected = lease.pub.model.sizes
+    if {rel: sizes.get(rel) for rel in expected} != expected:
+        return f"lost files or bytes: {sizes}"
+    return None
 
 
 def check_marked_bytes(chaos: Chaos, round_: int) -> None:
@@ -211,16 +223,19 @@ def check_marked_bytes(chaos: Chaos, round_: int) -> None:
 
 def end_some_pods(chaos: Chaos) -> None:
     for lease in list(chaos.leases):
-        if chaos.rng.random() < 0.3:
+        if chaos.rng.random() < 0.5:
             chaos.end_pod(lease)
 
 
-def set_store_faults(chaos: Chaos, proxy: FaultProxy) -> None:
-    """A third of the rounds, the store resets or throttles some data requests."""
+def set_store_faults(chaos: Chaos, proxy: FaultProxy) -> bool:
+    """A third of the rounds, the store resets, throttles or corrupts some data requests;
+    returns whether it does."""
     if chaos.rng.random() < 1 / 3:
-        proxy.configure(scope="data", reset_rate=0.03, slowdown_rate=0.05, max_consecutive=2)
-    else:
-        proxy.clear_faults()
+        proxy.configure(scope="data", reset_rate=0.03, slowdown_rate=0.05, corrupt_rate=0.02,
+                        max_consecutive=2)  # fmt: skip
+        return True
+    proxy.clear_faults()
+    return False
 
 
 def verify_all(chaos: Chaos, wc: CLI, when: str) -> None:
@@ -252,13 +267,13 @@ def test_fetch_gc_daemon_and_kill9_keep_marked_bytes_and_leased_paths(
     started_at = time.monotonic()
     for round_ in range(ROUNDS):
         end_some_pods(chaos)
-        set_store_faults(chaos, proxy)
+        faulty = set_store_faults(chaos, proxy)
         if daemon is None:
             daemon = start_daemon()
         started = start_round(chaos, wc, proxy, daemon_up=True)
         if kill_some(chaos, started, daemon):
             daemon = None
-        finish_round(chaos, round_, started)
+        finish_round(chaos, round_, started, faulty)
         if daemon is not None and not daemon.alive():
             chaos.broke(round_, f"the daemon exited {daemon.proc.returncode}\n{daemon.log()}")
             daemon = None
