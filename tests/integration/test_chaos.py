@@ -107,11 +107,11 @@ def publish_models(publish: Callable[..., Published]) -> list[Published]:
 
 
 def start_round(chaos: Chaos, wc: CLI, proxy: FaultProxy, daemon_up: bool) -> list[Started]:
-    """2-4 fetches of random revisions (through the daemon or alone, 60% as Pods), and
-    0-2 `gc` with a capacity smaller than the revisions."""
+    """2-3 fetches of random revisions (through the daemon or alone, 60% as Pods), and
+    two times in three a `gc` with a capacity smaller than the revisions."""
     rng = chaos.rng
     started = []
-    for _ in range(rng.randint(2, 4)):
+    for _ in range(rng.randint(2, 3)):
         pub = rng.choice(chaos.pubs)
         uid = chaos.pod_uid() if rng.random() < 0.6 else None
         alone = not daemon_up or rng.random() < 0.4
@@ -120,7 +120,7 @@ def start_round(chaos: Chaos, wc: CLI, proxy: FaultProxy, daemon_up: bool) -> li
         running = wc.fetch_popen(pub.source, chaos.cache_dir, *args, "--part-size", "256K",
                                  "--timeout", "20s", endpoint=proxy.url, env=env)  # fmt: skip
         started.append(Started("fetch-alone" if alone else "fetch-daemon", running, pub, uid))
-    for _ in range(rng.choice((0, 1, 1, 2))):
+    for _ in range(rng.choice((0, 1, 1))):
         capacity = rng.randint(1024 * KiB, 3 * 1024 * KiB)
         running = wc.popen("gc", "--capacity", str(capacity), "--cache-dir", chaos.cache_dir)
         started.append(Started("gc", running))
@@ -183,8 +183,8 @@ def check_leases(chaos: Chaos, round_: int) -> None:
     for lease in list(chaos.leases):
         problem = lease_problem(chaos, lease)
         if problem is not None:
-            chaos.broke(round_, f"{lease.pub.name}/{lease.pub.rev}, leased by live Pod "
-                                f"{lease.uid} since round {lease.since_round}, {problem}")  # fmt: skip
+            what = f"{lease.pub.name}/{lease.pub.rev}, leased by live Pod {lease.uid}"
+            chaos.broke(round_, f"{what} since round {lease.since_round}, {problem}")
             chaos.end_pod(lease)
 
 
