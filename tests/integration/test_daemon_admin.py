@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CLI, Published
-from tests.integration.daemon_helpers import MiB, is_marked, ls_json
+from tests.integration.daemon_helpers import MiB, entry, is_marked, ls_json, write_models
 from tests.support.checks import (
     assert_blobs_valid,
     assert_fails,
     assert_linked_to_blobs,
     assert_ok_path,
     assert_revision_ok,
+    blobs_dir,
     describe,
     markers,
     snapshot,
@@ -146,3 +147,52 @@ def test_gc_dry_run_prints_the_plan_and_changes_nothing(
     real = wc.run("gc", "--capacity", "1", "--cache-dir", cache_dir)
     assert real.returncode == 0, describe(real)
     assert markers(cache_dir) == []
+
+
+def _fetch_in_order(wc: CLI, cache_dir: Path, pubs: list[Published]) -> None:
+    """Fetch each (a miss), in order, so that their last accesses are in that order."""
+    for pub in pubs:
+        assert_ok_path(wc.fetch(pub.source, cache_dir, "--no-daemon"), pub.local_path(cache_dir))
+        time.sleep(0.05)  # distinct last-access times whatever the clock's resolution
+
+
+@pytest.mark.timeout(120)
+def test_gc_evicts_only_the_least_recently_used(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    a, b, c = (publish([1 * MiB], name=n, rev="r1", seed=n) for n in ("lru-a", "lru-b", "lru-c"))
+    _fetch_in_order(wc, cache_dir, [a, b, c])
+    # A hit on a makes b the least recently used.
+    assert_ok_path(wc.fetch(a.source, cache_dir, "--no-daemon"), a.local_path(cache_dir))
+
+    # Room for two of the three: exactly one goes, and it is b.
+    gc = wc.run("gc", "--capacity", str(2 * MiB + MiB // 2), "--cache-dir", cache_dir)
+    assert gc.returncode == 0, describe(gc)
+    kept = {p.name for p in (a, b, c) if is_marked(cache_dir, p)}
+    assert kept == {"lru-a", "lru-c"}, f"gc kept {kept}\n{describe(gc)}"
+    assert not b.local_path(cache_dir).exists()
+    for pub in (a, c):
+        assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+    assert_blobs_valid(cache_dir)
+    kept_blobs = set(a.model.hashes.values()) | set(c.model.hashes.values())
+    present = {p.name for p in blobs_dir(cache_dir).iterdir()}
+    assert kept_blobs <= present, "a blob of a kept revision was deleted"
+    assert not (set(b.model.hashes.values()) - kept_blobs) & present, "b's blobs were kept"
+
+
+@pytest.mark.timeout(120)
+def test_gc_with_models_keeps_what_the_models_file_pins(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path, tmp_path: Path
+) -> None:
+    old, mid, new = (publish([1 * MiB], name=n, rev="r1", seed=n) for n in ("old", "mid", "new"))
+    _fetch_in_order(wc, cache_dir, [old, mid, new])
+    models = write_models(tmp_path / "models.yaml", [entry(old, pin=True), entry(mid)])
+
+    # Room for one: without the pin the two oldest would go and `new` stay; with it, the
+    # pinned (least recently used) one stays and the two others go.
+    gc = wc.run("gc", "--capacity", str(MiB + MiB // 2), "--models", models,
+                "--cache-dir", cache_dir)  # fmt: skip
+    assert gc.returncode == 0, describe(gc)
+    kept = {p.name for p in (old, mid, new) if is_marked(cache_dir, p)}
+    assert kept == {"old"}, f"gc kept {kept}, not the pinned revision alone\n{describe(gc)}"
+    assert_revision_ok(cache_dir, old.name, old.rev, old.model)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 import time
 from collections.abc import Callable
@@ -11,6 +13,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CLI, Published, dead_endpoint
+from tests.integration.daemon_helpers import (
+    Daemons,
+    daemons,  # noqa: F401 - fixture
+    write_models,
+)
 from tests.support.checks import (
     assert_fails,
     assert_ok_path,
@@ -47,6 +54,76 @@ def test_throttling_resets_and_truncation_on_the_data_plane_are_retried(
     # truncations are at most the broken parts again, not the file again.
     broken = s.faults.get("reset", 0) + s.faults.get("truncate", 0)
     assert s.body_bytes <= pub.model.total_size + broken * 1 * MiB + 64 * 1024, s
+
+
+def mean_concurrency(timeline: list[tuple[float, int]]) -> float:
+    """Time-weighted mean of ranged GETs in progress, from the first to the last change."""
+    if len(timeline) < 2:
+        return 0.0
+    area = sum(n * (t1 - t0) for (t0, n), (t1, _) in itertools.pairwise(timeline))
+    return area / (timeline[-1][0] - timeline[0][0])
+
+
+@pytest.mark.timeout(180)
+def test_throttling_halves_concurrency_and_is_counted(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """503 SlowDown makes the downloader send fewer GETs at once (AIMD, README "How a miss
+    downloads"), and the daemon counts each in weightcache_origin_throttled_total."""
+    pub = publish([4 * MiB] * 4, name="throttled", rev="r1", seed="throttled")
+    max_concurrency = 8
+    # 64 parts; every ranged GET takes >= 0.2 s at the proxy, so a downloader that keeps 8
+    # workers busy has ~8 in flight; 25% of them answer SlowDown (never 4 in a row on one
+    # object). Halving at each throttle (at most once a second) and adding one slot per
+    # `limit` successes keeps the mean below 4 (measured: 3.3-3.8); ignoring the 503s keeps
+    # it near 6 (measured: 6.0-6.2). A loaded CPU only lowers both.
+    proxy.configure(scope="ranged", latency=0.2, slowdown_rate=0.25, max_consecutive=3,
+                    script=("slowdown",) * 4)  # fmt: skip
+    models = write_models(tmp_path / "models.yaml", [])
+    extra = ["--max-concurrency", str(max_concurrency), "--part-size", "256K"]
+    daemon = daemons.start(cache_dir, models, endpoint=proxy.url, extra=extra)
+    before = daemon.metrics().get("weightcache_origin_throttled_total", 0.0)
+
+    proc = wc.fetch(pub.source, cache_dir, endpoint=proxy.url, timeout=150)
+    assert_ok_path(proc, pub.local_path(cache_dir))
+    assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+
+    slowdowns = proxy.stats().faults.get("slowdown", 0)
+    timeline = proxy.concurrency()
+    mean = mean_concurrency(timeline)
+    peak = max(n for _, n in timeline)
+    print(f"slowdowns={slowdowns} mean={mean:.2f} peak={peak}")
+    assert slowdowns >= 4
+    assert mean <= 0.6 * max_concurrency, (
+        f"{mean:.2f} ranged GETs in flight on average (peak {peak}) with {slowdowns} "
+        f"SlowDown answers: the downloader does not back off on throttling"
+    )
+    throttled = daemon.metrics().get("weightcache_origin_throttled_total", 0.0) - before
+    assert throttled == slowdowns, (
+        f"weightcache_origin_throttled_total rose by {throttled} for {slowdowns} SlowDowns"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_bwlimit_bounds_the_rate_of_a_fetch(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    """--bwlimit is an upper bound on the bytes/s over all connections: 16 MiB at 2 MiB/s
+    cannot take less than (16 MiB - one burst of 0.5 MiB) / 2 MiB/s = 7.75 s, however the
+    CPU is loaded (a loaded CPU only makes it slower). Unlimited, it takes ~0.5-2 s."""
+    pub = publish([4 * MiB] * 4, name="paced", rev="r1", seed="paced")
+    proc = wc.fetch(pub.source, cache_dir, "--no-daemon", "--json", "--bwlimit", "2M",
+                    "--part-size", "1M", endpoint=proxy.url, timeout=100)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+    # The fetch's own clock: the proxy's can't tell, its sends land in socket buffers.
+    seconds = doc["seconds"]
+    rate = doc["bytes_from_origin"] / seconds
+    print(f"{doc['bytes_from_origin']} bytes in {seconds:.2f}s: {rate / MiB:.2f} MiB/s")
+    assert doc["bytes_from_origin"] >= pub.model.total_size, doc
+    assert seconds >= 7.0, f"16 MiB in {seconds:.2f}s ({rate / MiB:.1f} MiB/s) with --bwlimit 2M"
 
 
 @pytest.mark.timeout(180)

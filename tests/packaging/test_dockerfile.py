@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import email.parser
+import hashlib
 import importlib.metadata
 import json
 import re
 import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -217,24 +222,49 @@ def test_lock_pins_every_dependency_within_pyproject_ranges() -> None:
         )
 
 
-def test_lock_is_closed_under_dependencies() -> None:
-    """Every dependency of a locked package is locked too, at a version it accepts.
+def locked_requirements(name: str, version: str, hashes: list[str], tmp: Path) -> list[str]:
+    """The Requires-Dist of exactly `name==version`, as the image would install it.
 
-    Requirements are read from the installed distributions' metadata; a locked package whose
-    installed version differs from the pin is skipped (its metadata would be the wrong one),
-    and if that leaves nothing to check the test says so instead of passing silently.
+    From the installed distribution when it is that version; otherwise from the wheel pip
+    downloads for the image's platform, whose sha256 must be one the lock lists (so a pin
+    that does not exist, or a hash that does not match it, fails here rather than in the
+    image build). Fails, naming the package, when neither is possible.
+    """
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        dist = importlib.metadata.distribution(name)
+        if dist.version == version:
+            return list(dist.requires or [])
+    dest = tmp / name
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+         "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
+         "--abi", "cp311", "--platform", "manylinux2014_x86_64", "-d", str(dest),
+         f"{name}=={version}"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(
+            f"requirements.lock pins {name}=={version}, which is not installed here and pip "
+            f"cannot download it, so its dependencies cannot be checked:\n{proc.stderr[-2000:]}"
+        )
+    (wheel,) = dest.glob("*.whl")
+    digest = "sha256:" + hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert digest in hashes, f"{wheel.name} has {digest}, not one of the lock's {hashes}"
+    with zipfile.ZipFile(wheel) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = email.parser.BytesParser().parsebytes(zf.read(meta))
+    return metadata.get_all("Requires-Dist") or []
+
+
+def test_lock_is_closed_under_dependencies(tmp_path: Path) -> None:
+    """Every dependency of every locked package is locked too, at a version it accepts.
+
+    Requirements come from the metadata of exactly the locked version (see
+    `locked_requirements`), never from a different version that happens to be installed.
     """
     pins = lock_pins(LOCK)
-    checked = 0
-    for name, (version, _) in pins.items():
-        try:
-            dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        if dist.version != version:
-            continue
-        checked += 1
-        for raw in dist.requires or []:
+    for name, (version, hashes) in pins.items():
+        for raw in locked_requirements(name, version, hashes, tmp_path):
             req = Requirement(raw)
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
@@ -243,5 +273,3 @@ def test_lock_is_closed_under_dependencies() -> None:
             assert req.specifier.contains(pins[dep][0], prereleases=True), (
                 f"{name}=={version} needs {req}; the lock has {dep}=={pins[dep][0]}"
             )
-    if checked == 0:
-        pytest.skip("no locked package is installed at its locked version here")

@@ -14,8 +14,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from weightcache.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "daemonset" / "grafana-dashboard.json"
@@ -116,12 +117,6 @@ def test_rules_and_dashboard_use_only_known_metrics(daemonset: Any) -> None:
 
 def test_metrics_match_what_the_daemon_exports(daemonset: Any) -> None:
     """Every raw metric the rules and dashboard read is registered by weightcache.metrics."""
-    try:
-        from weightcache.metrics import Metrics
-    except ModuleNotFoundError as exc:
-        if exc.name == "weightcache.metrics":
-            pytest.skip("weightcache.metrics does not exist yet")
-        raise
     exported: set[str] = set()
     for family in Metrics().registry.collect():
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}

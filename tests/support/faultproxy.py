@@ -27,7 +27,8 @@ connections refused), "reset" (accepted then RST) or "hang" (accepted, never ans
 
 Counters (`stats()`): requests received (including those answered with SlowDown), GETs,
 GETs with Range, response body bytes sent to clients (in total and per path), and
-injected faults by kind.
+injected faults by kind. `concurrency()` is the timeline of ranged GETs in progress (each
+change, with its monotonic time), which shows a client's concurrency going up and down.
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ class FaultProxy:
         self._threads: set[threading.Thread] = set()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
+        self._ranged_inflight = 0
+        self._timeline: list[tuple[float, int]] = []
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -324,6 +327,16 @@ class FaultProxy:
     def reset_stats(self) -> None:
         with self._lock:
             self._counters = _Counters()
+            self._timeline = []
+
+    def concurrency(self) -> list[tuple[float, int]]:
+        """(time.monotonic(), ranged GETs in progress) at each change since the last reset.
+
+        A ranged GET is in progress from its request line until its response ends
+        (SlowDown answers included: they take `latency` too).
+        """
+        with self._lock:
+            return list(self._timeline)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Wait until no request is being processed; True if that happened in time."""
@@ -348,9 +361,14 @@ class FaultProxy:
                 c.gets += 1
                 if ranged:
                     c.ranged_gets += 1
+                    self._ranged_inflight += 1
+                    self._timeline.append((time.monotonic(), self._ranged_inflight))
 
-    def _end(self) -> None:
+    def _end(self, method: str, ranged: bool) -> None:
         with self._idle:
+            if method == "GET" and ranged:
+                self._ranged_inflight -= 1
+                self._timeline.append((time.monotonic(), self._ranged_inflight))
             self._inflight -= 1
             if not self._inflight:
                 self._idle.notify_all()

@@ -69,7 +69,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         try:
             self._forward_counted(path, has_range)
         finally:
-            proxy._end()
+            proxy._end(self.command, has_range)
 
     def _forward_counted(self, path: str, has_range: bool) -> None:
         proxy = self.proxy

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from xml.etree import ElementTree
 
 import pytest
 
@@ -195,8 +196,11 @@ def test_slowdown_answers_503_without_asking_the_origin(
     conn = _conn(proxy)
     r = _get(conn, KEY, "bytes=0-99")
     assert r.status == 503
-    assert r.read() == SLOWDOWN_BODY
-    assert b"<Code>SlowDown</Code>" in SLOWDOWN_BODY
+    body = r.read()
+    assert body == SLOWDOWN_BODY
+    # What an S3 client keys its throttling on: the error code in the XML it received.
+    assert r.getheader("Content-Type") == "application/xml"
+    assert ElementTree.fromstring(body).findtext("Code") == "SlowDown"
     assert origin[1].seen == []
     r = _get(conn, KEY)  # not ranged: outside the default scope
     assert (r.status, len(r.read())) == (200, len(BLOB))
@@ -347,3 +351,22 @@ def test_rejects_bad_configuration(proxy: FaultProxy) -> None:
         proxy.configure(Faults(script=("explode",)))
     with pytest.raises(ValueError):
         proxy.set_down("sideways")
+
+
+def test_concurrency_timeline_counts_ranged_gets_in_progress(proxy: FaultProxy) -> None:
+    proxy.configure(latency=0.3)
+
+    def one() -> None:
+        _get(_conn(proxy), KEY, "bytes=0-9").read()
+
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _get(_conn(proxy), KEY).read()  # not ranged: not in the timeline
+    timeline = proxy.concurrency()
+    assert [n for _, n in timeline] == [1, 2, 3, 2, 1, 0]
+    assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+    proxy.reset_stats()
+    assert proxy.concurrency() == []
