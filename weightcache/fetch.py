@@ -27,7 +27,7 @@ from weightcache.errors import (
     SourceError,
     WeightcacheError,
 )
-from weightcache.index import Index
+from weightcache.index import for_cache
 from weightcache.layout import Layout
 from weightcache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.progress import human
@@ -60,12 +60,19 @@ class FetchResult:
 
 
 def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> FetchResult | None:
-    """The hit path: no network, no heavy import. None on a miss."""
+    """The hit path: no network, no heavy import. None on a miss.
+
+    The Pod's lease is committed before the marker is checked, so a path returned here
+    cannot be evicted any more (Index.remove_unless_protected; issue 9 item 4).
+    """
     start = time.monotonic()
+    index = for_cache(layout)
+    if pod_uid:
+        index.lease(source.name, source.revision, pod_uid)
     marker = Store(layout).ready(source.name, source.revision)
     if marker is None:
         return None
-    Index(layout.state_db).record_access(source.name, source.revision, pod_uid=pod_uid)
+    index.record_access(source.name, source.revision)
     path = str(layout.revision_dir(source.name, source.revision))
     return FetchResult(path, True, 0, time.monotonic() - start)
 
@@ -88,7 +95,7 @@ class Fetcher:
         can, verified exactly as from the origin."""
         self.layout = layout
         self.store = Store(layout)
-        self.index = Index(layout.state_db)
+        self.index = for_cache(layout)
         self.settings = settings
         self._observer = observer
         self._downloader = downloader
@@ -130,10 +137,12 @@ class Fetcher:
                 self.settings.timeout,
             )
         try:
-            hit = check_hit(self.layout, source, pod_uid)  # a concurrent fetch finished it
+            hit = check_hit(self.layout, source)  # a concurrent fetch finished it (leased)
             if hit is not None:
                 return FetchResult(hit.path, True, 0, time.monotonic() - start)
             manifest = self.read_manifest(source)
+            if lock.held:  # spares the blobs we are about to link (Store.orphans)
+                lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
             fetched = self._bring_blobs(source, manifest)
             marker = Marker(
                 name=source.name,
@@ -146,12 +155,10 @@ class Fetcher:
             path = self._assemble(source, marker, manifest)
         finally:
             lock.release()
+        # The lease, if any, was committed by the first check_hit, before the revision
+        # existed: an evictor can never remove it between our rename and our print.
         self.index.record_access(
-            source.name,
-            source.revision,
-            source=source.url,
-            size=manifest.total_size,
-            pod_uid=pod_uid,
+            source.name, source.revision, source=source.url, size=manifest.total_size
         )
         seconds = time.monotonic() - start
         log.info(

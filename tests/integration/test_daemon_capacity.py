@@ -30,6 +30,7 @@ from tests.support.checks import (
 )
 from tests.support.faultproxy import FaultProxy
 
+POD_L = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"  # the Pod that leases L (a Kubernetes UID)
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30,
           "KB": 10**3, "MB": 10**6, "GB": 10**9}  # fmt: skip
 
@@ -73,7 +74,7 @@ def test_capacity_evicts_lru_never_pinned_or_leased(
     # this test is one the fetches asked for.
     capacity = 16 * MiB + MiB // 2
     pods = tmp_path / "pods"
-    (pods / "pod-L").mkdir(parents=True)
+    (pods / POD_L).mkdir(parents=True)
     models = write_models(tmp_path / "models.yaml", [entry(pinned, pin=True)])
     watermarks = ["--high-watermark", "0.99", "--low-watermark", "0.9"]
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url, capacity=str(capacity),
@@ -85,12 +86,12 @@ def test_capacity_evicts_lru_never_pinned_or_leased(
         proc = wc.fetch(pub.source, cache_dir, endpoint=proxy.url, env=env)
         assert_ok_path(proc, pub.local_path(cache_dir))
 
-    fetch(leased, pod_uid="pod-L")  # the oldest after P, but a running Pod uses it
+    fetch(leased, pod_uid=POD_L)  # the oldest after P, but a running Pod uses it
     fetch(touched)
     fetch(lru)
     fetch(touched)  # a hit: B is now more recent than A, so A is the LRU evictable one
     rows = ls_json(wc, cache_dir)
-    assert rows[(leased.name, leased.rev)]["leases"] == ["pod-L"], rows
+    assert rows[(leased.name, leased.rev)]["leases"] == [POD_L], rows
     assert rows[(pinned.name, pinned.rev)]["last_access"] < rows[(leased.name, leased.rev)][
         "last_access"] < rows[(lru.name, lru.rev)]["last_access"] < rows[
         (touched.name, touched.rev)]["last_access"], rows  # fmt: skip
@@ -128,7 +129,7 @@ def test_capacity_evicts_lru_never_pinned_or_leased(
     assert set(ls_json(wc, cache_dir)) == set(before)
 
     # The Pod is gone: its lease ends, and L (now the LRU) is the one D's room comes from.
-    (pods / "pod-L").rmdir()
+    (pods / POD_L).rmdir()
 
     def lease_ended() -> bool:
         return bool(ls_json(wc, cache_dir)[(leased.name, leased.rev)]["leases"] == [])

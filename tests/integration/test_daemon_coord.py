@@ -52,7 +52,7 @@ def test_six_pods_one_download_and_the_ratio(
 
     procs = [
         wc.fetch_popen(
-            pub.source, cache_dir, "--json", endpoint=proxy.url, env={"POD_UID": f"pod-{i}"}
+            pub.source, cache_dir, "--json", endpoint=proxy.url, env={"POD_UID": f"00000000-0000-4000-8000-{i:012d}"}
         )
         for i in range(6)
     ]
