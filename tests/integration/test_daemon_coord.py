@@ -51,9 +51,8 @@ def test_six_pods_one_download_and_the_ratio(
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url, extra=extra)
 
     procs = [
-        wc.fetch_popen(
-            pub.source, cache_dir, "--json", endpoint=proxy.url, env={"POD_UID": f"00000000-0000-4000-8000-{i:012d}"}
-        )
+        wc.fetch_popen(pub.source, cache_dir, "--json", endpoint=proxy.url,
+                       env={"POD_UID": f"00000000-0000-4000-8000-{i:012d}"})  # fmt: skip
         for i in range(6)
     ]
     samples: list[dict[str, float]] = []
