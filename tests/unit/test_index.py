@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sqlite3
 from pathlib import Path
@@ -163,8 +164,11 @@ def test_remove_unless_protected_checks_leases_and_pins_in_the_transaction(
         index.record_access(name, "r", size=1, now=1.0)
     index.lease("leased", "r", "uid-a")
     index.set_pins({("pinned", "r")})
-    for name in ("free", "leased", "pinned"):
-        index.remove_unless_protected(name, "r", lambda n=name: removed.append(n))
+    results = {
+        name: index.remove_unless_protected(name, "r", functools.partial(removed.append, name))
+        for name in ("free", "leased", "pinned")
+    }
+    assert results == {"free": True, "leased": False, "pinned": False}
     assert removed == ["free"]
     assert [e.name for e in index.entries()] == ["leased", "pinned"]
 
