@@ -156,7 +156,7 @@ def execute(plan: EvictionPlan, store: Store, index: Index) -> int:
     freed_blobs: set[str] = set()
     for name, revision in plan.evict:
         freed_blobs |= _evict(name, revision, store, index)
-    return store.delete_blobs_if_unreferenced(freed_blobs)
+    return store.delete_blobs_if_unreferenced(freed_blobs - store.wanted_by_running_fetches())
 
 
 def _evict(name: str, revision: str, store: Store, index: Index) -> set[str]:

@@ -163,19 +163,15 @@ class Store:
                     out.append(blob)
         return out
 
-    def delete_blobs_if_unreferenced(self, hashes: Iterable[str] | None = None) -> int:
-        """Delete the given blobs (default: every orphan older than an hour) that no
-        revision links; return the bytes freed.
+    def delete_blobs_if_unreferenced(self, hashes: Iterable[str]) -> int:
+        """Delete the given blobs that no revision links; return the bytes freed.
 
         A fetch linking such a blob at the same instant keeps the data alive through its
-        new link; a fetch about to link it gets ENOENT and downloads it again.
+        new link; a fetch about to link it gets ENOENT and downloads it again (callers
+        leave out `wanted_by_running_fetches()` so that this stays rare).
         """
-        if hashes is None:
-            candidates = self.unreferenced_blobs(min_age=3600)
-        else:
-            candidates = [self.layout.blob(h) for h in hashes]
         freed = 0
-        for blob in candidates:
+        for blob in (self.layout.blob(h) for h in hashes):
             with contextlib.suppress(FileNotFoundError):
                 st = blob.stat()
                 if st.st_nlink == 1:

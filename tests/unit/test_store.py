@@ -259,14 +259,6 @@ def test_delete_blobs_if_unreferenced(store: Store, layout: Layout, put_blob: Pu
     assert list(layout.blobs.iterdir()) == []
 
 
-def test_delete_blobs_if_unreferenced_default_spares_fresh_orphans(
-    store: Store, layout: Layout, put_blob: PutBlob
-) -> None:
-    orphan = put_blob(b"just published")
-    assert store.delete_blobs_if_unreferenced() == 0
-    assert [p.name for p in layout.blobs.iterdir()] == [orphan]
-
-
 def test_usage_counts_blobs_and_partials(store: Store, layout: Layout, put_blob: PutBlob) -> None:
     assert store.usage() == 0
     marker, m = _revision(put_blob, {"a.bin": b"a" * 100, "b.bin": b"b" * 20})
