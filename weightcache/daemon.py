@@ -144,6 +144,9 @@ class Daemon:
             if self.store.ready(source.name, source.revision) is not None:
                 return result
             log.warning("%s was evicted as it became ready; fetching it again", source.label)
+            with self._lock:  # its done-callback may not have run yet: do not join it again
+                if self._inflight.get((source.name, source.revision)) is future:
+                    del self._inflight[(source.name, source.revision)]
         raise NoSpaceError(
             f"{source.label} was evicted three times as soon as it was ready; the cache is "
             "too small for what runs on this node: raise --capacity"

@@ -114,13 +114,21 @@ class Index:
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
-        self._local.db, self._local.identity = db, _identity(self.path)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        (verdict,) = db.execute("PRAGMA quick_check").fetchone()
-        if verdict != "ok":
-            raise sqlite3.DatabaseError(f"database disk image is malformed: {verdict}")
-        db.executescript(_SCHEMA)
+        self._local.identity = _identity(self.path)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            (verdict,) = db.execute("PRAGMA quick_check").fetchone()
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(f"database disk image is malformed: {verdict}")
+            db.executescript(_SCHEMA)
+        except sqlite3.Error as e:
+            if isinstance(e, sqlite3.DatabaseError) and _is_corrupt(e):
+                self._abandoned.append(db)  # not closed: see `_abandoned`
+            else:
+                db.close()  # e.g. busy: still the file at `path`, retried on next use
+            raise
+        self._local.db = db
         return db
 
     def _abandon(self, db: sqlite3.Connection) -> None:
@@ -161,6 +169,7 @@ class Index:
         try:
             if bad is None or _identity(self.path) == bad:  # no other process did it yet
                 aside = self._move_aside(error)
+                self.generation += 1
                 log.warning(
                     "%s is corrupt (%s): moved it to %s and rebuilt the index from the "
                     "revisions on disk; pins come back from the models file, leases of "
