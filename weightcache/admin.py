@@ -10,7 +10,7 @@ from typing import Any
 from weightcache import eviction
 from weightcache.config import Capacity
 from weightcache.errors import IntegrityError, UsageError
-from weightcache.index import Index
+from weightcache.index import for_cache
 from weightcache.layout import Layout
 from weightcache.progress import human
 from weightcache.publish import sha256_file
@@ -21,7 +21,7 @@ def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
     """One row per revision directory on disk, with the index's bookkeeping."""
     layout = Layout.open(cache_dir)
     store = Store(layout)
-    idx = Index(layout.state_db)
+    idx = for_cache(layout)
     index = {(e.name, e.revision): e for e in idx.entries()}
     pins = idx.pins()
     rows = []
@@ -121,20 +121,24 @@ def _trusted_marker(layout: Layout, store: Store, name: str, rev: str) -> Marker
 
 
 def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> str:
-    """Plan (and unless dry_run, execute) LRU eviction down to `capacity`."""
+    """Remove orphaned blobs (no revision links them, no running fetch wants them), then
+    plan (and unless dry_run, execute) LRU eviction down to `capacity`."""
     from weightcache.models import load
 
     layout = Layout.open(cache_dir)
     store = Store(layout)
-    index = Index(layout.state_db)
+    index = for_cache(layout)
     pinned = load(models_file).pinned if models_file else frozenset()
     st = os.statvfs(layout.root)
     target = capacity.resolve(st.f_blocks * st.f_frsize)
+    orphans = sum(size for _, size in store.orphans())
+    if not dry_run:
+        orphans = store.collect_orphans()
     revisions, sizes, usage = eviction.survey(store, index, pinned)
+    if dry_run:  # the orphans are still there: plan as if they were gone
+        plan = eviction.plan_eviction(revisions, sizes, usage - orphans, target)
+        return f"would remove {orphans} bytes of orphaned blobs; would " + plan.describe()
     plan = eviction.plan_eviction(revisions, sizes, usage, target)
-    if dry_run:
-        return "would " + plan.describe()
     eviction.execute(plan, store, index)
-    orphans = store.delete_blobs_if_unreferenced()
     store.clean_tmp()
     return plan.describe() + f"; {orphans} bytes of orphaned blobs removed"

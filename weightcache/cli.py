@@ -25,6 +25,7 @@ from weightcache.config import (
     StoreSettings,
     parse_allow_sources,
     parse_duration,
+    parse_pod_uid,
     parse_size,
 )
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
@@ -144,6 +145,7 @@ def main(verbose: int, quiet: bool) -> None:
 @click.option(
     "--pod-uid",
     envvar=["POD_UID", env("pod-uid")],
+    callback=converter(parse_pod_uid, "POD_UID"),
     help="The Pod's UID (downward API); leases the revision while the Pod lives.",
 )
 @click.option(

@@ -33,11 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from weightcache import coord, eviction, labels, serve
-from weightcache.config import Capacity, PeerSettings, Source, SourcePrefix, StoreSettings
+from weightcache.config import (
+    Capacity,
+    PeerSettings,
+    Source,
+    SourcePrefix,
+    StoreSettings,
+    parse_pod_uid,
+)
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 from weightcache.eviction import Watermarks
 from weightcache.fetch import Fetcher, FetchResult
-from weightcache.index import Index
+from weightcache.index import for_cache
 from weightcache.layout import Layout
 from weightcache.metrics import Metrics
 from weightcache.models import DesiredState, load
@@ -88,7 +95,8 @@ class Daemon:
         self.settings = settings
         self.metrics = Metrics()
         self.store = Store(layout)
-        self.index = Index(layout.state_db)
+        self.index = for_cache(layout)
+        self._pins_generation = -1  # the index generation our pins were written to
         self.peers = Peers(settings.peer) if settings.peer is not None else None
         self.fetcher = Fetcher(
             layout, store_settings, observer=self.metrics, reserve=self.make_room, peers=self.peers
@@ -118,7 +126,12 @@ class Daemon:
         """Start (or join) the fetch of a revision; every caller shares one download.
         Only callers of the same source join: another source under the same name and
         revision is settled by the Fetcher (same manifest or exit 2), never handed the
-        first source's result."""
+        first source's result. The Pod's lease is committed first, so that the marker check
+        that follows (ours, or the final one in `wait`) sees a revision no evictor can
+        remove any more.
+        """
+        if pod_uid:
+            self.index.lease(source.name, source.revision, pod_uid)
         key = (source.name, source.revision, source.url)
         with self._lock:
             future = self._inflight.get(key)
@@ -128,8 +141,6 @@ class Daemon:
                 future = self._pool.submit(self._fetch, source, pod_uid)
                 self._inflight[key] = future
                 future.add_done_callback(lambda _: self._forget(key))
-        if pod_uid:
-            self.index.record_access(source.name, source.revision, pod_uid=pod_uid)
         return future
 
     def _forget(self, key: tuple[str, str, str]) -> None:
@@ -147,14 +158,7 @@ class Daemon:
         download are six fetches with six durations."""
         start = time.monotonic()
         try:
-            future = self.submit(source, pod_uid)
-            while True:
-                try:
-                    result = future.result(timeout=coord.HEARTBEAT)
-                    break
-                except TimeoutError:
-                    if beat is not None:
-                        beat()
+            result = self._wait_ready(source, pod_uid, beat)
         except Exception:  # any failure is this caller's failed fetch
             self.metrics.fetches.labels("error").inc()
             self.metrics.duration.labels("error").observe(time.monotonic() - start)
@@ -163,6 +167,30 @@ class Daemon:
         self.metrics.fetches.labels(outcome).inc()
         self.metrics.duration.labels(outcome).observe(time.monotonic() - start)
         return result
+
+    def _wait_ready(self, source: Source, pod_uid: str | None, beat: Any) -> FetchResult:
+        """The result of a fetch whose revision is still there after our lease: a fetch
+        we joined may have found it before we leased it, and an evictor removed it since."""
+        for _ in range(3):
+            future = self.submit(source, pod_uid)
+            while True:
+                try:
+                    result = future.result(timeout=coord.HEARTBEAT)
+                    break
+                except TimeoutError:
+                    if beat is not None:
+                        beat()
+            if self.store.ready(source.name, source.revision) is not None:
+                return result
+            log.warning("%s was evicted as it became ready; fetching it again", source.label)
+            with self._lock:  # its done-callback may not have run yet: do not join it again
+                key = (source.name, source.revision, source.url)
+                if self._inflight.get(key) is future:
+                    del self._inflight[key]
+        raise NoSpaceError(
+            f"{source.label} was evicted three times as soon as it was ready; the cache is "
+            "too small for what runs on this node: raise --capacity"
+        )
 
     def record_hit(self, source: Source) -> None:
         marker = self.store.read_marker(source.name, source.revision)
@@ -185,6 +213,7 @@ class Daemon:
         if capacity is None or need <= 0:
             return
         with self._evict_lock:
+            self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
             plan = eviction.plan_eviction(revisions, sizes, usage, capacity - need)
             if not plan.sufficient:
@@ -203,12 +232,20 @@ class Daemon:
             return
         self.metrics.capacity_bytes.set(capacity)
         with self._evict_lock:
+            self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
             self.metrics.cache_bytes.set(usage)
             if usage <= capacity * self.settings.watermarks.high:
                 return
             target = int(capacity * self.settings.watermarks.low)
             self._execute(eviction.plan_eviction(revisions, sizes, usage, target))
+
+    def _collect_orphans(self) -> None:
+        """Delete blobs no revision links and no running fetch wants (issue 9 item 13):
+        they count as usage but would never be evicted."""
+        freed = self.store.collect_orphans()
+        if freed:
+            log.info("removed %s of blobs no revision uses", human(freed))
 
     def _execute(self, plan: eviction.EvictionPlan) -> None:
         if not plan.evict:
@@ -245,12 +282,22 @@ class Daemon:
             return False
         for problem in desired.problems:
             log.error("skipping a bad models entry: %s", problem)
-        self.index.set_pins(set(desired.pinned))
+        self._write_pins(desired.pinned)  # first: a failure here is retried, state unchanged
         self.desired = desired
         self._converged = False
         self._retry.clear()
         log.info("desired state: %d model(s), %d pinned", len(desired.models), len(desired.pinned))
         return True
+
+    def _write_pins(self, pinned: frozenset[tuple[str, str]]) -> None:
+        generation = self.index.generation
+        self.index.set_pins(set(pinned))
+        self._pins_generation = generation
+
+    def _restore_pins(self) -> None:
+        """Write the pins again into a state.db that replaced ours (or was rebuilt)."""
+        if self.index.generation != self._pins_generation:
+            self._write_pins(self.desired.pinned)
 
     def converge_once(self) -> None:
         """Fetch every listed revision that is not ready, one at a time. A failing entry
@@ -305,12 +352,16 @@ class Daemon:
         return all(self.store.ready(n, r) is not None for n, r in self.desired.pinned)
 
     def reap_leases(self) -> None:
-        """End the leases of Pods that are gone (their kubelet directory vanished)."""
+        """End the leases of Pods that are gone (their kubelet directory vanished, or,
+        without that directory, after `lease_max_age`), and at once those whose holder is
+        not a Pod UID (written by an old version or by hand): they name no Pod that could
+        ever go away."""
         holders = self.index.lease_holders()
+        malformed = {uid for uid in holders if not _is_pod_uid(uid)}
         pods_dir = self.settings.kubelet_pods_dir
         if pods_dir.is_dir():
             try:
-                gone = {uid for uid in holders if not _pod_dir_exists(pods_dir / uid)}
+                gone = {u for u in holders - malformed if not _pod_dir_exists(pods_dir / u)}
             except PermissionError as e:
                 # The kubelet makes the directory 0750 root: keep every lease (never evict
                 # a revision in use) and say how to fix the node.
@@ -322,13 +373,17 @@ class Daemon:
                     os.getuid(),
                     pods_dir,
                 )
-                return
+                gone = set()
         else:
             cutoff = time.time() - self.settings.lease_max_age
             gone = {uid for uid, since in self.index.lease_ages() if since < cutoff}
+        if malformed:
+            shown = ", ".join(repr(u[:40]) for u in sorted(malformed))
+            log.warning("ending %d lease(s) not held by a Pod UID: %s", len(malformed), shown)
         if gone:
             log.info("ending %d lease(s) of Pods that are gone", len(gone))
-            self.index.end_leases(gone)
+        if gone | malformed:
+            self.index.end_leases(gone | malformed)
 
     def _update_labels(self) -> None:
         if not self.settings.node_name:
@@ -381,6 +436,7 @@ class Daemon:
             self._converged = True
 
     def housekeeping_step(self) -> None:
+        self._restore_pins()
         self.reap_leases()
         self.enforce_capacity()
 
@@ -508,6 +564,13 @@ class Daemon:
             self._answer_error(send, e)
         finally:
             self.metrics.replica_waiting(-1)
+
+
+def _is_pod_uid(holder: str) -> bool:
+    try:
+        return parse_pod_uid(holder) == holder
+    except UsageError:
+        return False
 
 
 def _pod_dir_exists(path: Path) -> bool:

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
+import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
+from weightcache.errors import UsageError
 from weightcache.index import Index
 from weightcache.store import FileLock, Store
 
@@ -145,21 +149,39 @@ def execute(plan: EvictionPlan, store: Store, index: Index) -> int:
     """Remove the planned revisions, then their blobs no one else links; return bytes freed.
 
     Each removal is a rename out of place first, so no marked revision ever misses a file.
-    A revision whose lock a fetch holds is skipped this round.
+    A revision whose lock a fetch holds is skipped this round, and so is one that a Pod
+    leased (or the daemon pinned) since the plan was made: the lease is checked again in
+    the same write transaction as the rename (issue 9 item 4).
     """
     freed_blobs: set[str] = set()
     for name, revision in plan.evict:
-        marker = store.read_marker(name, revision)
-        lock = FileLock(store.layout.revision_lock(name, revision), f"{name}/{revision}")
-        if not lock.try_acquire():
-            log.info("not evicting %s/%s: a fetch holds it", name, revision)
-            continue
-        try:
-            store.remove_revision(name, revision)
-            index.forget(name, revision)
-        finally:
-            lock.release()
-        if marker is not None:
-            freed_blobs.update(h for h, _ in marker.files.values())
-        log.info("evicted %s/%s", name, revision)
-    return store.delete_blobs_if_unreferenced(freed_blobs)
+        freed_blobs |= _evict(name, revision, store, index)
+    return store.delete_blobs_if_unreferenced(freed_blobs - store.wanted_by_running_fetches())
+
+
+def _evict(name: str, revision: str, store: Store, index: Index) -> set[str]:
+    """Evict one revision unless a fetch, a lease or a pin holds it; its blobs if evicted."""
+    marker = store.read_marker(name, revision)
+    lock = FileLock(store.layout.revision_lock(name, revision), f"{name}/{revision}")
+    if not lock.try_acquire():
+        log.info("not evicting %s/%s: a fetch holds it", name, revision)
+        return set()
+    trash: list[Path | None] = []
+    try:
+        removed = index.remove_unless_protected(
+            name, revision, lambda: trash.append(store.retire_revision(name, revision))
+        )
+    except (sqlite3.Error, UsageError) as e:
+        log.error("not evicting %s/%s: cannot read its leases in %s: %s", name, revision,
+                  index.path, e)  # fmt: skip
+        return set()
+    finally:
+        lock.release()
+    if not removed:
+        log.info("not evicting %s/%s: leased or pinned since the plan was made", name, revision)
+        return set()
+    for path in trash:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+    log.info("evicted %s/%s", name, revision)
+    return {h for h, _ in marker.files.values()} if marker is not None else set()

@@ -33,7 +33,7 @@ from weightcache.errors import (
     UsageError,
     WeightcacheError,
 )
-from weightcache.index import Index
+from weightcache.index import for_cache
 from weightcache.layout import Layout
 from weightcache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.progress import human
@@ -67,13 +67,20 @@ class FetchResult:
 
 def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> FetchResult | None:
     """The hit path: no network, no heavy import. None on a miss, and for a revision
-    fetched from another source (the cache key is name/revision, but a revision directory
-    belongs to its source: issue 9, item 1; `Fetcher.fetch` settles that case)."""
+    fetched from another source (a revision directory belongs to its source, design §3;
+    `Fetcher.fetch` settles that case).
+
+    The Pod's lease is committed before the marker is checked, so a path returned here
+    cannot be evicted any more (Index.remove_unless_protected).
+    """
     start = time.monotonic()
+    index = for_cache(layout)
+    if pod_uid:
+        index.lease(source.name, source.revision, pod_uid)
     marker = Store(layout).ready(source.name, source.revision)
     if marker is None or marker.source != source.url:
         return None
-    Index(layout.state_db).record_access(source.name, source.revision, pod_uid=pod_uid)
+    index.record_access(source.name, source.revision)
     path = str(layout.revision_dir(source.name, source.revision))
     return FetchResult(path, True, 0, time.monotonic() - start)
 
@@ -97,7 +104,7 @@ class Fetcher:
         can, verified exactly as from the origin."""
         self.layout = layout
         self.store = store or Store(layout)
-        self.index = Index(layout.state_db)
+        self.index = for_cache(layout)
         self.settings = settings
         self._observer = observer
         self._downloader = downloader
@@ -153,10 +160,12 @@ class Fetcher:
                 self.settings.timeout,
             )
         try:
-            hit = self._hit_under_lock(source, pod_uid, start)
+            hit = self._hit_under_lock(source, start)
             if hit is not None:
                 return hit
             manifest = self.read_manifest(source)
+            if lock.held:  # spares the blobs we are about to link (Store.orphans)
+                lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
             fetched = self._bring_blobs(source, manifest)
             marker = Marker(
                 name=source.name,
@@ -169,12 +178,10 @@ class Fetcher:
             path = self._assemble(source, marker, manifest)
         finally:
             lock.release()
+        # The lease, if any, was committed by the first check_hit, before the revision
+        # existed: an evictor can never remove it between our rename and our print.
         self.index.record_access(
-            source.name,
-            source.revision,
-            source=source.url,
-            size=manifest.total_size,
-            pod_uid=pod_uid,
+            source.name, source.revision, source=source.url, size=manifest.total_size
         )
         seconds = time.monotonic() - start
         log.info(
@@ -182,9 +189,7 @@ class Fetcher:
         )
         return FetchResult(str(path), False, fetched, seconds)
 
-    def _hit_under_lock(
-        self, source: Source, pod_uid: str | None, start: float
-    ) -> FetchResult | None:
+    def _hit_under_lock(self, source: Source, start: float) -> FetchResult | None:
         """The revision as it is once we hold its lock: a hit if a concurrent fetch
         finished it; a hit of another source only if that source's manifest is the same
         (UsageError otherwise); None (a miss) if it is absent, or damaged since it was
@@ -201,7 +206,7 @@ class Fetcher:
                 "downloading them again", source.label, len(damaged), damaged[0]
             )  # fmt: skip
             return None
-        self.index.record_access(source.name, source.revision, pod_uid=pod_uid)
+        self.index.record_access(source.name, source.revision)  # leased by fetch()'s check_hit
         path = str(self.layout.revision_dir(source.name, source.revision))
         return FetchResult(path, True, 0, time.monotonic() - start)
 

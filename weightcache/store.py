@@ -27,6 +27,7 @@ from weightcache.manifest import Manifest, check_path
 log = logging.getLogger(__name__)
 MARKER_VERSION = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX_LINE = re.compile(r"^[0-9a-f]{64}$", re.M)
 
 
 @dataclass(frozen=True)
@@ -267,25 +268,54 @@ class Store:
                     out.append(blob)
         return out
 
-    def delete_blobs_if_unreferenced(self, hashes: Iterable[str] | None = None) -> int:
-        """Delete the given blobs (default: every orphan older than an hour) that no
-        revision links; return the bytes freed.
+    def delete_blobs_if_unreferenced(self, hashes: Iterable[str]) -> int:
+        """Delete the given blobs that no revision links; return the bytes freed.
 
         A fetch linking such a blob at the same instant keeps the data alive through its
-        new link; a fetch about to link it gets ENOENT and downloads it again.
+        new link; a fetch about to link it gets ENOENT and downloads it again (callers
+        leave out `wanted_by_running_fetches()` so that this stays rare).
         """
-        if hashes is None:
-            candidates = self.unreferenced_blobs(min_age=3600)
-        else:
-            candidates = [self.layout.blob(h) for h in hashes]
         freed = 0
-        for blob in candidates:
+        for blob in (self.layout.blob(h) for h in hashes):
             with contextlib.suppress(FileNotFoundError):
                 st = blob.stat()
                 if st.st_nlink == 1:
                     blob.unlink()
                     freed += st.st_size
         return freed
+
+    def orphans(self) -> list[tuple[Path, int]]:
+        """(blob, size) of every blob no revision links and no running fetch wants.
+
+        No age guard: a fetch in progress writes the blobs it wants into its revision
+        lock (`FileLock.note`) before it looks for them, so a blob it published (or found)
+        and has not linked yet is spared while it holds that lock (issue 9 item 13).
+        """
+        wanted = self.wanted_by_running_fetches()
+        out = []
+        for blob in self.unreferenced_blobs():
+            if blob.name not in wanted:
+                with contextlib.suppress(FileNotFoundError):
+                    out.append((blob, blob.stat().st_size))
+        return out
+
+    def collect_orphans(self) -> int:
+        """Delete `orphans()`; return the bytes freed."""
+        return self.delete_blobs_if_unreferenced(blob.name for blob, _ in self.orphans())
+
+    def wanted_by_running_fetches(self) -> set[str]:
+        """The blobs listed in the revision locks that a fetch holds now."""
+        wanted: set[str] = set()
+        for path in self.layout.locks.glob("rev-*.lock"):
+            lock = FileLock(path, path.name)
+            try:
+                if lock.try_acquire():
+                    lock.release()
+                    continue
+                wanted.update(_HEX_LINE.findall(path.read_text(errors="replace")))
+            except FileNotFoundError:
+                continue
+        return wanted
 
     def usage(self) -> int:
         """Bytes the cache occupies on disk: blobs and partial downloads."""
@@ -346,9 +376,17 @@ class Store:
 
     def remove_revision(self, name: str, revision: str) -> None:
         """Make the revision vanish atomically (rename away), then delete its files."""
-        self._move_aside(self.layout.revision_dir(name, revision))
+        trash = self.retire_revision(name, revision)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def retire_revision(self, name: str, revision: str) -> Path | None:
+        """Make the revision vanish atomically (rename into tmp/); return where it went,
+        for the caller to delete (at leisure: outside any lock)."""
+        trash = self._move_aside(self.layout.revision_dir(name, revision), delete=False)
         with contextlib.suppress(OSError):
             self.layout.revision_dir(name, revision).parent.rmdir()  # only if now empty
+        return trash
 
     def drop_marker(self, name: str, revision: str) -> None:
         """Unmark a revision found damaged, so that the next fetch repairs it."""
@@ -368,13 +406,15 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             damaged.unlink()
 
-    def _move_aside(self, path: Path) -> None:
+    def _move_aside(self, path: Path, delete: bool = True) -> Path | None:
         if not path.exists() and not path.is_symlink():
-            return
+            return None
         trash = self.layout.tmp / f"trash-{os.urandom(8).hex()}"
         self.ops.rename(path, trash)
         self.ops.fsync_dir(path.parent)
-        self.ops.rmtree(trash)
+        if delete:
+            self.ops.rmtree(trash)
+        return trash
 
     def clean_tmp(self, older_than: float = 3600.0, partials_older_than: float = 86400.0) -> None:
         """Remove what killed processes left in tmp/: staging and trash directories and
@@ -449,6 +489,18 @@ class FileLock:
                     "still waiting for another fetch of %s (%.0fs)", self.what, last_log - start
                 )
         return True
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def note(self, text: str) -> None:
+        """Replace the lock file's content with `text` (one write), while held: what the
+        holder is doing, for others to read (`Store.wanted_by_running_fetches`)."""
+        assert self._fd is not None, "note() needs the lock held"
+        data = text.encode()
+        os.pwrite(self._fd, data, 0)  # then truncate: a reader never sees it emptied
+        os.ftruncate(self._fd, len(data))
 
     def release(self) -> None:
         if self._fd is not None:

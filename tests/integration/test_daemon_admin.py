@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
+import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -196,3 +200,61 @@ def test_gc_with_models_keeps_what_the_models_file_pins(
     kept = {p.name for p in (old, mid, new) if is_marked(cache_dir, p)}
     assert kept == {"old"}, f"gc kept {kept}, not the pinned revision alone\n{describe(gc)}"
     assert_revision_ok(cache_dir, old.name, old.rev, old.model)
+
+
+def _pod_uid(n: int) -> str:
+    return f"00000000-0000-4000-8000-{n:012d}"
+
+
+def _end_leases(cache_dir: Path) -> None:
+    """What the daemon's reaper does once the Pods are gone (no daemon runs here)."""
+    with contextlib.closing(sqlite3.connect(cache_dir / ".weightcache" / "state.db")) as db:
+        db.execute("DELETE FROM leases")
+        db.commit()
+
+
+@pytest.mark.timeout(600)
+def test_gc_racing_leased_fetches_never_removes_a_printed_path(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    """Issue 9 item 4: `gc --capacity 1` runs back to back in two loops while Pods fetch
+    one revision (hits and misses, as gc keeps evicting it). A path printed with POD_UID
+    set is leased before it is printed, so it is still complete when the fetch exits,
+    and stays so through a later gc, until the lease ends."""
+    pub = publish([256 * 1024] * 2, name="leased", rev="r1", seed="leased-race")
+    rev_dir = pub.local_path(cache_dir)
+    assert_ok_path(wc.fetch(pub.source, cache_dir), rev_dir)
+    stop = threading.Event()
+    gc_runs: list[int] = []
+
+    def gc_loop() -> None:
+        while not stop.is_set():
+            g = wc.run("gc", "--capacity", "1", "--cache-dir", cache_dir)
+            assert g.returncode == 0, describe(g)
+            gc_runs.append(1)
+
+    loops = [threading.Thread(target=gc_loop, daemon=True) for _ in range(2)]
+    for t in loops:
+        t.start()
+    rng = random.Random(9)
+    outcomes: dict[str, int] = {"hit": 0, "miss": 0}
+    try:
+        for i in range(30):
+            time.sleep(rng.uniform(0.0, 0.3))
+            f = wc.fetch(pub.source, cache_dir, "--json", env={"POD_UID": _pod_uid(i)})
+            assert f.returncode == 0, f"round {i}: {describe(f)}"
+            printed = Path(json.loads(f.stdout)["path"])
+            assert printed == rev_dir, describe(f)
+            assert (printed / ".weightcache").is_file(), (
+                f"round {i}: the path printed with a lease is gone (gc evicted it)"
+            )
+            assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+            outcomes["hit" if json.loads(f.stdout)["hit"] else "miss"] += 1
+            _end_leases(cache_dir)
+    finally:
+        stop.set()
+        for t in loops:
+            t.join(timeout=60)
+    print(outcomes, "gc runs:", len(gc_runs))
+    assert outcomes["hit"] and outcomes["miss"], outcomes  # both paths were raced
+    assert_blobs_valid(cache_dir)

@@ -30,7 +30,7 @@ from tests.support.checks import (
 )
 from tests.support.faultproxy import FaultProxy
 
-POD_L = "5d3c0a4e-1b2f-4c6d-8e9f-0a1b2c3d4e5f"  # a Kubernetes Pod UID (the daemon checks)
+POD_L = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"  # the Pod that leases L (a Kubernetes UID)
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30,
           "KB": 10**3, "MB": 10**6, "GB": 10**9}  # fmt: skip
 

@@ -50,15 +50,10 @@ def test_six_pods_one_download_and_the_ratio(
     extra = ["--bwlimit", "4M", "--max-concurrency", str(max_concurrency), "--part-size", "1M"]
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url, extra=extra)
 
+    uids = [f"00000000-0000-4000-8000-{i:012d}" for i in range(6)]
     procs = [
-        wc.fetch_popen(
-            pub.source,
-            cache_dir,
-            "--json",
-            endpoint=proxy.url,
-            env={"POD_UID": f"00000000-0000-4000-8000-00000000000{i}"},  # Kubernetes UIDs
-        )
-        for i in range(6)
+        wc.fetch_popen(pub.source, cache_dir, "--json", endpoint=proxy.url, env={"POD_UID": uid})
+        for uid in uids
     ]
     samples: list[dict[str, float]] = []
     deadline = time.monotonic() + 90

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import sqlite3
 from pathlib import Path
 
@@ -151,3 +154,94 @@ def test_a_pin_set_before_its_revision_exists_applies_when_it_appears(index: Ind
     index.set_pins({("m", "r")})  # the daemon reads the models file before any fetch
     index.record_access("m", "r", size=1, now=1.0)
     assert [(e.name, e.pinned) for e in index.entries()] == [("m", True)]
+
+
+def test_remove_unless_protected_checks_leases_and_pins_in_the_transaction(
+    index: Index,
+) -> None:
+    removed: list[str] = []
+    for name in ("free", "leased", "pinned"):
+        index.record_access(name, "r", size=1, now=1.0)
+    index.lease("leased", "r", "uid-a")
+    index.set_pins({("pinned", "r")})
+    results = {
+        name: index.remove_unless_protected(name, "r", functools.partial(removed.append, name))
+        for name in ("free", "leased", "pinned")
+    }
+    assert results == {"free": True, "leased": False, "pinned": False}
+    assert removed == ["free"]
+    assert [e.name for e in index.entries()] == ["leased", "pinned"]
+
+
+def test_remove_unless_protected_rolls_back_when_the_removal_fails(index: Index) -> None:
+    index.record_access("m", "r", size=1, now=1.0)
+
+    def fail() -> None:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError):
+        index.remove_unless_protected("m", "r", fail)
+    assert [e.name for e in index.entries()] == ["m"]
+
+
+def test_a_lease_taken_through_another_connection_is_seen(tmp_path: Path) -> None:
+    evictor, fetch = Index(tmp_path / "state.db"), Index(tmp_path / "state.db")
+    evictor.record_access("m", "r", now=1.0)
+    assert evictor.entries()[0].leases == ()  # the evictor's plan: not leased
+    fetch.lease("m", "r", "uid-a")
+    assert not evictor.remove_unless_protected("m", "r", lambda: pytest.fail("removed"))
+
+
+@pytest.mark.parametrize("how", ["replaced", "deleted"])
+def test_a_database_replaced_or_deleted_is_reopened_with_its_leases(
+    tmp_path: Path, how: str
+) -> None:
+    path = tmp_path / "state.db"
+    daemon = Index(path)
+    daemon.lease("old", "r", "uid-old")
+    generation = daemon.generation
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    if how == "replaced":
+        other = tmp_path / "other.db"  # another valid database (made by another process)
+        with contextlib.closing(sqlite3.connect(other)) as db:
+            db.execute("CREATE TABLE unrelated (x)")
+            db.commit()
+        os.replace(other, path)
+    Index(path).lease("new", "r", "uid-new")  # a fetch, through the file on disk
+    # The daemon sees the lease taken through the new file, and keeps its own.
+    assert daemon.lease_holders() == {"uid-old", "uid-new"}
+    assert not daemon.remove_unless_protected("new", "r", lambda: pytest.fail("removed"))
+    assert daemon.generation > generation
+    assert Index(path).lease_holders() == {"uid-old", "uid-new"}  # carried into the file
+
+
+def _rebuilt() -> list[tuple[str, str, str, int, float]]:
+    return [("m", "r", SRC, 42, 7.0)]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_database_is_moved_aside_and_rebuilt(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.db"
+    seed = Index(path)
+    for i in range(300):  # several pages, so that a cut lands inside the tables
+        seed.record_access(f"m{i}", "r", source=SRC * 3, size=i, pod_uid=f"uid-{i}", now=1.0)
+    seed.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    if damage == "garbage":
+        path.write_bytes(os.urandom(64 * 1024))
+    else:
+        with open(path, "r+b") as fh:
+            fh.truncate(path.stat().st_size // 2)
+    original = path.read_bytes()
+    index = Index(path, rebuild=_rebuilt)
+    assert index.entries() == [Entry("m", "r", SRC, 42, 7.0, False, ())]
+    aside = list(tmp_path.glob("state.db.corrupt-*"))
+    assert [p.name for p in aside if not p.name.endswith(("-wal", "-shm"))] != []
+    assert any(p.read_bytes() == original for p in aside), "the corrupt file was not kept"
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "corrupt" in r.message]
+    assert len(warnings) == 1, caplog.text
+    # Another process finding the new file healthy does not move it aside again.
+    assert Index(path, rebuild=_rebuilt).entries() == index.entries()
+    assert len(list(tmp_path.glob("state.db.corrupt-*"))) == len(aside)

@@ -319,14 +319,6 @@ def test_delete_blobs_if_unreferenced(store: Store, layout: Layout, put_blob: Pu
     assert list(layout.blobs.iterdir()) == []
 
 
-def test_delete_blobs_if_unreferenced_default_spares_fresh_orphans(
-    store: Store, layout: Layout, put_blob: PutBlob
-) -> None:
-    orphan = put_blob(b"just published")
-    assert store.delete_blobs_if_unreferenced() == 0
-    assert [p.name for p in layout.blobs.iterdir()] == [orphan]
-
-
 def test_usage_counts_blobs_and_partials(store: Store, layout: Layout, put_blob: PutBlob) -> None:
     assert store.usage() == 0
     marker, m = _revision(put_blob, {"a.bin": b"a" * 100, "b.bin": b"b" * 20})
@@ -395,3 +387,39 @@ def test_file_lock_acquire_gives_up_while_held(tmp_path: Path) -> None:
     finally:
         holder.release()
         waiter.release()
+
+
+def test_orphans_spare_the_blobs_a_running_fetch_noted_in_its_lock(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, {"kept.bin": b"K" * 50})
+    store.assemble(marker, m)
+    wanted, stray = put_blob(b"about to be linked"), put_blob(b"left by a failed fetch")
+    running = FileLock(layout.revision_lock("n", "r"), "n/r")
+    assert running.try_acquire()
+    running.note(f"{wanted}\n{hashlib.sha256(b'not here').hexdigest()}\n")
+    # A lock nobody holds tells nothing, whatever it says.
+    idle = FileLock(layout.revision_lock("o", "r"), "o/r")
+    assert idle.try_acquire()
+    idle.note(f"{stray}\n")
+    idle.release()
+    assert store.wanted_by_running_fetches() >= {wanted}
+    assert [(p.name, size) for p, size in store.orphans()] == [(stray, 22)]
+    assert store.collect_orphans() == 22
+    assert sorted(p.name for p in layout.blobs.iterdir()) == sorted(
+        [hashlib.sha256(b"K" * 50).hexdigest(), wanted]
+    )
+    running.release()  # the fetch ended without linking it: now it is an orphan
+    assert store.collect_orphans() == len(b"about to be linked")
+    assert store.ready("m", "r") == marker
+
+
+def test_retire_revision_renames_it_away_for_the_caller_to_delete(
+    store: Store, layout: Layout, put_blob: PutBlob
+) -> None:
+    marker, m = _revision(put_blob, {"a.bin": b"A"})
+    store.assemble(marker, m)
+    trash = store.retire_revision("m", "r")
+    assert trash is not None and trash.parent == layout.tmp and (trash / "a.bin").is_file()
+    assert store.ready("m", "r") is None and not (layout.root / "m").exists()
+    assert store.retire_revision("m", "r") is None
