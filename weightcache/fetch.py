@@ -290,7 +290,7 @@ class Fetcher:
                           partial, entry.path, peer=holding.peer, token=self.peers.settings.token,
                           attempts=PEER_ATTEMPTS)  # fmt: skip
             try:
-                got = self.downloader.download([job])[entry.path]
+                got = self.downloader.download([job]).digests[entry.path]
             except (Interrupted, NoSpaceError):
                 raise
             except WeightcacheError as e:
@@ -327,9 +327,9 @@ class Fetcher:
                         self.layout.partial(e.sha256, private), e.path)
                 for e, private in todo
             ]  # fmt: skip
-            before = self.downloader.bytes_by_source["origin"]
-            actual = self.downloader.download(jobs)
-            fetched += self.downloader.bytes_by_source["origin"] - before
+            done = self.downloader.download(jobs)
+            fetched += done.received.get("origin", 0)  # this call's, not the daemon's
+            actual = done.digests
             bad = []
             for job, (e, private) in zip(jobs, todo, strict=True):
                 got = actual[job.label]
