@@ -8,6 +8,7 @@ assembled aside with its marker already inside. `FileLock` only avoids duplicate
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -200,15 +201,24 @@ class Store:
         the caller downloads it again.
         """
         target = self.layout.revision_dir(marker.name, marker.revision)
-        staging = self.layout.tmp / f"rev-{marker.name}@{marker.revision}-{os.urandom(8).hex()}"
+        staging = self.layout.staging(marker.name, marker.revision)
         staging.mkdir()
         try:
             dirs = {staging}
+            copies = 0
             for entry in manifest.entries:
                 dest = staging / entry.path
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dirs.add(dest.parent)
-                os.link(self.layout.blob(entry.sha256), dest)
+                copies += _link_or_copy(self.layout.blob(entry.sha256), dest)
+            if copies:
+                log.warning(
+                    "%s/%s: %d files are copies, not links: their blobs reached the "
+                    "filesystem's link limit",
+                    marker.name,
+                    marker.revision,
+                    copies,
+                )
             marker_path = staging / MARKER
             with open(marker_path, "w") as fh:
                 fh.write(marker.to_json())
@@ -269,6 +279,26 @@ class Store:
                         shutil.rmtree(entry, ignore_errors=True)
                 elif age > (older_than if _is_private(entry.name) else partials_older_than):
                     entry.unlink()
+
+
+def _link_or_copy(blob: Path, dest: Path) -> bool:
+    """Hard-link `blob` at `dest`; past the filesystem's link limit (EMLINK: 65,000 links
+    per inode on ext4, so >65k files of one content) copy it instead, read-only and
+    fsynced. True if it copied. A missing blob raises FileNotFoundError either way."""
+    try:
+        os.link(blob, dest)
+        return False
+    except OSError as e:
+        if e.errno != errno.EMLINK:
+            raise
+    shutil.copyfile(blob, dest)
+    os.chmod(dest, 0o444)
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _is_private(filename: str) -> bool:
