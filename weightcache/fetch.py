@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: Peers tried for one blob before the origin: a second chance when the first dies.
 PEER_TRIES = 2
+#: Blob locks (one fd each) held at once by one fetch.
+LOCK_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
     marker = Store(layout).ready(source.name, source.revision)
     if marker is None:
         return None
-    Index(layout.state_db).record_access(source.name, source.revision, pod_uid=pod_uid)
+    if not layout.read_only:  # the engine's read-only mount: serve it, record nothing
+        Index(layout.state_db).record_access(source.name, source.revision, pod_uid=pod_uid)
     path = str(layout.revision_dir(source.name, source.revision))
     return FetchResult(path, True, 0, time.monotonic() - start)
 
@@ -195,15 +198,17 @@ class Fetcher:
         fetched = 0
         pending = list(wanted.values())
         while pending:
+            # A batch at a time: each lock held is an fd (50k files must not need 50k).
+            batch, pending = pending[:LOCK_BATCH], pending[LOCK_BATCH:]
             mine: list[tuple[ManifestEntry, FileLock | None]] = []
             theirs: list[ManifestEntry] = []
-            for entry in pending:
+            for entry in batch:
                 lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
                 if lock.try_acquire():
                     mine.append((entry, lock))
                 else:
                     theirs.append(entry)
-            if not mine:  # others download all we lack: wait for the first, then re-check
+            if not mine and not pending:  # others download the rest: wait, then re-check
                 entry = theirs.pop(0)
                 lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
                 mine.append((entry, lock if lock.acquire(self._holder_stalled()) else None))
@@ -214,7 +219,7 @@ class Fetcher:
                 for _, held in mine:
                     if held is not None:
                         held.release()
-            pending = [e for e in theirs if not self.store.has_blob(e.sha256)]
+            pending = [e for e in pending + theirs if not self.store.has_blob(e.sha256)]
         self.store.sync_blobs()
         return fetched
 

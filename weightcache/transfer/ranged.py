@@ -60,6 +60,9 @@ BUFFER = 256 << 10
 #: download's connections) is a trickle, not progress, and ends the download with exit 6.
 #: A slow but real link delivers whole TCP segments (~1.4 KB), so it always moves it.
 PROGRESS_BYTES = 1 << 10
+#: Files one download keeps open at once: jobs are downloaded in batches of this many, so
+#: a manifest of 50k small files needs 64 fds, not 50k (EMFILE at the usual 1024).
+MAX_OPEN_FILES = 64
 #: How often a file's part state is written, at most: a kill loses at most the parts that
 #: completed in the last interval (they are fetched again), never correctness.
 SAVE_INTERVAL = 0.25
@@ -233,17 +236,25 @@ class RangedDownloader:
             if self._closing:
                 raise Interrupted("shutting down; the download was not started")
             self._runs.add(run)
+        try:
+            digests: dict[str, str] = {}
+            for i in range(0, len(jobs), MAX_OPEN_FILES):
+                digests.update(self._download_batch(jobs[i : i + MAX_OPEN_FILES], run))
+            return Downloaded(digests, dict(run.received))
+        finally:
+            run.stop.set()
+            with self._counter_lock:
+                self._runs.discard(run)
+
+    def _download_batch(self, jobs: list[BlobJob], run: _Run) -> dict[str, str]:
         files: list[_File] = []
         try:
             for job in jobs:
                 files.append(self._open(job, run))
-            return Downloaded(self._download(files, run), dict(run.received))
+            return self._download(files, run)
         finally:
-            run.stop.set()
             for f in files:
                 os.close(f.fd)
-            with self._counter_lock:
-                self._runs.discard(run)
 
     def _download(self, files: list[_File], run: _Run) -> dict[str, str]:
         tasks: queue.SimpleQueue[tuple[_File, int]] = queue.SimpleQueue()
