@@ -54,9 +54,10 @@ class Layout:
     def open(cls, cache_dir: str | os.PathLike[str], create: bool = True) -> Layout:
         """The cache at `cache_dir`, made (with its internal folders) if `create`.
 
-        Without `create` (the read-only commands: ls, verify, gc) nothing is written and a
-        directory that is not a cache, such as a mistyped path, is a UsageError naming it.
-        Works on a read-only mount either way when the cache exists.
+        Without `create` (the operator commands: ls, verify, gc) a directory that is not a
+        cache, such as a mistyped path, is a UsageError naming it, and the internal folders
+        a racing first fetch has not made yet are made only on a writable mount. Works on
+        a read-only mount either way when the cache exists.
         """
         root = Path(cache_dir).absolute()
         if root.exists() and not root.is_dir():
@@ -70,7 +71,7 @@ class Layout:
             layout = cls(root.resolve())
             for d in (layout.blobs, layout.tmp, layout.locks):
                 layout.check_inside(d)  # before mkdir: a planted DIR/.weightcache symlink
-                if create:
+                if create or not layout.read_only:
                     d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise _open_error(root, e) from e

@@ -56,3 +56,16 @@ def test_a_slow_but_steady_store_completes_past_the_timeout(
     assert_ok_path(proc, pub.local_path(cache_dir))
     assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
     assert elapsed >= 64 / 8 - 1, f"took {elapsed:.1f}s: the store did not trickle"
+
+
+@pytest.mark.timeout(150)
+def test_waiting_for_bwlimit_tokens_is_not_a_stall(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    """--bwlimit 32K makes the first 256 KiB read wait ~6s for tokens, longer than
+    --timeout 3s: that wait is ours, not the store's, and must not end the fetch."""
+    pub = publish([320 * KiB], name="paced", rev="r1", small_files=False)
+    t0 = time.monotonic()
+    proc = wc.fetch(pub.source, cache_dir, "--timeout", "3s", "--bwlimit", "32K", timeout=120)
+    assert_ok_path(proc, pub.local_path(cache_dir))
+    assert time.monotonic() - t0 >= 5, "the bandwidth limit was not applied"

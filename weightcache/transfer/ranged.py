@@ -479,8 +479,12 @@ class RangedDownloader:
 
     def _fill(self, f: _File, resp: _Response, view: memoryview) -> int:
         """Read into `view` until it is full, the body ends or the run stops; every
-        socket read moves the stall clock, and a stalled run gives up here (_Retry)."""
+        socket read moves the stall clock, and a stalled run gives up here (_Retry).
+
+        Time spent before this call (waiting for --bwlimit tokens) is ours, not the
+        store's: only a run stalled while this worker was reading gives up."""
         filled = 0
+        reading_since = time.monotonic()
         while filled < len(view) and not f.run.stop.is_set():
             n = resp.recv_into(view[filled:])
             if not n:
@@ -489,7 +493,7 @@ class RangedDownloader:
             with self._counter_lock:
                 f.run.note(n, f.job.source)
             self.observer.received(n, f.job.source)
-            stalled = f.run.stalled_for()
+            stalled = min(f.run.stalled_for(), time.monotonic() - reading_since)
             if stalled >= self.settings.timeout:
                 raise _Retry(f"less than {PROGRESS_BYTES} bytes in {stalled:.0f}s (a trickle)")
         return filled
