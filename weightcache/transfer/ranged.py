@@ -22,6 +22,7 @@ fetch forever while each read still beats the socket timeout (issue 9, item 12).
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import hashlib
 import http.client
@@ -254,7 +255,17 @@ class RangedDownloader:
             return self._download(files, run)
         finally:
             for f in files:
+                self._save_unfinished(f)
                 os.close(f.fd)
+
+    def _save_unfinished(self, f: _File) -> None:
+        """Persist the parts finished since the last periodic save when a download stops
+        short (SIGTERM, a failure), so that the next one resumes after every one of them."""
+        with f.lock:
+            snapshot = list(f.state.done)
+        if not all(snapshot):
+            with contextlib.suppress(OSError):  # the error that stopped us matters more
+                f.state.save(f.job.state_path, snapshot)
 
     def _download(self, files: list[_File], run: _Run) -> dict[str, str]:
         tasks: queue.SimpleQueue[tuple[_File, int]] = queue.SimpleQueue()
