@@ -19,7 +19,7 @@ from weightcache.store import Marker, Store
 
 def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
     """One row per revision directory on disk, with the index's bookkeeping."""
-    layout = Layout.open(cache_dir)
+    layout = Layout.open(cache_dir, create=False)
     store = Store(layout)
     idx = for_cache(layout)
     index = {(e.name, e.revision): e for e in idx.entries()}
@@ -72,7 +72,7 @@ def verify(cache_dir: Path, target: str) -> list[str]:
     A mismatch drops that revision's marker, so the next fetch repairs it, and raises
     IntegrityError naming the file and both hashes.
     """
-    layout = Layout.open(cache_dir)
+    layout = Layout.open(cache_dir, create=False)
     store = Store(layout)
     name, _, revision = target.partition("/")
     revisions = [revision] if revision else [r for n, r in layout.revisions() if n == name]
@@ -82,16 +82,15 @@ def verify(cache_dir: Path, target: str) -> list[str]:
     for rev in revisions:
         marker = _trusted_marker(layout, store, name, rev)
         root = layout.revision_dir(name, rev)
+        if not root.is_dir():
+            raise UsageError(
+                f"no revision {name}/{rev} in {layout.root}; see `weightcache ls` for what "
+                "the cache holds"
+            )
         for path, (expected, size) in sorted(marker.files.items()):
             actual = sha256_file(root / path) if (root / path).is_file() else "missing"
             if actual != expected or os.stat(root / path).st_size != size:
-                store.drop_marker(name, rev)
-                store.quarantine(root / path, expected)
-                raise IntegrityError(
-                    f"sha256 mismatch for {path} in {name}/{rev}: expected {expected}, got "
-                    f"{actual}; the marker and the damaged file were removed so the next fetch "
-                    "repairs it"
-                )
+                raise _damaged(store, (name, rev), root / path, expected, actual)
         verified.append(str(root))
     return verified
 
@@ -120,12 +119,40 @@ def _trusted_marker(layout: Layout, store: Store, name: str, rev: str) -> Marker
     return marker
 
 
+def _damaged(
+    store: Store, revision: tuple[str, str], file: Path, expected: str, actual: str
+) -> IntegrityError:
+    """Unmark the damaged revision (so the next fetch repairs it) unless the mount is
+    read-only; the error to raise either way."""
+    name, rev = revision
+    root = store.layout.revision_dir(name, rev)
+    what = (
+        f"sha256 mismatch for {file.relative_to(root)} in {name}/{rev}: expected {expected}, "
+        f"got {actual}"
+    )
+    if store.layout.read_only:
+        return IntegrityError(
+            f"{what}; nothing was removed (read-only mount): run verify where the cache is "
+            "mounted read-write so that the next fetch repairs it"
+        )
+    store.drop_marker(name, rev)
+    store.quarantine(file, expected)
+    return IntegrityError(
+        f"{what}; the marker and the damaged file were removed so the next fetch repairs it"
+    )
+
+
 def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> str:
     """Remove orphaned blobs (no revision links them, no running fetch wants them), then
     plan (and unless dry_run, execute) LRU eviction down to `capacity`."""
     from weightcache.models import load
 
-    layout = Layout.open(cache_dir)
+    layout = Layout.open(cache_dir, create=False)
+    if layout.read_only and not dry_run:
+        raise UsageError(
+            f"the cache at {layout.root} is on a read-only mount; run gc where it is mounted "
+            "read-write (or add --dry-run to see the plan)"
+        )
     store = Store(layout)
     index = for_cache(layout)
     pinned = load(models_file).pinned if models_file else frozenset()

@@ -54,18 +54,42 @@ def reports_errors(fn: F) -> F:
         except WeightcacheError as e:
             _fail(e)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                _fail(
-                    NoSpaceError(
-                        f"no space left on the cache disk ({e}); free space or lower --capacity"
-                    )
-                )
-            raise
+            error = os_error(e)
+            if error is None:
+                raise
+            _fail(error)
         except KeyboardInterrupt:
             click.echo("weightcache: interrupted; partial files are kept for resume", err=True)
             sys.exit(130)
 
     return wrapper  # type: ignore[return-value]
+
+
+#: OSErrors that are the environment's doing, not a bug: what to say and do (exit 2).
+_OS_HINTS = {
+    errno.EROFS: "the cache is on a read-only filesystem; a read-only cache can only serve "
+    "revisions already in it: fetch on a read-write mount (or through the node daemon)",
+    errno.EACCES: "permission denied; run as a user who may write the cache directory",
+    errno.EPERM: "operation not permitted; run as a user who may write the cache directory",
+    errno.ENAMETOOLONG: "a file name is longer than the filesystem allows; use shorter "
+    "names or a shorter --cache-dir",
+    errno.ENOTDIR: "a component of the path is a file, not a directory; fix --cache-dir",
+    errno.EMFILE: "too many open files; raise the limit (ulimit -n)",
+    errno.ENFILE: "too many open files on the system; raise fs.file-max",
+}
+
+
+def os_error(e: OSError) -> WeightcacheError | None:
+    """The weightcache error for an OSError of the environment (None: a bug, re-raise)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpaceError(
+            f"no space left on the cache disk ({e}); free space or lower --capacity"
+        )
+    hint = _OS_HINTS.get(e.errno or 0)
+    if hint is None:
+        return None
+    where = f" ({e.filename})" if e.filename else ""
+    return UsageError(f"{e.strerror or e}{where}: {hint}")
 
 
 def _fail(error: WeightcacheError) -> None:

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: Peers tried for one blob before the origin: a second chance when the first dies.
 PEER_TRIES = 2
+#: Blob locks (one fd each) held at once by one fetch.
+LOCK_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -75,12 +77,13 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
     """
     start = time.monotonic()
     index = for_cache(layout)
-    if pod_uid:
+    if pod_uid and not layout.read_only:
         index.lease(source.name, source.revision, pod_uid)
     marker = Store(layout).ready(source.name, source.revision)
     if marker is None or marker.source != source.url:
         return None
-    index.record_access(source.name, source.revision)
+    if not layout.read_only:  # the engine's read-only mount: serve it, record nothing
+        index.record_access(source.name, source.revision)
     path = str(layout.revision_dir(source.name, source.revision))
     return FetchResult(path, True, 0, time.monotonic() - start)
 
@@ -262,15 +265,17 @@ class Fetcher:
         fetched = 0
         pending = list(wanted.values())
         while pending:
+            # A batch at a time: each lock held is an fd (50k files must not need 50k).
+            batch, pending = pending[:LOCK_BATCH], pending[LOCK_BATCH:]
             mine: list[tuple[ManifestEntry, FileLock | None]] = []
             theirs: list[ManifestEntry] = []
-            for entry in pending:
+            for entry in batch:
                 lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
                 if lock.try_acquire():
                     mine.append((entry, lock))
                 else:
                     theirs.append(entry)
-            if not mine:  # others download all we lack: wait for the first, then re-check
+            if not mine and not pending:  # others download the rest: wait, then re-check
                 entry = theirs.pop(0)
                 lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
                 mine.append((entry, lock if lock.acquire(self._holder_stalled()) else None))
@@ -282,7 +287,7 @@ class Fetcher:
                 for _, held in mine:
                     if held is not None:
                         held.release()
-            pending = [e for e in theirs if not self.store.has_blob(e.sha256, e.size)]
+            pending = [e for e in pending + theirs if not self.store.has_blob(e.sha256, e.size)]
         self.store.sync_blobs()
         return fetched
 
@@ -358,7 +363,7 @@ class Fetcher:
                           partial, entry.path, peer=holding.peer, token=self.peers.settings.token,
                           attempts=PEER_ATTEMPTS)  # fmt: skip
             try:
-                got = self.downloader.download([job])[entry.path]
+                got = self.downloader.download([job]).digests[entry.path]
             except (Interrupted, NoSpaceError):
                 raise
             except WeightcacheError as e:
@@ -395,9 +400,9 @@ class Fetcher:
                         self.layout.partial(e.sha256, private), e.path)
                 for e, private in todo
             ]  # fmt: skip
-            before = self.downloader.bytes_by_source["origin"]
-            actual = self.downloader.download(jobs)
-            fetched += self.downloader.bytes_by_source["origin"] - before
+            done = self.downloader.download(jobs)
+            fetched += done.received.get("origin", 0)  # this call's, not the daemon's
+            actual = done.digests
             bad = []
             for job, (e, private) in zip(jobs, todo, strict=True):
                 got = actual[job.label]

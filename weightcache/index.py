@@ -23,6 +23,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,8 @@ class Index:
 
     `rebuild()` lists the revisions on disk; it is called after a corrupt database was
     moved aside, to start the new one with what can be known (see `for_cache`).
+    `read_only` (a cache on a read-only mount) reads what the file holds and writes nothing,
+    not even the WAL's shared-memory file: a missing file reads as empty.
     """
 
     def __init__(
@@ -81,10 +84,12 @@ class Index:
         path: Path,
         timeout: float = 5.0,
         rebuild: Callable[[], Iterable[Rebuilt]] | None = None,
+        read_only: bool = False,
     ) -> None:
         self.path = path
         self.timeout = timeout
         self._rebuild = rebuild
+        self.read_only = read_only
         self._local = threading.local()
         #: Connections to a database that is no longer at `path`. Never closed: closing
         #: the last connection to a WAL database unlinks `state.db-wal` and `-shm` by
@@ -98,6 +103,10 @@ class Index:
     def db(self) -> sqlite3.Connection:
         """This thread's connection to the database that is at `path` now."""
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if self.read_only:
+            if db is None:
+                db = self._local.db = _connect_read_only(self.path)
+            return db
         if db is not None and _identity(self.path) == self._local.identity:
             return db
         if db is not None:
@@ -372,7 +381,7 @@ def for_cache(layout: Layout) -> Index:
             if marker is not None:
                 yield name, revision, marker.source, marker.size, mtime
 
-    return Index(layout.state_db, rebuild=rebuild)
+    return Index(layout.state_db, rebuild=rebuild, read_only=layout.read_only)
 
 
 def _identity(path: Path) -> Identity | None:
@@ -406,3 +415,22 @@ def _carry_over(old: sqlite3.Connection, new: sqlite3.Connection) -> None:
         with contextlib.suppress(sqlite3.Error):
             new.execute("ROLLBACK")
         log.warning("could not carry the leases over to the new %s: %s", "state.db", e)
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A connection that never writes: mode=ro sees a running daemon's WAL when it can,
+    immutable=1 reads the main file alone when no WAL index can be opened on a read-only
+    mount, and a missing file reads as an empty index."""
+    if not path.exists():
+        db = sqlite3.connect(":memory:", isolation_level=None)
+        db.executescript(_SCHEMA)
+        return db
+    for flags in ("mode=ro", "immutable=1"):
+        try:
+            uri = f"file:{urllib.parse.quote(str(path))}?{flags}"
+            db = sqlite3.connect(uri, uri=True, isolation_level=None)
+            db.execute("SELECT count(*) FROM entries").fetchone()
+            return db
+        except sqlite3.Error as e:
+            log.debug("opening %s with %s: %s", path, flags, e)
+    raise sqlite3.OperationalError(f"cannot read {path} on a read-only mount")

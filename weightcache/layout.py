@@ -19,6 +19,8 @@ Everything lives on one filesystem so that links and renames are atomic.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from weightcache.errors import UsageError
 MARKER = ".weightcache"
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-+=@]{0,254}")
 _HEX = re.compile(r"[0-9a-f]{64}")
+#: NAME_MAX of every Linux filesystem: a longer file name is ENAMETOOLONG.
+NAME_MAX = 255
 
 
 def check_segment(value: str, what: str) -> str:
@@ -48,21 +52,39 @@ class Layout:
     root: Path
 
     @classmethod
-    def open(cls, cache_dir: str | os.PathLike[str]) -> Layout:
+    def open(cls, cache_dir: str | os.PathLike[str], create: bool = True) -> Layout:
+        """The cache at `cache_dir`, made (with its internal folders) if `create`.
+
+        Without `create` (the operator commands: ls, verify, gc) a directory that is not a
+        cache, such as a mistyped path, is a UsageError naming it, and the internal folders
+        a racing first fetch has not made yet are made only on a writable mount. Works on
+        a read-only mount either way when the cache exists.
+        """
         root = Path(cache_dir).absolute()
         if root.exists() and not root.is_dir():
             raise UsageError(f"cache directory {root} is not a directory")
+        if not create and not (root / MARKER).is_dir():
+            raise UsageError(
+                f"no weightcache cache at {root} (no {MARKER} folder inside); check "
+                "--cache-dir (WEIGHTCACHE_CACHE_DIR)"
+            )
         try:
             layout = cls(root.resolve())
             for d in (layout.blobs, layout.tmp, layout.locks):
                 layout.check_inside(d)  # before mkdir: a planted DIR/.weightcache symlink
-                d.mkdir(parents=True, exist_ok=True)
-        except PermissionError as e:
-            raise UsageError(
-                f"cannot write to cache directory {root}: {e.strerror}; mount it writable "
-                "for this user"
-            ) from e
+                if create or not layout.read_only:
+                    d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _open_error(root, e) from e
         return layout
+
+    @property
+    def read_only(self) -> bool:
+        """True when the cache is on a read-only mount (the engine's view of it)."""
+        try:
+            return bool(os.statvfs(self.root).f_flag & os.ST_RDONLY)
+        except OSError:
+            return False
 
     @property
     def internal(self) -> Path:
@@ -115,7 +137,7 @@ class Layout:
         return self.revision_dir(name, revision) / MARKER
 
     def revision_lock(self, name: str, revision: str) -> Path:
-        return self.locks / f"rev-{name}@{revision}.lock"
+        return self.locks / fit_name(f"rev-{name}@{revision}", ".lock")
 
     def blob_lock(self, sha256: str) -> Path:
         return self.locks / f"blob-{sha256}.lock"
@@ -129,6 +151,10 @@ class Layout:
                 "remove the symlink so that the cache stays inside its directory"
             )
 
+    def staging(self, name: str, revision: str) -> Path:
+        """A fresh name under tmp/ to assemble a revision in before its rename."""
+        return self.tmp / fit_name(f"rev-{name}@{revision}", f"-{os.urandom(8).hex()}")
+
     def revisions(self) -> list[tuple[str, str]]:
         """Every (name, revision) directory present, with or without a marker."""
         found = []
@@ -139,3 +165,26 @@ class Layout:
                 if rev_dir.is_dir() and not rev_dir.is_symlink():
                     found.append((name_dir.name, rev_dir.name))
         return found
+
+
+def fit_name(stem: str, suffix: str) -> str:
+    """`stem + suffix`, with the stem replaced by its digest if the whole would exceed
+    NAME_MAX (a 255-byte model name makes `rev-<name>@<rev>.lock` ENAMETOOLONG)."""
+    if len((stem + suffix).encode()) <= NAME_MAX:
+        return stem + suffix
+    return f"{stem[:4]}{hashlib.sha256(stem.encode()).hexdigest()}{suffix}"
+
+
+def _open_error(root: Path, e: OSError) -> UsageError:
+    """The UsageError for a cache directory that cannot be opened or made."""
+    if e.errno == errno.EROFS:
+        what = "it is on a read-only filesystem; mount it read-write"
+    elif e.errno == errno.ENOTDIR:
+        what = "a component of the path is a file, not a directory; fix --cache-dir"
+    elif e.errno == errno.ENAMETOOLONG:
+        what = "the path is too long; use a shorter --cache-dir"
+    elif isinstance(e, PermissionError):
+        what = "permission denied; mount it writable for this user"
+    else:
+        what = f"{e.strerror or e}; check --cache-dir"
+    return UsageError(f"cannot use cache directory {root}: {what}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from weightcache.errors import IntegrityError, SourceError
-from weightcache.layout import MARKER
+from weightcache.layout import MARKER, NAME_MAX
 
 MANIFEST_NAME = "SHA256SUMS"
 _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
@@ -99,6 +99,13 @@ def check_path(raw: str, where: str) -> str:
         raise SourceError(
             f"{where} has an unsafe path {raw!r}: paths must be relative, without '..', "
             "'.', empty segments, backslashes or control characters"
+        )
+    long = [part for part in raw.split("/") if len(part.encode()) > NAME_MAX]
+    if long:
+        raise SourceError(
+            f"{where} lists a path with a {len(long[0].encode())}-byte name "
+            f"({long[0][:40]!r}...): no Linux filesystem holds a name over {NAME_MAX} bytes; "
+            "rename the file in the model and publish it again"
         )
     if PurePosixPath(raw).parts[0] == MARKER:
         raise SourceError(f"{where} lists {raw!r}, a name weightcache reserves for its marker")

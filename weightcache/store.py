@@ -104,8 +104,9 @@ class FileOps:
         """`exist_ok` also makes missing parents (`mkdir -p`); without it, a fresh name."""
         path.mkdir(parents=exist_ok, exist_ok=exist_ok)
 
-    def link(self, src: Path, dst: Path) -> None:
-        os.link(src, dst)
+    def link(self, src: Path, dst: Path) -> bool:
+        """Hard-link, or copy past the link limit; True if it copied."""
+        return _link_or_copy(src, dst)
 
     def write_durably(self, path: Path, text: str) -> None:
         with open(path, "w") as fh:
@@ -340,15 +341,24 @@ class Store:
         downloads it again.
         """
         target = self.layout.revision_dir(marker.name, marker.revision)
-        staging = self.layout.tmp / f"rev-{marker.name}@{marker.revision}-{os.urandom(8).hex()}"
+        staging = self.layout.staging(marker.name, marker.revision)
         self.ops.mkdir(staging)
         try:
             dirs = {staging}
+            copies = 0
             for entry in manifest.entries:
                 dest = staging / entry.path
                 self.ops.mkdir(dest.parent, exist_ok=True)
                 dirs.add(dest.parent)
-                self._link_blob(entry.sha256, entry.size, dest)
+                copies += self._link_blob(entry.sha256, entry.size, dest)
+            if copies:
+                log.warning(
+                    "%s/%s: %d files are copies, not links: their blobs reached the "
+                    "filesystem's link limit",
+                    marker.name,
+                    marker.revision,
+                    copies,
+                )
             self.ops.write_durably(staging / MARKER, marker.to_json())
             for d in sorted(dirs, reverse=True):  # children before their parents
                 self.ops.fsync_dir(d)
@@ -362,17 +372,19 @@ class Store:
                 self.ops.rmtree(staging)
         return target
 
-    def _link_blob(self, sha256: str, size: int, dest: Path) -> None:
-        """Link a blob at `dest`, refusing (quarantine, FileNotFoundError) one whose size
-        differs from the manifest's: the size is checked on the linked inode itself, so a
-        blob replaced between a check and the link cannot slip through."""
-        self.ops.link(self.layout.blob(sha256), dest)
+    def _link_blob(self, sha256: str, size: int, dest: Path) -> int:
+        """Link a blob at `dest` (1 if it had to be copied, past the link limit), refusing
+        (quarantine, FileNotFoundError) one whose size differs from the manifest's: the size
+        is checked on the linked inode itself, so a blob replaced between a check and the
+        link cannot slip through."""
+        copied = self.ops.link(self.layout.blob(sha256), dest)
         actual = os.stat(dest).st_size
         if actual != size:
             log.warning("blob %s has %d bytes instead of %d; removing it to download it "
                         "again", sha256, actual, size)  # fmt: skip
             self.quarantine(dest, sha256)
             raise FileNotFoundError(errno.ENOENT, f"blob {sha256} was damaged", str(dest))
+        return int(copied)
 
     def remove_revision(self, name: str, revision: str) -> None:
         """Make the revision vanish atomically (rename away), then delete its files."""
@@ -429,6 +441,26 @@ class Store:
                         shutil.rmtree(entry, ignore_errors=True)
                 elif age > (older_than if _is_private(entry.name) else partials_older_than):
                     entry.unlink()
+
+
+def _link_or_copy(blob: Path, dest: Path) -> bool:
+    """Hard-link `blob` at `dest`; past the filesystem's link limit (EMLINK: 65,000 links
+    per inode on ext4, so >65k files of one content) copy it instead, read-only and
+    fsynced. True if it copied. A missing blob raises FileNotFoundError either way."""
+    try:
+        os.link(blob, dest)
+        return False
+    except OSError as e:
+        if e.errno != errno.EMLINK:
+            raise
+    shutil.copyfile(blob, dest)
+    os.chmod(dest, 0o444)
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _is_private(filename: str) -> bool:

@@ -40,6 +40,7 @@ def test_gc_racing_fetch_never_leaves_a_marker_on_bad_data(
     marker = pub.local_path(cache_dir) / ".weightcache"
     # ~0.25 s of download per miss, so gc lands before, during and after it.
     proxy.configure(rate_limit=16 * MiB)
+    (cache_dir / ".weightcache").mkdir(parents=True)  # gc refuses a path with no cache
     rng = random.Random(3)
     outcomes = []
     for i in range(8):

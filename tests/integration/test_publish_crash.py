@@ -61,9 +61,9 @@ class RecordingOps(FileOps):
         self._step(f"mkdir {path.name}")
         super().mkdir(path, exist_ok)
 
-    def link(self, src: Path, dst: Path) -> None:
+    def link(self, src: Path, dst: Path) -> bool:
         self._step(f"link {dst.name}")
-        super().link(src, dst)
+        return super().link(src, dst)
 
     def write_durably(self, path: Path, text: str) -> None:
         self._step(f"write {path.name}")

@@ -24,6 +24,9 @@ row on one path so that a client with a handful of retries is sure to finish.
 `set_down()` makes the store unreachable through the proxy: "refuse" (listener closed,
 connections refused), "reset" (accepted then RST) or "hang" (accepted, never answered).
 `rate_limit` (bytes/s, all connections together) slows the body bytes sent to clients.
+`trickle_rate` (bytes/s, per response) sends the body of every eligible response in
+pieces of a tenth of a second's worth (one byte at 10 B/s or less), each after its own
+pause: a store that keeps a connection busy without ever filling a read buffer.
 
 Counters (`stats()`): requests received (including those answered with SlowDown), GETs,
 GETs with Range, response body bytes sent to clients (in total and per path), and
@@ -76,6 +79,7 @@ class Faults:
     script: tuple[str, ...] = ()  # faults injected first, in order ("none" skips one)
     max_consecutive: int | None = None  # per path; None = unbounded
     rate_limit: float | None = None  # bytes/s of response bodies, all connections together
+    trickle_rate: float | None = None  # bytes/s of each eligible response body, in pieces
 
     def validate(self) -> None:
         rates = (self.slowdown_rate, self.reset_rate, self.truncate_rate, self.corrupt_rate,
@@ -89,6 +93,8 @@ class Faults:
                 raise ValueError(f"unknown fault {name!r} in script")
         if self.rate_limit is not None and self.rate_limit <= 0:
             raise ValueError("rate_limit must be positive")
+        if self.trickle_rate is not None and self.trickle_rate <= 0:
+            raise ValueError("trickle_rate must be positive")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = 300
     server: Any
+    trickle: float | None = None  # bytes/s of this response's body (Faults.trickle_rate)
 
     def __init__(self, request: socket.socket, client_address: Any, proxy: FaultProxy) -> None:
         self.proxy = proxy
@@ -74,11 +75,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def _forward_counted(self, path: str, has_range: bool) -> None:
         proxy = self.proxy
         fault = None
+        self.trickle = None
         if proxy.eligible(self.command, self.path, has_range):
             faults = proxy.faults
             if faults.latency > 0:
                 time.sleep(faults.latency)
             fault = proxy._decide(path)
+            self.trickle = faults.trickle_rate
         if fault == "slowdown":
             self._drain_request_body()
             proxy._count_fault("slowdown")
@@ -250,9 +253,21 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def _send_body(self, path: str, data: bytes) -> None:
         """Send response body bytes: paced, then counted once the socket took them."""
+        if self.trickle is not None:
+            self._send_trickle(path, data, self.trickle)
+            return
         self.proxy._pace(len(data))
         self.wfile.write(data)
         self.proxy._sent(path, len(data))
+
+    def _send_trickle(self, path: str, data: bytes, rate: float) -> None:
+        piece = max(1, int(rate / 10))
+        for i in range(0, len(data), piece):
+            chunk = data[i : i + piece]
+            if self.proxy._stopping.wait(len(chunk) / rate):
+                raise ConnectionError("the proxy is stopping")
+            self.wfile.write(chunk)
+            self.proxy._sent(path, len(chunk))
 
     def _send_raw(self, data: bytes) -> None:
         self.wfile.write(data)

@@ -370,3 +370,22 @@ def test_concurrency_timeline_counts_ranged_gets_in_progress(proxy: FaultProxy) 
     assert [t for t, _ in timeline] == sorted(t for t, _ in timeline)
     proxy.reset_stats()
     assert proxy.concurrency() == []
+
+
+def test_trickle_sends_eligible_bodies_a_piece_at_a_time(proxy: FaultProxy) -> None:
+    """10 B/s: one byte every 0.1s, so a 0.5s socket timeout never fires, yet 10 bytes
+    take about a second; the manifest (outside the "data" scope) is not slowed."""
+    proxy.configure(scope="data", trickle_rate=10)
+    r = _get(_conn(proxy, timeout=0.5), KEY, "bytes=0-9")
+    t0 = time.monotonic()
+    pieces = []
+    while piece := r.read1(10):
+        pieces.append(piece)
+    assert b"".join(pieces) == BLOB[:10]
+    assert len(pieces) >= 5, pieces  # arrived in pieces, not as one body
+    assert 0.7 <= time.monotonic() - t0 <= 5
+    t0 = time.monotonic()
+    assert _get(_conn(proxy), MANIFEST_KEY).read() == b"x" * 100
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(ValueError):
+        proxy.configure(trickle_rate=0)

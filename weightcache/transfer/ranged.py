@@ -13,12 +13,16 @@ pass after the last byte and the digest is ready when the last part lands.
 Retries (SPEC §4): 5xx, 429/503 SlowDown, resets, truncated bodies and socket timeouts are
 retried with full-jitter exponential backoff, resuming the part at the byte where it broke.
 Throttling halves the concurrency (AIMD). A part gives up after `max_attempts` failures
-without progress; the whole download gives up when no byte arrived for `timeout` seconds.
+without progress; the whole download gives up when less than PROGRESS_BYTES arrived in
+`timeout` seconds. The stall clock is checked after every socket read, not every buffer:
+a store trickling a byte a second never fills a buffer, and would otherwise hang the
+fetch forever while each read still beats the socket timeout (issue 9, item 12).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import hashlib
 import http.client
@@ -53,6 +57,13 @@ log = logging.getLogger(__name__)
 #: otherwise hoard freed chunks). 256 KiB stays in the CPU cache between recv and pwrite:
 #: measured on 4 GiB, kernel time 2.1 s vs 5.7-7.8 s with 1 MiB, wall 5.5 s vs 7.7-8.8 s.
 BUFFER = 256 << 10
+#: Bytes that move the stall clock: less than this in `--timeout` seconds (over all of a
+#: download's connections) is a trickle, not progress, and ends the download with exit 6.
+#: A slow but real link delivers whole TCP segments (~1.4 KB), so it always moves it.
+PROGRESS_BYTES = 1 << 10
+#: Files one download keeps open at once: jobs are downloaded in batches of this many, so
+#: a manifest of 50k small files needs 64 fds, not 50k (EMFILE at the usual 1024).
+MAX_OPEN_FILES = 64
 #: How often a file's part state is written, at most: a kill loses at most the parts that
 #: completed in the last interval (they are fetched again), never correctness.
 SAVE_INTERVAL = 0.25
@@ -129,10 +140,52 @@ class _Retry(Exception):
 
 @dataclass(eq=False)
 class _Run:
-    """One `download()` call: its stop switch and its stall clock."""
+    """One `download()` call: its stop switch, its stall clock, the bytes it received."""
 
     stop: threading.Event = field(default_factory=threading.Event)
     last_progress: float = field(default_factory=time.monotonic)
+    unclocked: int = 0  # bytes received since the stall clock last moved
+    received: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def note(self, nbytes: int, source: str) -> None:
+        """Count bytes just received; call under the downloader's counter lock."""
+        self.received[source] += nbytes
+        self.unclocked += nbytes
+        if self.unclocked >= PROGRESS_BYTES:
+            self.unclocked = 0
+            self.last_progress = time.monotonic()
+
+    def stalled_for(self) -> float:
+        return time.monotonic() - self.last_progress
+
+
+@dataclass(frozen=True)
+class Downloaded:
+    """What one `download()` call did: each job's actual sha256 by label, and the bytes
+    this call received by source ("origin", "peer"), whatever other calls do meanwhile."""
+
+    digests: dict[str, str]
+    received: dict[str, int]
+
+
+class _Response(http.client.HTTPResponse):
+    """An HTTP response that can read what one recv brings, into a caller's buffer."""
+
+    def recv_into(self, b: memoryview) -> int:
+        """Up to len(b) bytes with at most one socket read (HTTPResponse.readinto waits
+        for the whole buffer, however slowly it fills)."""
+        if self.fp is None or self.chunked or self.length is None:
+            data = self.read1(len(b))  # peers and odd stores: a copy, but rare
+            b[: len(data)] = data
+            return len(data)
+        n = self.fp.readinto1(b[: self.length])
+        if not n and b:
+            self._close_conn()  # type: ignore[attr-defined]
+        else:
+            self.length -= n
+            if not self.length:
+                self._close_conn()  # type: ignore[attr-defined]
+        return n
 
 
 @dataclass
@@ -170,12 +223,10 @@ class RangedDownloader:
         self._runs: set[_Run] = set()
         self._closing = False
         self._counter_lock = threading.Lock()
-        #: Bytes received over the downloader's life by source ("origin", "peer"), so that
-        #: "bytes from origin" counts only what left the object store.
-        self.bytes_by_source: collections.Counter[str] = collections.Counter()
 
-    def download(self, jobs: list[BlobJob]) -> dict[str, str]:
-        """Fill every job's partial file; return {label: actual sha256}.
+    def download(self, jobs: list[BlobJob]) -> Downloaded:
+        """Fill every job's partial file; return each one's actual sha256 and the bytes
+        this call received (exact with concurrent calls on one downloader, as in the daemon).
 
         The partials are fsynced when this returns. A digest differing from the expected
         one is reported, not raised: the caller decides whether to try again. Raises
@@ -186,17 +237,35 @@ class RangedDownloader:
             if self._closing:
                 raise Interrupted("shutting down; the download was not started")
             self._runs.add(run)
+        try:
+            digests: dict[str, str] = {}
+            for i in range(0, len(jobs), MAX_OPEN_FILES):
+                digests.update(self._download_batch(jobs[i : i + MAX_OPEN_FILES], run))
+            return Downloaded(digests, dict(run.received))
+        finally:
+            run.stop.set()
+            with self._counter_lock:
+                self._runs.discard(run)
+
+    def _download_batch(self, jobs: list[BlobJob], run: _Run) -> dict[str, str]:
         files: list[_File] = []
         try:
             for job in jobs:
                 files.append(self._open(job, run))
             return self._download(files, run)
         finally:
-            run.stop.set()
             for f in files:
+                self._save_unfinished(f)
                 os.close(f.fd)
-            with self._counter_lock:
-                self._runs.discard(run)
+
+    def _save_unfinished(self, f: _File) -> None:
+        """Persist the parts finished since the last periodic save when a download stops
+        short (SIGTERM, a failure), so that the next one resumes after every one of them."""
+        with f.lock:
+            snapshot = list(f.state.done)
+        if not all(snapshot):
+            with contextlib.suppress(OSError):  # the error that stopped us matters more
+                f.state.save(f.job.state_path, snapshot)
 
     def _download(self, files: list[_File], run: _Run) -> dict[str, str]:
         tasks: queue.SimpleQueue[tuple[_File, int]] = queue.SimpleQueue()
@@ -351,7 +420,7 @@ class RangedDownloader:
 
     def _wait_before_retry(self, f: _File, failures: int, reason: str) -> None:
         attempts = f.job.attempts or self.settings.max_attempts
-        stalled = time.monotonic() - f.run.last_progress
+        stalled = f.run.stalled_for()
         if failures >= attempts or stalled >= self.settings.timeout:
             raise TransientError(
                 f"giving up on {f.job.label} ({f.job.where}) after {failures} attempts and "
@@ -381,6 +450,7 @@ class RangedDownloader:
         try:
             conn.request("GET", target, headers={**headers, "Range": f"bytes={pos}-{end - 1}"})
             resp = conn.getresponse()
+            assert isinstance(resp, _Response)
             self._check_status(f.job, resp, pos, end)
             return self._write_body(f, resp, pos, end)
         except (OSError, http.client.HTTPException) as e:
@@ -392,13 +462,15 @@ class RangedDownloader:
             self._drop_connection()
             raise
 
-    def _write_body(self, f: _File, resp: http.client.HTTPResponse, pos: int, end: int) -> int:
+    def _write_body(self, f: _File, resp: _Response, pos: int, end: int) -> int:
         view = memoryview(self._buffer())
         while pos < end:
             want = min(BUFFER, end - pos)
             if self.tokens is not None:
                 self.tokens.take(want)
-            got = resp.readinto(view[:want])
+            got = self._fill(f, resp, view[:want])
+            if not got and f.run.stop.is_set():
+                raise Interrupted("download interrupted; partial files are kept for resume")
             if not got:
                 raise http.client.IncompleteRead(b"", end - pos)
             try:
@@ -412,13 +484,30 @@ class RangedDownloader:
                 raise
             pos += got
             self._local.pos = pos
-            f.run.last_progress = time.monotonic()
-            with self._counter_lock:
-                self.bytes_by_source[f.job.source] += got
-            self.observer.received(got, f.job.source)
             if f.run.stop.is_set() and pos < end:
                 raise Interrupted("download interrupted; partial files are kept for resume")
         return pos
+
+    def _fill(self, f: _File, resp: _Response, view: memoryview) -> int:
+        """Read into `view` until it is full, the body ends or the run stops; every
+        socket read moves the stall clock, and a stalled run gives up here (_Retry).
+
+        Time spent before this call (waiting for --bwlimit tokens) is ours, not the
+        store's: only a run stalled while this worker was reading gives up."""
+        filled = 0
+        reading_since = time.monotonic()
+        while filled < len(view) and not f.run.stop.is_set():
+            n = resp.recv_into(view[filled:])
+            if not n:
+                break
+            filled += n
+            with self._counter_lock:
+                f.run.note(n, f.job.source)
+            self.observer.received(n, f.job.source)
+            stalled = min(f.run.stalled_for(), time.monotonic() - reading_since)
+            if stalled >= self.settings.timeout:
+                raise _Retry(f"less than {PROGRESS_BYTES} bytes in {stalled:.0f}s (a trickle)")
+        return filled
 
     def _check_status(
         self, job: BlobJob, resp: http.client.HTTPResponse, pos: int, end: int
@@ -460,6 +549,7 @@ class RangedDownloader:
             conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
         else:
             conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
+        conn.response_class = _Response
         self._local.conn, self._local.conn_key = conn, key
         return conn
 
