@@ -80,13 +80,13 @@ def verify(cache_dir: Path, target: str) -> list[str]:
         raise UsageError(f"no revision of {name!r} in {layout.root}; see `weightcache ls`")
     verified = []
     for rev in revisions:
-        marker = _trusted_marker(layout, store, name, rev)
         root = layout.revision_dir(name, rev)
         if not root.is_dir():
             raise UsageError(
                 f"no revision {name}/{rev} in {layout.root}; see `weightcache ls` for what "
                 "the cache holds"
             )
+        marker = _trusted_marker(layout, store, name, rev)
         for path, (expected, size) in sorted(marker.files.items()):
             actual = sha256_file(root / path) if (root / path).is_file() else "missing"
             if actual != expected or os.stat(root / path).st_size != size:
@@ -99,7 +99,7 @@ def _trusted_marker(layout: Layout, store: Store, name: str, rev: str) -> Marker
     """The marker of NAME/REV, refused (IntegrityError) if absent, unreadable, or if any
     of its paths leads outside the revision (a planted `../../x` or a symlinked directory):
     verify runs as root and deletes what does not match, so it must touch nothing else
-    (issue 9, item 14)."""
+    (design §3, the marker)."""
     root = layout.revision_dir(name, rev)
     try:
         marker = store.load_marker(name, rev)
