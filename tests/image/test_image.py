@@ -95,6 +95,34 @@ def test_init_container_miss_then_hit(
     assert hit["hit"] is True and hit["bytes_from_origin"] == 0, hit
 
 
+def test_init_container_takes_over_a_read_only_partial(
+    image: str,
+    podman: Podman,
+    initcontainer_rendered: Rendered,
+    store: Any,
+    publish: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """A kill between publishing's chmod 0444 of a verified partial and its rename leaves a
+    read-only `<hex>.part`. Root ignores file modes, so only uid 65532 (as the image runs)
+    shows whether the next fetch takes it over instead of failing on EACCES for a day."""
+    pub = publish([2 << 20], name="ro-partial", seed="ro-partial")
+    fetch = _with_source(_only(initcontainer_rendered, "fetch"), pub.source)
+    cache = node_dir(tmp_path / "node" / "weightcache")
+    tmp = node_dir(node_dir(cache / ".weightcache") / "tmp")
+    sha = next(f.sha256 for f in pub.model.files if f.size == 2 << 20)
+    partial = tmp / f"{sha}.part"
+    partial.write_bytes(b"\0" * 4096)
+    os.chown(partial, 65532, 65532)
+    os.chmod(partial, 0o444)
+
+    miss = _run_fetch(podman, image, fetch, _fetch_sandbox(tmp_path, store, cache))
+    assert miss["hit"] is False, miss
+    for f in pub.model.files:
+        local = pub.local_path(cache) / f.relpath
+        assert hashlib.sha256(local.read_bytes()).hexdigest() == f.sha256, f.relpath
+
+
 def test_init_container_hits_with_the_store_stopped(
     image: str, podman: Podman, initcontainer_rendered: Rendered, tmp_path: Path
 ) -> None:

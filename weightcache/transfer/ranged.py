@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import ssl
+import stat
 import threading
 import time
 import urllib.parse
@@ -306,6 +307,7 @@ class RangedDownloader:
 
     def _open(self, job: BlobJob, run: _Run) -> _File:
         state = PartState.load(job.state_path, job.size, self.settings.part_size)
+        _make_writable(job.partial)
         fd = os.open(job.partial, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not any(state.done) or os.fstat(fd).st_size != job.size:
@@ -586,6 +588,18 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     blob is published finds little left to do. Best effort: a no-op off Linux."""
     if _sync_file_range is not None and length > 0:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def _make_writable(partial: Path) -> None:
+    """A kill between publishing's chmod 0444 of a verified partial and its rename leaves
+    it read-only: as the non-root uid that wrote it, O_RDWR would fail with EACCES until
+    tmp/ is cleaned a day later. It is ours to write again."""
+    try:
+        mode = partial.stat().st_mode
+    except FileNotFoundError:
+        return
+    if not mode & stat.S_IWUSR:
+        os.chmod(partial, mode | stat.S_IWUSR)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
