@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark harness (issue 5): the model, the tools, the measurements.
 
 Benchmarks are not tests: they report numbers, they assert nothing about them. Everything
-here runs on one machine against a throwaway SeaweedFS (`weightcache.devstore.LocalStore`)
+here runs on one machine against a throwaway SeaweedFS (`weightcache.ops.devstore.LocalStore`)
 on loopback.
 
 The tools compared (SPEC §9):

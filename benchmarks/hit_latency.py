@@ -23,7 +23,7 @@ from pathlib import Path
 import benchlib as bl
 import measure as ms
 
-from weightcache.devstore import LocalStore
+from weightcache.ops.devstore import LocalStore
 
 TARGET_MS = 150.0
 

@@ -53,7 +53,7 @@ import benchlib as bl
 import measure as ms
 from countingproxy import Counters, CountingProxy, Sampler
 
-from weightcache.devstore import LocalStore, free_port
+from weightcache.ops.devstore import LocalStore, free_port
 
 STRATEGIES = ("aws", "rclone", "weightcache", "weightcache-daemon", "weightcache-p2p")
 DAEMON_STRATEGIES = ("weightcache-daemon", "weightcache-p2p")

@@ -24,6 +24,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from weightcache.cache.index import for_cache
+from weightcache.cache.layout import Layout
+from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
+from weightcache.cache.store import FileLock, Marker, Store
 from weightcache.config import Source, StoreSettings
 from weightcache.errors import (
     IntegrityError,
@@ -33,14 +37,10 @@ from weightcache.errors import (
     UsageError,
     WeightcacheError,
 )
-from weightcache.index import for_cache
-from weightcache.layout import Layout
-from weightcache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.progress import human
-from weightcache.store import FileLock, Marker, Store
 
 if TYPE_CHECKING:
-    from weightcache.peers import Claim, Peers
+    from weightcache.node.peers import Claim, Peers
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
     from weightcache.transfer.s3 import ObjectStore
 
@@ -352,7 +352,7 @@ class Fetcher:
         peer that refuses, dies or stalls leaves its bytes in the partial for the next
         source to resume from (the final sha256 check covers them).
         """
-        from weightcache.peers import PEER_ATTEMPTS
+        from weightcache.node.peers import PEER_ATTEMPTS
         from weightcache.transfer.ranged import BlobJob
 
         assert self.peers is not None

@@ -13,9 +13,9 @@ import pytest
 
 from tests.conftest import Published
 from tests.support.faultproxy import FaultProxy
+from weightcache.cache.layout import Layout
 from weightcache.config import Source, StoreSettings
 from weightcache.fetch import Fetcher, FetchResult
-from weightcache.layout import Layout
 
 MiB = 1 << 20
 

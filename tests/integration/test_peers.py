@@ -39,7 +39,7 @@ from tests.support.checks import (
     markers,
 )
 from tests.support.faultproxy import FaultProxy
-from weightcache.devstore import free_port
+from weightcache.ops.devstore import free_port
 
 TOKEN = "peer-token-for-tests-0123456789"
 PEER_BYTES = 'weightcache_bytes_total{source="peer"}'

@@ -23,10 +23,10 @@ import pytest
 from tests.conftest import Published
 from tests.support.checks import assert_blobs_valid, assert_revision_ok
 from tests.support.modelgen import sha256_file
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import FileOps, Store
 from weightcache.config import Source, StoreSettings
 from weightcache.fetch import Fetcher
-from weightcache.layout import Layout
-from weightcache.store import FileOps, Store
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightcache.eviction import CachedRevision, Watermarks, plan_eviction
+from weightcache.cache.eviction import CachedRevision, Watermarks, plan_eviction
 
 MB = 1_000_000
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from weightcache.cache.layout import Layout
 from weightcache.config import StoreSettings
 from weightcache.errors import Interrupted
 from weightcache.fetch import Fetcher
-from weightcache.layout import Layout
 
 THREADS = 16
 

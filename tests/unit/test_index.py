@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.index import Entry, Index
+from weightcache.cache.index import Entry, Index
 
 SRC = "s3://models/m/r"
 

@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from weightcache import manifest
+from weightcache.cache import manifest
+from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.errors import IntegrityError, SourceError
-from weightcache.manifest import Manifest, ManifestEntry
 
 H1 = hashlib.sha256(b"one").hexdigest()
 H2 = hashlib.sha256(b"two").hexdigest()

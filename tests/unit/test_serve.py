@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from weightcache.coord import parse_request
-from weightcache.serve import Conn, Connections, Limits
+from weightcache.node.coord import parse_request
+from weightcache.node.serve import Conn, Connections, Limits
 
 LIMITS = Limits(connections=3, idle=30.0, header=10.0)
 

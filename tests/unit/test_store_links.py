@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.layout import Layout
-from weightcache.manifest import Manifest, ManifestEntry
-from weightcache.store import Marker, Store
+from weightcache.cache.layout import Layout
+from weightcache.cache.manifest import Manifest, ManifestEntry
+from weightcache.cache.store import Marker, Store
 
 EXT4_LINK_MAX = 65000
 FILES = EXT4_LINK_MAX + 50

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from weightcache.worker import Worker, backoff
+from weightcache.node.worker import Worker, backoff
 
 
 def wait_until(what: str, predicate: Callable[[], object], timeout: float = 30.0) -> None:

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightcache.cache.index import Index
+from weightcache.cache.store import FileLock, Store
 from weightcache.errors import UsageError
-from weightcache.index import Index
-from weightcache.store import FileLock, Store
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightcache.cache.layout import MARKER, Layout
+from weightcache.cache.manifest import Manifest, check_path
 from weightcache.errors import SourceError
-from weightcache.layout import MARKER, Layout
-from weightcache.manifest import Manifest, check_path
 
 log = logging.getLogger(__name__)
 MARKER_VERSION = 1

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightcache.cache.layout import check_segment
 from weightcache.config import Source
 from weightcache.errors import UsageError
-from weightcache.layout import check_segment
 
 _KEYS = {"source", "name", "revision", "pin"}
 

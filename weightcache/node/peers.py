@@ -44,10 +44,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings
 from weightcache.errors import UsageError
-from weightcache.layout import Layout
-from weightcache.serve import HttpServer, Limits
+from weightcache.node.serve import HttpServer, Limits
 from weightcache.transfer.pacing import TokenBucket
 from weightcache.transfer.parts import PartState
 

@@ -18,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from weightcache.peers import REFUSAL_REASONS
+from weightcache.node.peers import REFUSAL_REASONS
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series only add noise to every scrape
 

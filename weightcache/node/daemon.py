@@ -32,7 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightcache import coord, eviction, labels, serve
+from weightcache.cache import eviction
+from weightcache.cache.eviction import Watermarks
+from weightcache.cache.index import for_cache
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import Store
 from weightcache.config import (
     Capacity,
     PeerSettings,
@@ -42,16 +46,13 @@ from weightcache.config import (
     parse_pod_uid,
 )
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
-from weightcache.eviction import Watermarks
 from weightcache.fetch import Fetcher, FetchResult
-from weightcache.index import for_cache
-from weightcache.layout import Layout
-from weightcache.metrics import Metrics
-from weightcache.models import DesiredState, load
-from weightcache.peers import Peers, PeerServer
+from weightcache.node import coord, labels, serve
+from weightcache.node.metrics import Metrics
+from weightcache.node.models import DesiredState, load
+from weightcache.node.peers import Peers, PeerServer
+from weightcache.node.worker import Worker, backoff
 from weightcache.progress import human
-from weightcache.store import Store
-from weightcache.worker import Worker, backoff
 
 log = logging.getLogger(__name__)
 

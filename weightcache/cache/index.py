@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import FileLock, Store
 from weightcache.errors import UsageError
-from weightcache.layout import Layout
-from weightcache.store import FileLock, Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
