@@ -20,15 +20,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.cache.store import FileLock, Marker, Store
-from weightcache.config import Source, StoreSettings
+from weightcache.config import PeerSettings, Source, StoreSettings
 from weightcache.errors import (
     IntegrityError,
     Interrupted,
@@ -40,15 +41,42 @@ from weightcache.errors import (
 from weightcache.progress import human
 
 if TYPE_CHECKING:
-    from weightcache.node.peers import Claim, Peers
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
     from weightcache.transfer.s3 import ObjectStore
 
 log = logging.getLogger(__name__)
 #: Peers tried for one blob before the origin: a second chance when the first dies.
 PEER_TRIES = 2
+#: Failed requests to one peer without progress before the blob goes to the next source.
+PEER_ATTEMPTS = 3
 #: Blob locks (one fd each) held at once by one fetch.
 LOCK_BATCH = 64
+
+
+ClaimT = TypeVar("ClaimT")
+
+
+class PeerHolding(Protocol):
+    @property
+    def peer(self) -> str:
+        """The base URL of a peer that can serve the blob."""
+
+
+class PeerSource(Protocol[ClaimT]):
+    """What a fetch asks of the node's peers (the daemon's `weightcache.node.peers.Peers`),
+    stated here so that the fetch path imports nothing of the daemon. A claim is opaque to
+    the fetch: it is handed back as it came."""
+
+    @property
+    def settings(self) -> PeerSettings: ...
+
+    def claim(self, sha256: str, partial: Path, size: int) -> ClaimT: ...
+
+    def release(self, sha256: str, claim: ClaimT) -> None: ...
+
+    def sources(self, sha256: str, size: int, own: ClaimT | None) -> Sequence[PeerHolding]: ...
+
+    def mark_bad(self, peer: str, why: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -98,7 +126,7 @@ class Fetcher:
         observer: TransferObserver | None = None,
         downloader: RangedDownloader | None = None,
         reserve: Callable[[int], None] | None = None,
-        peers: Peers | None = None,
+        peers: PeerSource[Any] | None = None,
         store: Store | None = None,
     ) -> None:
         """`reserve(nbytes)` is called before a download to make room under a capacity
@@ -329,7 +357,7 @@ class Fetcher:
                 self.peers.release(sha256, claim)
 
     def _from_peers(
-        self, source: Source, todo: list[tuple[ManifestEntry, bool]], claims: dict[str, Claim]
+        self, source: Source, todo: list[tuple[ManifestEntry, bool]], claims: dict[str, object]
     ) -> tuple[list[tuple[ManifestEntry, bool]], dict[str, list[str]]]:
         """Bring each blob from peers, one after the other; return what is left for the
         origin, and for each of those the peers whose bytes may remain in its partial."""
@@ -344,7 +372,7 @@ class Fetcher:
         return rest, tainted
 
     def _from_peer(
-        self, source: Source, entry: ManifestEntry, private: bool, claim: Claim | None
+        self, source: Source, entry: ManifestEntry, private: bool, claim: object | None
     ) -> tuple[bool, list[str]]:
         """Try the best peers for one blob: (published, peers that failed mid-way).
 
@@ -352,7 +380,6 @@ class Fetcher:
         peer that refuses, dies or stalls leaves its bytes in the partial for the next
         source to resume from (the final sha256 check covers them).
         """
-        from weightcache.node.peers import PEER_ATTEMPTS
         from weightcache.transfer.ranged import BlobJob
 
         assert self.peers is not None

@@ -61,7 +61,6 @@ MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retri
 BAD_PEER_SECONDS = 600.0  # a peer that served wrong bytes is not asked again for this long
 DOWN_PEER_SECONDS = 10.0  # nor one that did not answer, for this long
 DNS_REFRESH = 5.0  # seconds between lookups of the Service name
-PEER_ATTEMPTS = 3  # failed requests without progress before a blob falls back to the origin
 REFUSAL_REASONS = ("no_token", "bad_token", "bad_path", "not_found", "bad_range", "method",
                    "busy")  # fmt: skip
 _WILDCARDS = ("", "0.0.0.0", "::")
