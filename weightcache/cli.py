@@ -1,7 +1,7 @@
 """The `weightcache` command line (click, thin): parse, build settings, call, map errors.
 
-Every option also reads WEIGHTCACHE_<OPTION> from the environment (SPEC §2.2). Errors
-print one sentence on stderr and exit with the SPEC code; stdout carries only results.
+Every option also reads WEIGHTCACHE_<OPTION> from the environment (design §2). Errors
+print one sentence on stderr and exit with the code of design §2.2; stdout carries only results.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ log = logging.getLogger("weightcache")
 
 
 def reports_errors(fn: F) -> F:
-    """Turn weightcache errors into one stderr sentence and the SPEC exit code."""
+    """Turn weightcache errors into one stderr sentence and its exit code (design §2.2)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The fetch algorithm (SPEC §4): a hit touches no network; a miss downloads once per node.
+"""The fetch algorithm (design §4): a hit touches no network; a miss downloads once per node.
 
 Hit: the marker is present, records the requested source, and every file has its recorded
 size -> record the access and return. Nothing heavy is imported on this path (boto3 loads
@@ -141,7 +141,7 @@ class Fetcher:
         self._downloader = downloader
         self._reserve = reserve
         self.peers = peers
-        # Guards building the downloader and `_interrupted` (issue 9 item 17): two threads
+        # Guards building the downloader and `_interrupted`: two threads
         # building it at once made two token buckets, one that interrupt() never reached.
         self._downloader_lock = threading.Lock()
         self._interrupted = False
@@ -224,7 +224,7 @@ class Fetcher:
         """The revision as it is once we hold its lock: a hit if a concurrent fetch
         finished it; a hit of another source only if that source's manifest is the same
         (UsageError otherwise); None (a miss) if it is absent, or damaged since it was
-        marked (then it is unmarked and its damaged blobs quarantined, issue 9 item 2)."""
+        marked (then it is unmarked and its damaged blobs quarantined, design §3 invariant 7)."""
         marker = self.store.read_marker(source.name, source.revision)
         if marker is None or (marker.name, marker.revision) != (source.name, source.revision):
             return None

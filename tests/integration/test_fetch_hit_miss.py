@@ -1,4 +1,4 @@
-"""`fetch` miss then hit against the real store through the proxy (SPEC §2.2, §3, §4)."""
+"""`fetch` miss then hit against the real store through the proxy (design §2.2, §3, §4)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_json_output_for_miss_and_hit(
 def test_hit_is_fast(
     wc: CLI, publish: Callable[..., Published], store: object, cache_dir: Path
 ) -> None:
-    """SPEC §4 targets 150 ms for a hit, Python start included; allow a loaded CI box 4x."""
+    """A hit should take under 150 ms, Python start included; allow a loaded CI box 4x."""
     pub = publish([64 * 1024], name="fast", rev="r")
     assert wc.fetch(pub.source, cache_dir).returncode == 0
     best = float("inf")

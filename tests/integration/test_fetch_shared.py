@@ -1,4 +1,4 @@
-"""One Fetcher shared by concurrent fetches, as in the daemon (issue 9, item 17): each
+"""One Fetcher shared by concurrent fetches, as in the daemon: each
 FetchResult counts its own bytes from the origin, not what other fetches downloaded
 meanwhile on the same downloader."""
 

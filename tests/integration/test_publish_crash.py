@@ -1,4 +1,4 @@
-"""Publishing survives a failure or a crash at every one of its steps (SPEC §3 inv. 1, 2).
+"""Publishing survives a failure or a crash at every one of its steps (design §3 inv. 1, 2).
 
 A fetch runs in-process against the real store with a `FileOps` that fails at its n-th
 filesystem call, for every n of a clean publish: once with an error (then the cleanup
@@ -6,7 +6,7 @@ runs) and once with a simulated kill -9 (that call and every later one fail, so 
 is cleaned up: the disk is left as the kill would leave it). After each, no revision
 carries a marker unless it is complete and verified, and the next fetch completes with
 the right bytes. This replaces the random kill timing that found a marker written before
-the links only 2 runs in 9 (issue 9, "Tests that can fail").
+the links only 2 runs in 9.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`eviction.plan_eviction` with literal tables: LRU order, pins, leases, shared blobs,
-targets from the watermarks, and a plan that cannot reach its target (SPEC §5)."""
+targets from the watermarks, and a plan that cannot reach its target (design §5)."""
 
 from __future__ import annotations
 

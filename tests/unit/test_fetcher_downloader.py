@@ -1,4 +1,4 @@
-"""Fetcher.downloader (issue 9 item 17): the daemon's lazily built downloader is built
+"""Fetcher.downloader: the daemon's lazily built downloader is built
 once, whatever the number of threads asking at once, and interrupt() reaches it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Node label computation (SPEC §5 optional node labels): pure, no cluster needed."""
+"""Node label computation (design §5, node labels): pure, no cluster needed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The daemon's Prometheus metrics (SPEC §6) and the observer that feeds them.
+"""The daemon's Prometheus metrics (design §6) and the observer that feeds them.
 
 The early-warning signal is `weightcache_get_concurrency_per_replica`: object-store GETs
 in flight from this node divided by the Pods waiting in `fetch` on it. During a scale-out

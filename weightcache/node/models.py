@@ -1,4 +1,4 @@
-"""The models file (SPEC §2.3): the daemon's desired state, usually a mounted ConfigMap.
+"""The models file (design §2.3): the daemon's desired state, usually a mounted ConfigMap.
 
 ```yaml
 models:

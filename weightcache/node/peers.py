@@ -1,4 +1,4 @@
-"""Peer-to-peer blob sharing between node daemons (SPEC §8): server, discovery, client.
+"""Peer-to-peer blob sharing between node daemons (design §8): server, discovery, client.
 
 Server: `GET|HEAD /blobs/sha256/<64 hex>` and nothing else, each request with `Authorization:
 Bearer <token>` (constant-time compare), one `Range` honoured. Blobs are read from the blob
@@ -325,7 +325,7 @@ def _holding(peer: str, resp: http.client.HTTPResponse, size: int) -> Holding | 
 
 #: Peer connections: more than MAX_REQUESTS so that HEADs still get in while uploads run;
 #: an idle keep-alive connection lives a minute (the downloaders reuse theirs), a request
-#: head must arrive within 10 s of its first byte (issue 9, item 10).
+#: head must arrive within 10 s of its first byte (design §5, Bounds).
 PEER_LIMITS = Limits(connections=2 * MAX_REQUESTS, idle=60.0, header=10.0)
 
 

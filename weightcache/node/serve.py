@@ -1,4 +1,4 @@
-"""The daemon's listeners, on one asyncio event loop thread (issue 9, item 10).
+"""The daemon's listeners, on one asyncio event loop thread (design §5, Bounds).
 
 Three servers share the loop: the metrics/health HTTP port, the peer port (both aiohttp)
 and the Unix socket the Pods' `fetch` talks to (JSON lines, weightcache/coord.py). None
