@@ -9,7 +9,7 @@ it there; a revision of another source is served only if that source's manifest 
 same, else exit 2; a revision damaged since is unmarked and its damaged blobs
 quarantined), read and validate the manifest, list sizes, link blobs already on the node,
 download the rest (each under its blob lock; in the daemon, from peers first, see
-weightcache/peers.py), verify, publish each blob, assemble the revision aside and rename it
+weightcache/node/peers.py), verify, publish each blob, assemble the revision aside and rename it
 into place with its marker inside.
 """
 

@@ -1,5 +1,5 @@
-"""The connection books of the daemon's listeners (weightcache/serve.py) and the fetch
-socket's request check (weightcache/coord.py): pure, with literal clocks."""
+"""The connection books of the daemon's listeners (weightcache/node/serve.py) and the fetch
+socket's request check (weightcache/node/coord.py): pure, with literal clocks."""
 
 from __future__ import annotations
 

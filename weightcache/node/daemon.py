@@ -7,7 +7,7 @@ Capacity is enforced after every change and before every download. SIGTERM stops
 work, interrupts downloads (partials stay resumable) and exits within the grace period.
 
 Peers (design §8, `--peer-addr`): the daemon serves its blobs to the other nodes' daemons
-and, for the fetches it runs, asks them before the origin (weightcache/peers.py).
+and, for the fetches it runs, asks them before the origin (weightcache/node/peers.py).
 
 Who holds credentials: the daemon downloads with its own (DaemonSet Secret or IRSA) for
 every fetch it coordinates; a Pod's `fetch` uses its own only when it falls back to
@@ -16,7 +16,7 @@ outside its `--allow-source` prefixes: any Pod on the node can reach the socket,
 daemon's credentials must not read whatever a Pod names).
 
 Its loops (converging to the models file; ending leases and bounding capacity) run as
-supervised workers (weightcache/worker.py): a failing step is logged and retried, and
+supervised workers (weightcache/node/worker.py): a failing step is logged and retried, and
 one that keeps failing, or dies, fails /healthz.
 """
 

@@ -6,7 +6,7 @@ store (regular files, never through a symlink); a blob this node is downloading 
 (`claim()`ed by its Fetcher) from `tmp/<hex>.part`, only the prefix of parts its `.part.json`
 records as written, a GET ahead of it waiting up to PARTIAL_WAIT for it to grow. One token
 bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads, PEER_LIMITS the
-connections (a cap, idle and header timeouts: weightcache/serve.py).
+connections (a cap, idle and header timeouts: weightcache/node/serve.py).
 
 Nothing a peer sends is trusted: the receiver hashes every blob and publishes it only if its
 sha256 is the manifest's, exactly as for the origin. A prefix served from a partial is not
@@ -342,7 +342,7 @@ class _Abort(Exception):
 
 class PeerServer:
     """Serves this node's blobs to the other daemons (see the module docstring), on the
-    daemon's event loop (weightcache/serve.py bounds the connections)."""
+    daemon's event loop (weightcache/node/serve.py bounds the connections)."""
 
     def __init__(
         self, settings: PeerSettings, layout: Layout, peers: Peers, observer: ServedObserver,
