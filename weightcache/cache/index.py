@@ -60,7 +60,6 @@ class Entry:
     source: str
     size: int
     last_access: float
-    pinned: bool
     leases: tuple[str, ...] = ()
 
 
@@ -318,9 +317,8 @@ class Index:
         leases: dict[tuple[str, str], list[str]] = {}
         for name, rev, uid in db.execute("SELECT name, revision, pod_uid FROM leases"):
             leases.setdefault((name, rev), []).append(uid)
-        pins = {(n, r) for n, r in db.execute("SELECT name, revision FROM pins")}
         return [
-            Entry(n, r, src, size, last, (n, r) in pins, tuple(sorted(leases.get((n, r), ()))))
+            Entry(n, r, src, size, last, tuple(sorted(leases.get((n, r), ()))))
             for n, r, src, size, last in db.execute(
                 "SELECT name, revision, source, size, last_access FROM entries "
                 "ORDER BY name, revision"

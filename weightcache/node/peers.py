@@ -370,10 +370,6 @@ class PeerServer:
             ) from e
         log.info("serving blobs to peers on %s:%d", *self.address)
 
-    async def stop(self) -> None:
-        self.stopping.set()
-        await self.http.close()
-
     # -- one request ---------------------------------------------------------------------------
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +77,6 @@ class ObjectStore:
             region_name=session.region_name or "us-east-1",
             config=config,
         )
-        self._lock = threading.Lock()
 
     # -- the retry loop shared by every control-plane call ---------------------------------
 
