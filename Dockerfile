@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# weightcache: one image for every mode (SPEC §2): `weightcache fetch` as the init container
+# weightcache: one image for every mode (docs/design.md §2): `weightcache fetch` as the init container
 # of inference Pods, `weightcache daemon` as the node agent, `weightcache prefetch` as a Job.
 #
 #   docker build -t weightcache:0.1.0 .

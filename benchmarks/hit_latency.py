@@ -9,8 +9,8 @@ each of:
   Python start, imports, marker check, access record), and
 - `sh -c 'test -f DIR/ok || (rclone copy ...)'`: the recipe, which stops at `test -f`,
 plus a floor, `python -c pass` (the same interpreter, `-I` isolated), to show how much of
-weightcache's hit is interpreter start. The target of SPEC §4 is a hit under 150 ms.
-`--store-down` stops the store before the hits: a hit must need no network (SPEC §3.3).
+weightcache's hit is interpreter start. The target is a hit under 150 ms.
+`--store-down` stops the store before the hits: a hit must need no network (design §3 invariant 3).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import benchlib as bl
 import measure as ms
 
-from weightcache.devstore import LocalStore
+from weightcache.ops.devstore import LocalStore
 
 TARGET_MS = 150.0
 

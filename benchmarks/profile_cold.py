@@ -326,7 +326,7 @@ def main() -> None:
     info = bl.machine_info(workdir)
     walls: list[dict[str, object]] = []
     imports: list[float] = []
-    from weightcache.devstore import LocalStore
+    from weightcache.ops.devstore import LocalStore
 
     try:
         model = bl.make_model(workdir / "model", size, name=f"profile-{args.size.lower()}")

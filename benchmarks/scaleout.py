@@ -12,7 +12,7 @@ leaving the store) and GETs in flight; a sampler records GETs in flight and repl
 waiting every 50 ms. Strategies:
 
 - `aws`: every replica runs `aws s3 sync` into its own directory (an emptyDir), so a
-  prewarmed node does not help it: the status quo of SPEC §9.
+  prewarmed node does not help it: the status quo of design §9.
 - `rclone`: every replica runs the seed recipe on its node's shared directory, guarded only
   by `test -f ok ||`: replicas on one cold node race, without a lock.
 - `weightcache`: every replica runs `weightcache fetch` with its node's cache dir; replicas
@@ -53,7 +53,7 @@ import benchlib as bl
 import measure as ms
 from countingproxy import Counters, CountingProxy, Sampler
 
-from weightcache.devstore import LocalStore, free_port
+from weightcache.ops.devstore import LocalStore, free_port
 
 STRATEGIES = ("aws", "rclone", "weightcache", "weightcache-daemon", "weightcache-p2p")
 DAEMON_STRATEGIES = ("weightcache-daemon", "weightcache-p2p")
@@ -100,7 +100,7 @@ class DaemonNodes:
 
     The models file lists nothing, so a daemon does not prefetch by itself: the scale-out's
     replicas are what ask for the model, through `weightcache fetch`, which uses the node's
-    daemon when one is reachable (SPEC §5). Daemon traffic to the store goes through the
+    daemon when one is reachable (design §5). Daemon traffic to the store goes through the
     counting proxy; with `weightcache-p2p` the daemons also talk to one another on loopback,
     outside the proxy, and `scrape` reads what they exchanged from their /metrics.
     """
@@ -138,7 +138,7 @@ class DaemonNodes:
                     argv, env=daemon_env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                     start_new_session=True,
                 ))  # fmt: skip
-        for node in nodes:  # the socket path is SPEC §3's layout
+        for node in nodes:  # the socket path is design §3's layout
             sock = strategy.dest(node, 0) / ".weightcache" / "daemon.sock"
             deadline = time.monotonic() + 30
             while not sock.exists() and time.monotonic() < deadline:
@@ -366,7 +366,7 @@ def outcome(
     ready_at = [r.started + r.wall_s - t0 for r in runs]
     ratios = [(t, g / w) for t, g, w in samples if w > 0]
     # The download window: from the first to the last sample with a GET in flight. The
-    # early-warning ratio should fall from its first half to its second (SPEC §1, §6).
+    # early-warning ratio should fall from its first half to its second (design §1, §6).
     active = [t for t, g, _ in samples if g > 0]
     start, end = (active[0], active[-1]) if active else (0.0, 0.0)
     middle = (start + end) / 2

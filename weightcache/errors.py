@@ -1,4 +1,4 @@
-"""Every error weightcache reports, mapped to the exit codes of SPEC §2.2.
+"""Every error weightcache reports, mapped to the exit codes of design §2.2.
 
 Each message is one sentence that names the object (bucket, key, file, revision), says
 what happened and what to do. Library exceptions are chained with `from`; nothing from

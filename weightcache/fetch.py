@@ -1,4 +1,4 @@
-"""The fetch algorithm (SPEC §4): a hit touches no network; a miss downloads once per node.
+"""The fetch algorithm (design §4): a hit touches no network; a miss downloads once per node.
 
 Hit: the marker is present, records the requested source, and every file has its recorded
 size -> record the access and return. Nothing heavy is imported on this path (boto3 loads
@@ -9,7 +9,7 @@ it there; a revision of another source is served only if that source's manifest 
 same, else exit 2; a revision damaged since is unmarked and its damaged blobs
 quarantined), read and validate the manifest, list sizes, link blobs already on the node,
 download the rest (each under its blob lock; in the daemon, from peers first, see
-weightcache/peers.py), verify, publish each blob, assemble the revision aside and rename it
+weightcache/node/peers.py), verify, publish each blob, assemble the revision aside and rename it
 into place with its marker inside.
 """
 
@@ -20,11 +20,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from weightcache.config import Source, StoreSettings
+from weightcache.cache.index import for_cache
+from weightcache.cache.layout import Layout
+from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
+from weightcache.cache.store import FileLock, Marker, Store
+from weightcache.config import PeerSettings, Source, StoreSettings
 from weightcache.errors import (
     IntegrityError,
     Interrupted,
@@ -33,22 +38,45 @@ from weightcache.errors import (
     UsageError,
     WeightcacheError,
 )
-from weightcache.index import for_cache
-from weightcache.layout import Layout
-from weightcache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.progress import human
-from weightcache.store import FileLock, Marker, Store
 
 if TYPE_CHECKING:
-    from weightcache.peers import Claim, Peers
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
     from weightcache.transfer.s3 import ObjectStore
 
 log = logging.getLogger(__name__)
 #: Peers tried for one blob before the origin: a second chance when the first dies.
 PEER_TRIES = 2
+#: Failed requests to one peer without progress before the blob goes to the next source.
+PEER_ATTEMPTS = 3
 #: Blob locks (one fd each) held at once by one fetch.
 LOCK_BATCH = 64
+
+
+ClaimT = TypeVar("ClaimT")
+
+
+class PeerHolding(Protocol):
+    @property
+    def peer(self) -> str:
+        """The base URL of a peer that can serve the blob."""
+
+
+class PeerSource(Protocol[ClaimT]):
+    """What a fetch asks of the node's peers (the daemon's `weightcache.node.peers.Peers`),
+    stated here so that the fetch path imports nothing of the daemon. A claim is opaque to
+    the fetch: it is handed back as it came."""
+
+    @property
+    def settings(self) -> PeerSettings: ...
+
+    def claim(self, sha256: str, partial: Path, size: int) -> ClaimT: ...
+
+    def release(self, sha256: str, claim: ClaimT) -> None: ...
+
+    def sources(self, sha256: str, size: int, own: ClaimT | None) -> Sequence[PeerHolding]: ...
+
+    def mark_bad(self, peer: str, why: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -98,7 +126,7 @@ class Fetcher:
         observer: TransferObserver | None = None,
         downloader: RangedDownloader | None = None,
         reserve: Callable[[int], None] | None = None,
-        peers: Peers | None = None,
+        peers: PeerSource[Any] | None = None,
         store: Store | None = None,
     ) -> None:
         """`reserve(nbytes)` is called before a download to make room under a capacity
@@ -113,7 +141,7 @@ class Fetcher:
         self._downloader = downloader
         self._reserve = reserve
         self.peers = peers
-        # Guards building the downloader and `_interrupted` (issue 9 item 17): two threads
+        # Guards building the downloader and `_interrupted`: two threads
         # building it at once made two token buckets, one that interrupt() never reached.
         self._downloader_lock = threading.Lock()
         self._interrupted = False
@@ -196,7 +224,7 @@ class Fetcher:
         """The revision as it is once we hold its lock: a hit if a concurrent fetch
         finished it; a hit of another source only if that source's manifest is the same
         (UsageError otherwise); None (a miss) if it is absent, or damaged since it was
-        marked (then it is unmarked and its damaged blobs quarantined, issue 9 item 2)."""
+        marked (then it is unmarked and its damaged blobs quarantined, design §3 invariant 7)."""
         marker = self.store.read_marker(source.name, source.revision)
         if marker is None or (marker.name, marker.revision) != (source.name, source.revision):
             return None
@@ -329,7 +357,7 @@ class Fetcher:
                 self.peers.release(sha256, claim)
 
     def _from_peers(
-        self, source: Source, todo: list[tuple[ManifestEntry, bool]], claims: dict[str, Claim]
+        self, source: Source, todo: list[tuple[ManifestEntry, bool]], claims: dict[str, object]
     ) -> tuple[list[tuple[ManifestEntry, bool]], dict[str, list[str]]]:
         """Bring each blob from peers, one after the other; return what is left for the
         origin, and for each of those the peers whose bytes may remain in its partial."""
@@ -344,7 +372,7 @@ class Fetcher:
         return rest, tainted
 
     def _from_peer(
-        self, source: Source, entry: ManifestEntry, private: bool, claim: Claim | None
+        self, source: Source, entry: ManifestEntry, private: bool, claim: object | None
     ) -> tuple[bool, list[str]]:
         """Try the best peers for one blob: (published, peers that failed mid-way).
 
@@ -352,7 +380,6 @@ class Fetcher:
         peer that refuses, dies or stalls leaves its bytes in the partial for the next
         source to resume from (the final sha256 check covers them).
         """
-        from weightcache.peers import PEER_ATTEMPTS
         from weightcache.transfer.ranged import BlobJob
 
         assert self.peers is not None

@@ -1,6 +1,6 @@
 """Every command-line option shared by several commands, with its WEIGHTCACHE_* variable.
 
-SPEC §2.2: every option also reads WEIGHTCACHE_<OPTION> from the environment; sizes,
+Design §2: every option also reads WEIGHTCACHE_<OPTION> from the environment; sizes,
 rates and durations are parsed (and rejected with a clear message, exit 2) here, once.
 """
 
@@ -151,7 +151,7 @@ def node_options(fn: F) -> F:
 
 
 def peer_options(fn: F) -> F:
-    """Peer-to-peer between node daemons (SPEC §8); off unless --peer-addr is given."""
+    """Peer-to-peer between node daemons (design §8); off unless --peer-addr is given."""
     options = [
         click.option(
             "--peer-addr",

@@ -129,7 +129,7 @@ def test_init_container_hits_with_the_store_stopped(
     """A warm node starts Pods while the object store is down."""
     import boto3
 
-    from weightcache.devstore import LocalStore
+    from weightcache.ops.devstore import LocalStore
 
     local = LocalStore(tmp_path / "store").start()
     try:

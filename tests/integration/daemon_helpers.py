@@ -27,7 +27,7 @@ import yaml
 
 from tests.conftest import BUCKET, CLI, Published, cli_env
 from tests.support.checks import describe
-from weightcache.devstore import free_port
+from weightcache.ops.devstore import free_port
 
 MiB = 1024 * 1024
 

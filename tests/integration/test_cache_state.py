@@ -1,4 +1,4 @@
-"""The cache's bookkeeping under abuse (issue 9 items 5, 6, 7, 13): a `state.db` replaced,
+"""The cache's bookkeeping under abuse (design §3 the index, §5 Capacity): a `state.db` replaced,
 deleted or corrupt under real processes, lease holders that are not Pod UIDs, and blobs
 that no revision links (orphans) filling the capacity."""
 

@@ -1,11 +1,11 @@
-"""A kill -9 and fault loop over the whole node (issue 9, "Done when"): real `fetch`
+"""A kill -9 and fault loop over the whole node: real `fetch`
 processes (through the daemon or alone, some as Pods with a POD_UID), `gc` with a small
 capacity, the daemon evicting under a small --capacity, kill -9 of any of them at random
 moments, and a store that sometimes resets or throttles.
 
 Two promises are checked after every round and at the end:
 - a marked revision is verified bytes: `weightcache verify` passes on every revision that
-  has a marker (SPEC §3 invariant 1);
+  has a marker (design §3 invariant 1);
 - a path printed to a Pod is never evicted while the Pod lives: for every fetch with a
   POD_UID that printed its path, as long as the Pod's directory exists under the daemon's
   --kubelet-pods-dir, the revision keeps its marker, its files and its directory (the

@@ -1,5 +1,5 @@
 """What the environment does wrong gets one `weightcache: error:` line, the right exit code
-and a hint, never a traceback (issue 9, item 16): read-only mounts, a --cache-dir through a
+and a hint, never a traceback (design §2.2): read-only mounts, a --cache-dir through a
 file or mistyped, long names, `demo` without `weed`, a tight fd limit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Operator commands on a live cache (SPEC §2, §3 inv. 1, §5): `gc` racing `fetch`,
+"""Operator commands on a live cache (design §2, §3 inv. 1, §5): `gc` racing `fetch`,
 `verify` catching and un-marking damage that the next `fetch` repairs, `gc --dry-run`."""
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _end_leases(cache_dir: Path) -> None:
 def test_gc_racing_leased_fetches_never_removes_a_printed_path(
     wc: CLI, publish: Callable[..., Published], cache_dir: Path
 ) -> None:
-    """Issue 9 item 4: `gc --capacity 1` runs back to back in two loops while Pods fetch
+    """Design §3 invariant 8: `gc --capacity 1` runs back to back in two loops while Pods fetch
     one revision (hits and misses, as gc keeps evicting it). A path printed with POD_UID
     set is leased before it is printed, so it is still complete when the fetch exits,
     and stays so through a later gc, until the lease ends."""

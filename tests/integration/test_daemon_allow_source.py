@@ -1,4 +1,4 @@
-"""The daemon is no confused deputy (issue 9 item 15): it fetches for Pods only sources
+"""The daemon is no confused deputy (design §5, who may ask): it fetches for Pods only sources
 under its `--allow-source` prefixes (default: the parent of each source of its models
 file); other requests are refused and the Pod fetches alone, with its own credentials."""
 

@@ -1,4 +1,4 @@
-"""The daemon's capacity bound (SPEC §5): LRU eviction of unpinned, unleased revisions,
+"""The daemon's capacity bound (design §5): LRU eviction of unpinned, unleased revisions,
 shared blobs kept, exit 5 when nothing evictable is enough, leases ending with their Pod."""
 
 from __future__ import annotations

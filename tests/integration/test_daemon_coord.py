@@ -1,4 +1,4 @@
-"""Node coordination through the daemon (SPEC §3 inv. 4, §5, §6): single-flight across
+"""Node coordination through the daemon (design §3 inv. 4, §5, §6): single-flight across
 Pods, the GET-concurrency-per-replica signal, fallback when the daemon dies, SIGTERM."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The models file (SPEC §2.3, issue 9 item 18): missing or invalid, it is a usage error
+"""The models file (design §2.3): missing or invalid, it is a usage error
 (exit 2) for `prefetch` and for a daemon starting; a running daemon whose file vanishes or
 turns invalid keeps its last good state and says so once, not at every reload."""
 

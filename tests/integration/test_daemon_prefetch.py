@@ -1,4 +1,4 @@
-"""`prefetch` and the daemon's convergence to the models file (SPEC §2.3, §5): readiness,
+"""`prefetch` and the daemon's convergence to the models file (design §2.3, §5): readiness,
 reloading the file, pins."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The daemon's listeners against clients that misbehave (issue 9, items 9, 10, 11, 16):
+"""The daemon's listeners against clients that misbehave (design §5):
 idle floods of the metrics port and the fetch socket, malformed requests on the socket,
 a second daemon on the same cache dir, a metrics port already taken, SIGTERM while Pods
 wait. Real daemons, real sockets, the real store."""

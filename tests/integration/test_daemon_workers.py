@@ -1,4 +1,4 @@
-"""The daemon's loops survive what they do not expect (issue 9 item 8): a models entry that
+"""The daemon's loops survive what they do not expect (design §5, Roles): a models entry that
 fails with an OSError never stops the others and is retried with a backoff; a loop whose
 step keeps failing makes /healthz fail with one line, and /healthz recovers with it."""
 

@@ -1,4 +1,4 @@
-"""N concurrent fetches of one revision on one node make one origin download (SPEC §3 inv. 4)."""
+"""N concurrent fetches of one revision on one node make one origin download (design §3 inv. 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Identical content downloads once per node: revisions share blobs (SPEC §3 inv. 4, §8)."""
+"""Identical content downloads once per node: revisions share blobs (design §3 inv. 4, §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A full disk is exit 5 and harms nothing already cached (SPEC §2.2 exit 5, §3 inv. 1)."""
+"""A full disk is exit 5 and harms nothing already cached (design §2.2 exit 5, §3 inv. 1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Bad input: one clear error line, the SPEC exit code, nothing written outside the cache
-directory (SPEC §2.2 exit codes 2 and 3, §2.1 manifest, §3 invariant 5)."""
+"""Bad input: one clear error line, the documented exit code, nothing written outside the cache
+directory (design §2.2 exit codes 2 and 3, §2.1 manifest, §3 invariant 5)."""
 
 from __future__ import annotations
 

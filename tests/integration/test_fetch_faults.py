@@ -1,5 +1,5 @@
 """`fetch` under a misbehaving store: throttling, resets, truncation, corruption, outages
-(SPEC §4 Retries and Corruption; exit codes 4 and 6 of §2.2)."""
+(design §4 Retries and Corruption; exit codes 4 and 6 of §2.2)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_throttling_resets_and_truncation_on_the_data_plane_are_retried(
     pub = publish([4 * MiB] * 4, name="flaky", rev="r1")
     # 20% SlowDown, 5% resets, 5% truncated bodies on every ranged GET, each kind forced
     # once up front; never more than 4 faults in a row on one object, so a client with a
-    # sane retry budget (SPEC: bounded attempts) is sure to get through.
+    # sane retry budget (design §4: bounded attempts) is sure to get through.
     proxy.configure(
         scope="ranged", slowdown_rate=0.20, reset_rate=0.05, truncate_rate=0.05,
         script=("slowdown", "reset", "truncate", "slowdown"), max_consecutive=4,
@@ -50,7 +50,7 @@ def test_throttling_resets_and_truncation_on_the_data_plane_are_retried(
     s = proxy.stats()
     assert s.faults.get("slowdown", 0) >= 2 and s.faults.get("reset", 0) >= 1, s.faults
     assert s.faults.get("truncate", 0) >= 1, s.faults
-    # Retries resume where a part broke (SPEC §4): the bytes re-sent after resets and
+    # Retries resume where a part broke (design §4): the bytes re-sent after resets and
     # truncations are at most the broken parts again, not the file again.
     broken = s.faults.get("reset", 0) + s.faults.get("truncate", 0)
     assert s.body_bytes <= pub.model.total_size + broken * 1 * MiB + 64 * 1024, s
@@ -162,7 +162,7 @@ def test_corrupted_data_is_never_published(
     }
     assert others, f"no actual hash in: {message}"
 
-    # SPEC §4: "a hash mismatch discards that file and downloads it once more".
+    # design §4: "a mismatch downloads that file once more".
     assert proxy.stats().bytes_for("/" + bad.relpath) >= 2 * bad.size
     assert markers(cache_dir) == []
     assert not (cache_dir / pub.name / pub.rev).exists()

@@ -1,15 +1,17 @@
-"""`fetch` miss then hit against the real store through the proxy (SPEC §2.2, §3, §4)."""
+"""`fetch` miss then hit against the real store through the proxy (design §2.2, §3, §4)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLI, Published, dead_endpoint
+from tests.conftest import CLI, Published, cli_env, dead_endpoint
 from tests.support.checks import (
     assert_linked_to_blobs,
     assert_ok_path,
@@ -20,6 +22,16 @@ from tests.support.checks import (
 from tests.support.faultproxy import FaultProxy
 
 MiB = 1024 * 1024
+#: Libraries a hit must not load: each costs tens of milliseconds to import, and finding a
+#: marked revision needs none of them (design §4).
+HEAVY = ("boto3", "botocore", "yaml", "prometheus_client", "aiohttp", "fsspec")
+#: `python -m weightcache ARGS`, printing on stderr, as it exits, the modules it loaded.
+WITH_MODULES = (
+    "import atexit, json, runpy, sys\n"
+    "atexit.register(lambda: print('modules:', json.dumps(sorted(sys.modules)), file=sys.stderr))\n"
+    "sys.argv[0] = 'weightcache'\n"
+    "runpy.run_module('weightcache', run_name='__main__', alter_sys=True)\n"
+)
 SLACK = 64 * 1024  # manifest, listing and error bodies on top of the model's bytes
 
 pytestmark = pytest.mark.timeout(180)
@@ -87,7 +99,7 @@ def test_json_output_for_miss_and_hit(
 def test_hit_is_fast(
     wc: CLI, publish: Callable[..., Published], store: object, cache_dir: Path
 ) -> None:
-    """SPEC §4 targets 150 ms for a hit, Python start included; allow a loaded CI box 4x."""
+    """A hit should take under 150 ms, Python start included; allow a loaded CI box 4x."""
     pub = publish([64 * 1024], name="fast", rev="r")
     assert wc.fetch(pub.source, cache_dir).returncode == 0
     best = float("inf")
@@ -97,6 +109,31 @@ def test_hit_is_fast(
         best = min(best, time.monotonic() - t0)
         assert_ok_path(hit, pub.local_path(cache_dir))
     assert best < 0.6, f"fastest of 3 hits took {best:.3f}s"
+
+
+def test_hit_loads_no_heavy_library(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    """Measured inside the hit's own process, through the real entry point."""
+    pub = publish([64 * 1024], name="light", rev="r")
+    assert wc.fetch(pub.source, cache_dir).returncode == 0
+    down = dead_endpoint()
+    args = wc.fetch_args(pub.source, cache_dir, endpoint=down)
+    hit = subprocess.run(
+        [sys.executable, "-c", WITH_MODULES, *map(str, args)],
+        env=cli_env(wc.store, {"AWS_ENDPOINT_URL": down}),
+        cwd=wc.cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert_ok_path(hit, pub.local_path(cache_dir))
+    line = next(x for x in hit.stderr.splitlines() if x.startswith("modules: "))
+    loaded = json.loads(line.removeprefix("modules: "))
+    assert "weightcache.fetch" in loaded, loaded  # the measurement saw the hit path
+    heavy = sorted({m.split(".")[0] for m in loaded} & set(HEAVY))
+    assert heavy == [], f"a hit imported {heavy}"
 
 
 def test_endpoint_flag_and_environment(

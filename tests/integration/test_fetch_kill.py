@@ -1,5 +1,5 @@
 """kill -9 at random instants: never a marker on bad data, and the next run resumes
-(SPEC §3 invariant 1, §4 Resume)."""
+(design §3 invariant 1, §4 Resume)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Progress (SPEC §4): a bar on a TTY, periodic structured log lines otherwise; stdout
+"""Progress (design §4): a bar on a TTY, periodic structured log lines otherwise; stdout
 keeps only the path either way."""
 
 from __future__ import annotations

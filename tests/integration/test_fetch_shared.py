@@ -1,4 +1,4 @@
-"""One Fetcher shared by concurrent fetches, as in the daemon (issue 9, item 17): each
+"""One Fetcher shared by concurrent fetches, as in the daemon: each
 FetchResult counts its own bytes from the origin, not what other fetches downloaded
 meanwhile on the same downloader."""
 
@@ -13,9 +13,9 @@ import pytest
 
 from tests.conftest import Published
 from tests.support.faultproxy import FaultProxy
+from weightcache.cache.layout import Layout
 from weightcache.config import Source, StoreSettings
 from weightcache.fetch import Fetcher, FetchResult
-from weightcache.layout import Layout
 
 MiB = 1 << 20
 

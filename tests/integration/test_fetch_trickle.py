@@ -1,4 +1,4 @@
-"""A store that trickles bytes (issue 9, item 12): the stall clock moves with the bytes
+"""A store that trickles bytes (design §4, Stall bound): the stall clock moves with the bytes
 received, checked after every socket read, so a trickle ends in exit 6 after `--timeout`
 while a slow but steady store still completes."""
 

@@ -1,4 +1,4 @@
-"""A ready path means verified bytes of the requested source (issue 9, items 1, 2, 3, 14).
+"""A ready path means verified bytes of the requested source (design §1, §3 invariants 5-7).
 
 Against the real store and the real CLI (and the real daemon over its socket): another
 source under the same name/revision is proved identical or refused; a damaged blob is

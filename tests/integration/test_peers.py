@@ -1,4 +1,4 @@
-"""Peer-to-peer between node daemons (SPEC §8, issue 6): several real `weightcache daemon`
+"""Peer-to-peer between node daemons (design §8): several real `weightcache daemon`
 processes on loopback, each with its own cache dir, fetch port and peer port.
 
 Origin bytes are counted by a fault proxy between the cold nodes and the store. A warm node
@@ -39,7 +39,7 @@ from tests.support.checks import (
     markers,
 )
 from tests.support.faultproxy import FaultProxy
-from weightcache.devstore import free_port
+from weightcache.ops.devstore import free_port
 
 TOKEN = "peer-token-for-tests-0123456789"
 PEER_BYTES = 'weightcache_bytes_total{source="peer"}'
@@ -399,7 +399,7 @@ def test_the_upload_limit_holds_under_load(
     assert node.d.metrics()[UPLOADED] == total
 
 
-# -- misbehaving clients (issue 9, item 10) ---------------------------------------------------
+# -- misbehaving clients (design §5, Bounds) ------------------------------------------------
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Publishing survives a failure or a crash at every one of its steps (SPEC §3 inv. 1, 2).
+"""Publishing survives a failure or a crash at every one of its steps (design §3 inv. 1, 2).
 
 A fetch runs in-process against the real store with a `FileOps` that fails at its n-th
 filesystem call, for every n of a clean publish: once with an error (then the cleanup
@@ -6,7 +6,7 @@ runs) and once with a simulated kill -9 (that call and every later one fail, so 
 is cleaned up: the disk is left as the kill would leave it). After each, no revision
 carries a marker unless it is complete and verified, and the next fetch completes with
 the right bytes. This replaces the random kill timing that found a marker written before
-the links only 2 runs in 9 (issue 9, "Tests that can fail").
+the links only 2 runs in 9.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import pytest
 from tests.conftest import Published
 from tests.support.checks import assert_blobs_valid, assert_revision_ok
 from tests.support.modelgen import sha256_file
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import FileOps, Store
 from weightcache.config import Source, StoreSettings
 from weightcache.fetch import Fetcher
-from weightcache.layout import Layout
-from weightcache.store import FileOps, Store
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(300)

@@ -260,7 +260,7 @@ def test_guide_links_within_itself_resolve() -> None:
         assert link in anchors, f"docs/deploy.md links to #{link}, which is no heading"
 
 
-# -- peer-to-peer (SPEC §8) ---------------------------------------------------------------------
+# -- peer-to-peer (design §8) -------------------------------------------------------------------
 
 
 def test_daemon_serves_peers_with_a_required_token_secret(daemonset: Any) -> None:

@@ -16,15 +16,15 @@ from typing import Any
 
 import yaml
 
-from weightcache.metrics import Metrics
+from weightcache.node.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "daemonset" / "grafana-dashboard.json"
 RATIO = "weightcache:get_concurrency_per_replica:ratio"
 ALERT = "WeightcacheEveryReplicaPulling"
 
-#: Metric names of SPEC §6, as exposed (counters with _total, the histogram's series).
-SPEC_METRICS = {
+#: Metric names of design §6, as exposed (counters with _total, the histogram's series).
+DESIGN_METRICS = {
     "weightcache_origin_get_inflight",
     "weightcache_replica_fetches_inflight",
     "weightcache_get_concurrency_per_replica",
@@ -109,14 +109,14 @@ def test_the_required_rules_exist(daemonset: Any) -> None:
 def test_rules_and_dashboard_use_only_known_metrics(daemonset: Any) -> None:
     records = {r["record"] for r in rules(daemonset) if "record" in r}
     fleet = {"weightcache_revision_ready", "weightcache_peer_requests_refused_total"}
-    known = SPEC_METRICS | records | fleet
+    known = DESIGN_METRICS | records | fleet
     exprs = [r["expr"] for r in rules(daemonset)] + dashboard_exprs()
     unknown = {name for e in exprs for name in metric_names(e)} - known
     assert not unknown, f"rules or dashboard refer to unknown metrics: {sorted(unknown)}"
 
 
 def test_metrics_match_what_the_daemon_exports(daemonset: Any) -> None:
-    """Every raw metric the rules and dashboard read is registered by weightcache.metrics."""
+    """Every raw metric the rules and dashboard read is registered by weightcache.node.metrics."""
     exported: set[str] = set()
     for family in Metrics().registry.collect():
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}

@@ -1,4 +1,4 @@
-"""Assertions on the real on-disk cache tree and on the CLI's output, per SPEC §2.2 and §3.
+"""Assertions on the real on-disk cache tree and on the CLI's output, per design §2.2 and §3.
 
 Layout under test (the contract, not the implementation):
     DIR/<name>/<rev>/...                 the files, hard links to blobs
@@ -72,7 +72,7 @@ def revision_files(rev_dir: Path) -> dict[str, Path]:
 
 
 def assert_revision_ok(cache_dir: Path, name: str, rev: str, model: Model) -> None:
-    """SPEC §3 invariant 1 on one revision: a JSON marker, exactly the manifest's files
+    """Design §3 invariant 1 on one revision: a JSON marker, exactly the manifest's files
     (a copy of SHA256SUMS itself is tolerated if it is byte-identical), each with the
     manifest's size and sha256, all regular files (not symlinks)."""
     rev_dir = cache_dir / name / rev

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.layout import Layout
-from weightcache.store import Store
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import Store
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""`--allow-source` (issue 9 item 15): which sources the node daemon fetches for Pods.
+"""`--allow-source` (design §5, who may ask): which sources the node daemon fetches for Pods.
 Prefixes match whole path segments; the option is repeatable and reads
 WEIGHTCACHE_ALLOW_SOURCE (several prefixes, space-separated)."""
 

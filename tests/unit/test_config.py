@@ -169,7 +169,7 @@ def test_store_settings_defaults_are_valid_and_frozen() -> None:
     s = StoreSettings()
     assert (s.endpoint_url, s.bwlimit, s.max_concurrency) == (None, None, 16)
     assert (s.part_size, s.timeout, s.max_attempts) == (16 * MiB, 300.0, 8)
-    assert 8 * MiB <= s.part_size <= 64 * MiB  # SPEC §4 default range
+    assert 8 * MiB <= s.part_size <= 64 * MiB  # tens of MiB: design §4
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.max_concurrency = 4  # type: ignore[misc]
 

@@ -1,11 +1,11 @@
 """`eviction.plan_eviction` with literal tables: LRU order, pins, leases, shared blobs,
-targets from the watermarks, and a plan that cannot reach its target (SPEC §5)."""
+targets from the watermarks, and a plan that cannot reach its target (design §5)."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightcache.eviction import CachedRevision, Watermarks, plan_eviction
+from weightcache.cache.eviction import CachedRevision, Watermarks, plan_eviction
 
 MB = 1_000_000
 

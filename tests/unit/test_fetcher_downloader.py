@@ -1,4 +1,4 @@
-"""Fetcher.downloader (issue 9 item 17): the daemon's lazily built downloader is built
+"""Fetcher.downloader: the daemon's lazily built downloader is built
 once, whatever the number of threads asking at once, and interrupt() reaches it."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from weightcache.cache.layout import Layout
 from weightcache.config import StoreSettings
 from weightcache.errors import Interrupted
 from weightcache.fetch import Fetcher
-from weightcache.layout import Layout
 
 THREADS = 16
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.index import Entry, Index
+from weightcache.cache.index import Entry, Index
 
 SRC = "s3://models/m/r"
 
@@ -31,24 +31,24 @@ def test_uses_wal(index: Index) -> None:
 
 def test_record_access_creates_an_entry(index: Index) -> None:
     index.record_access("m", "r", source=SRC, size=1234, now=1000.0)
-    assert index.entries() == [Entry("m", "r", SRC, 1234, 1000.0, False, ())]
+    assert index.entries() == [Entry("m", "r", SRC, 1234, 1000.0, ())]
 
 
 def test_record_access_updates_last_access_and_keeps_what_is_not_given(index: Index) -> None:
     index.record_access("m", "r", source=SRC, size=1234, now=1000.0)
     index.record_access("m", "r", now=2000.0)  # a hit: no source, no size
-    assert index.entries() == [Entry("m", "r", SRC, 1234, 2000.0, False, ())]
+    assert index.entries() == [Entry("m", "r", SRC, 1234, 2000.0, ())]
     index.record_access("m", "r", source="s3://other/m/r", size=99, now=3000.0)
-    assert index.entries() == [Entry("m", "r", "s3://other/m/r", 99, 3000.0, False, ())]
+    assert index.entries() == [Entry("m", "r", "s3://other/m/r", 99, 3000.0, ())]
     index.record_access("m", "r", size=0, now=4000.0)  # zero is a size, not "unknown"
-    assert index.entries() == [Entry("m", "r", "s3://other/m/r", 0, 4000.0, False, ())]
+    assert index.entries() == [Entry("m", "r", "s3://other/m/r", 0, 4000.0, ())]
     created = index.db.execute("SELECT created FROM entries").fetchone()
     assert created == (1000.0,)
 
 
 def test_record_access_without_size_starts_at_zero(index: Index) -> None:
     index.record_access("m", "r", now=5.0)
-    assert index.entries() == [Entry("m", "r", "", 0, 5.0, False, ())]
+    assert index.entries() == [Entry("m", "r", "", 0, 5.0, ())]
 
 
 def test_entries_are_sorted_by_name_and_revision(index: Index) -> None:
@@ -86,19 +86,20 @@ def test_set_pins_replaces_the_pinned_set(index: Index) -> None:
     for name in ("a", "b", "c"):
         index.record_access(name, "r", now=1.0)
     index.set_pins({("a", "r"), ("c", "r")})
-    assert {e.name: e.pinned for e in index.entries()} == {"a": True, "b": False, "c": True}
+    assert index.pins() == {("a", "r"), ("c", "r")}
     index.set_pins({("b", "r"), ("zz", "absent")})
-    assert {e.name: e.pinned for e in index.entries()} == {"a": False, "b": True, "c": False}
+    assert index.pins() == {("b", "r"), ("zz", "absent")}
     assert len(index.entries()) == 3  # pinning an unknown revision creates no entry
     index.set_pins(set())
-    assert [e.pinned for e in index.entries()] == [False, False, False]
+    assert index.pins() == set()
 
 
 def test_pins_survive_an_access(index: Index) -> None:
     index.record_access("a", "r", now=1.0)
     index.set_pins({("a", "r")})
     index.record_access("a", "r", source=SRC, size=5, now=2.0)
-    assert index.entries() == [Entry("a", "r", SRC, 5, 2.0, True, ())]
+    assert index.entries() == [Entry("a", "r", SRC, 5, 2.0, ())]
+    assert index.pins() == {("a", "r")}
 
 
 def test_forget(index: Index) -> None:
@@ -113,7 +114,8 @@ def test_state_persists_across_connections(tmp_path: Path) -> None:
     first.record_access("m", "r", source=SRC, size=7, pod_uid="uid", now=9.0)
     first.set_pins({("m", "r")})
     second = Index(tmp_path / "state.db")
-    assert second.entries() == [Entry("m", "r", SRC, 7, 9.0, True, ("uid",))]
+    assert second.entries() == [Entry("m", "r", SRC, 7, 9.0, ("uid",))]
+    assert second.pins() == {("m", "r")}
     second.end_leases({"uid"})
     assert first.entries()[0].leases == ()
     assert Index(tmp_path / "state.db").entries()[0].leases == ()
@@ -143,7 +145,7 @@ def test_set_pins_is_atomic_for_a_concurrent_reader(tmp_path: Path) -> None:
     def between_statements(sql: str) -> None:
         # Runs as the writer starts each statement: look from another connection.
         if sql.startswith("INSERT INTO pins"):
-            seen.extend(e.pinned for e in reader.entries())
+            seen.append(("m", "r") in reader.pins())
 
     writer.db.set_trace_callback(between_statements)
     writer.set_pins({("m", "r")})  # the pinned set does not change
@@ -153,7 +155,7 @@ def test_set_pins_is_atomic_for_a_concurrent_reader(tmp_path: Path) -> None:
 def test_a_pin_set_before_its_revision_exists_applies_when_it_appears(index: Index) -> None:
     index.set_pins({("m", "r")})  # the daemon reads the models file before any fetch
     index.record_access("m", "r", size=1, now=1.0)
-    assert [(e.name, e.pinned) for e in index.entries()] == [("m", True)]
+    assert [e.name for e in index.entries()] == ["m"] and index.pins() == {("m", "r")}
 
 
 def test_remove_unless_protected_checks_leases_and_pins_in_the_transaction(
@@ -236,7 +238,7 @@ def test_a_corrupt_database_is_moved_aside_and_rebuilt(
             fh.truncate(path.stat().st_size // 2)
     original = path.read_bytes()
     index = Index(path, rebuild=_rebuilt)
-    assert index.entries() == [Entry("m", "r", SRC, 42, 7.0, False, ())]
+    assert index.entries() == [Entry("m", "r", SRC, 42, 7.0, ())]
     aside = list(tmp_path.glob("state.db.corrupt-*"))
     assert [p.name for p in aside if not p.name.endswith(("-wal", "-shm"))] != []
     assert any(p.read_bytes() == original for p in aside), "the corrupt file was not kept"

@@ -1,10 +1,10 @@
-"""Node label computation (SPEC §5 optional node labels): pure, no cluster needed."""
+"""Node label computation (design §5, node labels): pure, no cluster needed."""
 
 from __future__ import annotations
 
 import re
 
-from weightcache.labels import PREFIX, label_safe, merge_patch, node_labels
+from weightcache.node.labels import PREFIX, label_safe, merge_patch, node_labels
 
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 

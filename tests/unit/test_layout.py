@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from weightcache.cache.layout import MARKER, Layout, check_segment
 from weightcache.errors import UsageError
-from weightcache.layout import MARKER, Layout, check_segment
 
 HEX = hashlib.sha256(b"blob").hexdigest()
 

@@ -1,4 +1,4 @@
-"""manifest: SHA256SUMS parsing, validation (SPEC §2.1, §3 invariant 5) and rendering."""
+"""manifest: SHA256SUMS parsing, validation (design §2.1, §3 invariant 5) and rendering."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from weightcache import manifest
+from weightcache.cache import manifest
+from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.errors import IntegrityError, SourceError
-from weightcache.manifest import Manifest, ManifestEntry
 
 H1 = hashlib.sha256(b"one").hexdigest()
 H2 = hashlib.sha256(b"two").hexdigest()
@@ -77,7 +77,7 @@ def test_with_sizes_same_sha256_same_size_is_fine() -> None:
 
 
 def test_with_sizes_same_sha256_different_sizes_is_an_integrity_error() -> None:
-    # issue 9, item 3: exit 0 with a marker that never hits afterwards.
+    # Accepted, it was exit 0 with a marker that never hits afterwards (design §2.1).
     m = _parse(f"{H1}  a.bin\n{H2}  b.bin\n{H1}  d/c.bin\n")
     with pytest.raises(IntegrityError) as info:
         m.with_sizes({"a.bin": 3, "b.bin": 3, "d/c.bin": 4})

@@ -12,7 +12,7 @@ import pytest
 
 from weightcache.config import PeerSettings, parse_hostport
 from weightcache.errors import UsageError
-from weightcache.peers import (
+from weightcache.node.peers import (
     BAD_PEER_SECONDS,
     BLOB_PATH,
     Claim,

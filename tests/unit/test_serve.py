@@ -1,5 +1,5 @@
-"""The connection books of the daemon's listeners (weightcache/serve.py) and the fetch
-socket's request check (weightcache/coord.py): pure, with literal clocks."""
+"""The connection books of the daemon's listeners (weightcache/node/serve.py) and the fetch
+socket's request check (weightcache/node/coord.py): pure, with literal clocks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from weightcache.coord import parse_request
-from weightcache.serve import Conn, Connections, Limits
+from weightcache.node.coord import parse_request
+from weightcache.node.serve import Conn, Connections, Limits
 
 LIMITS = Limits(connections=3, idle=30.0, header=10.0)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from weightcache import manifest
-from weightcache.layout import MARKER, Layout
-from weightcache.manifest import Manifest
-from weightcache.store import FileLock, Marker, Store
+from weightcache.cache import manifest
+from weightcache.cache.layout import MARKER, Layout
+from weightcache.cache.manifest import Manifest
+from weightcache.cache.store import FileLock, Marker, Store
 
 PutBlob = Callable[[bytes], str]
 

@@ -1,6 +1,6 @@
 """A revision with more files of one content than the filesystem allows links to one inode
-(EMLINK: 65,000 on ext4) still assembles: past the limit the files are copies (issue 9,
-item 16). Needs root to mount a small ext4 image."""
+(EMLINK: 65,000 on ext4) still assembles: past the limit the files are copies (design
+§4, Links). Needs root to mount a small ext4 image."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.layout import Layout
-from weightcache.manifest import Manifest, ManifestEntry
-from weightcache.store import Marker, Store
+from weightcache.cache.layout import Layout
+from weightcache.cache.manifest import Manifest, ManifestEntry
+from weightcache.cache.store import Marker, Store
 
 EXT4_LINK_MAX = 65000
 FILES = EXT4_LINK_MAX + 50

@@ -1,4 +1,4 @@
-"""The daemon's supervised loops (issue 9 item 8): a failing step never ends its loop, is
+"""The daemon's supervised loops (design §5, Roles): a failing step never ends its loop, is
 retried with a backoff and, failing again and again, is reported; a loop that dies is
 reported too."""
 
@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from weightcache.worker import Worker, backoff
+from weightcache.node.worker import Worker, backoff
 
 
 def wait_until(what: str, predicate: Callable[[], object], timeout: float = 30.0) -> None:

@@ -10,13 +10,13 @@ sha256 is computed while the download runs, over the contiguous prefix of comple
 (read back from the page cache by whichever worker extends it), so there is no second
 pass after the last byte and the digest is ready when the last part lands.
 
-Retries (SPEC §4): 5xx, 429/503 SlowDown, resets, truncated bodies and socket timeouts are
+Retries (design §4): 5xx, 429/503 SlowDown, resets, truncated bodies and socket timeouts are
 retried with full-jitter exponential backoff, resuming the part at the byte where it broke.
 Throttling halves the concurrency (AIMD). A part gives up after `max_attempts` failures
 without progress; the whole download gives up when less than PROGRESS_BYTES arrived in
 `timeout` seconds. The stall clock is checked after every socket read, not every buffer:
 a store trickling a byte a second never fills a buffer, and would otherwise hang the
-fetch forever while each read still beats the socket timeout (issue 9, item 12).
+fetch forever while each read still beats the socket timeout (design §4, Stall bound).
 """
 
 from __future__ import annotations

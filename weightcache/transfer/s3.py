@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from weightcache.config import StoreSettings
 from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
@@ -78,7 +77,6 @@ class ObjectStore:
             region_name=session.region_name or "us-east-1",
             config=config,
         )
-        self._lock = threading.Lock()
 
     # -- the retry loop shared by every control-plane call ---------------------------------
 
@@ -170,7 +168,7 @@ def translate(e: BaseException, what: str) -> WeightcacheError:
     if isinstance(e, WeightcacheError):
         return e
     if isinstance(e, bx.ClientError):
-        err: dict[str, Any] = e.response.get("Error", {})
+        err = e.response.get("Error", {})
         code = str(err.get("Code", ""))
         status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         if code in _TRANSIENT_CODES or status >= 500 or status == 429:

@@ -1,4 +1,4 @@
-"""Peer-to-peer blob sharing between node daemons (SPEC §8): server, discovery, client.
+"""Peer-to-peer blob sharing between node daemons (design §8): server, discovery, client.
 
 Server: `GET|HEAD /blobs/sha256/<64 hex>` and nothing else, each request with `Authorization:
 Bearer <token>` (constant-time compare), one `Range` honoured. Blobs are read from the blob
@@ -6,7 +6,7 @@ store (regular files, never through a symlink); a blob this node is downloading 
 (`claim()`ed by its Fetcher) from `tmp/<hex>.part`, only the prefix of parts its `.part.json`
 records as written, a GET ahead of it waiting up to PARTIAL_WAIT for it to grow. One token
 bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads, PEER_LIMITS the
-connections (a cap, idle and header timeouts: weightcache/serve.py).
+connections (a cap, idle and header timeouts: weightcache/node/serve.py).
 
 Nothing a peer sends is trusted: the receiver hashes every blob and publishes it only if its
 sha256 is the manifest's, exactly as for the origin. A prefix served from a partial is not
@@ -44,10 +44,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings
 from weightcache.errors import UsageError
-from weightcache.layout import Layout
-from weightcache.serve import HttpServer, Limits
+from weightcache.node.serve import HttpServer, Limits
 from weightcache.transfer.pacing import TokenBucket
 from weightcache.transfer.parts import PartState
 
@@ -61,7 +61,6 @@ MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retri
 BAD_PEER_SECONDS = 600.0  # a peer that served wrong bytes is not asked again for this long
 DOWN_PEER_SECONDS = 10.0  # nor one that did not answer, for this long
 DNS_REFRESH = 5.0  # seconds between lookups of the Service name
-PEER_ATTEMPTS = 3  # failed requests without progress before a blob falls back to the origin
 REFUSAL_REASONS = ("no_token", "bad_token", "bad_path", "not_found", "bad_range", "method",
                    "busy")  # fmt: skip
 _WILDCARDS = ("", "0.0.0.0", "::")
@@ -326,7 +325,7 @@ def _holding(peer: str, resp: http.client.HTTPResponse, size: int) -> Holding | 
 
 #: Peer connections: more than MAX_REQUESTS so that HEADs still get in while uploads run;
 #: an idle keep-alive connection lives a minute (the downloaders reuse theirs), a request
-#: head must arrive within 10 s of its first byte (issue 9, item 10).
+#: head must arrive within 10 s of its first byte (design §5, Bounds).
 PEER_LIMITS = Limits(connections=2 * MAX_REQUESTS, idle=60.0, header=10.0)
 
 
@@ -343,7 +342,7 @@ class _Abort(Exception):
 
 class PeerServer:
     """Serves this node's blobs to the other daemons (see the module docstring), on the
-    daemon's event loop (weightcache/serve.py bounds the connections)."""
+    daemon's event loop (weightcache/node/serve.py bounds the connections)."""
 
     def __init__(
         self, settings: PeerSettings, layout: Layout, peers: Peers, observer: ServedObserver,
@@ -370,10 +369,6 @@ class PeerServer:
                 f"cannot serve peers on {host}:{port} ({e.strerror}); choose a free --peer-addr"
             ) from e
         log.info("serving blobs to peers on %s:%d", *self.address)
-
-    async def stop(self) -> None:
-        self.stopping.set()
-        await self.http.close()
 
     # -- one request ---------------------------------------------------------------------------
 

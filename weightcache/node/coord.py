@@ -9,7 +9,7 @@ A request the daemon cannot read gets an error event instead of "accepted". Inst
 accepting, the daemon may answer `{"event": "refused", "message": "..."}` (a source outside
 its `--allow-source` prefixes): the Pod then fetches alone, with its own credentials.
 
-A hung daemon must not hang a Pod (SPEC §5): the client falls back to fetching alone when
+A hung daemon must not hang a Pod (design §5): the client falls back to fetching alone when
 the socket is absent, refuses, does not accept within ACCEPT_TIMEOUT, goes silent for
 SILENCE_TIMEOUT, or closes the connection before its verdict (a stopping daemon does: it
 never answers an error it caused by stopping). Falling back is always safe: the cache's

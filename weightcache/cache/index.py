@@ -4,7 +4,7 @@ SQLite in WAL mode so that the daemon and many `fetch` processes write concurren
 The index is advisory bookkeeping for eviction and `ls`; the truth about what is ready
 is the marker on disk (a lost index costs LRU precision, never correctness).
 
-Leases are the exception that makes eviction safe (issue 9 item 4): a fetch commits its
+Leases are the exception that makes eviction safe (design §3 invariant 8): a fetch commits its
 Pod's lease *before* it checks the marker, and the evictor removes a revision only inside
 a write transaction that finds no lease (`remove_unless_protected`). Write transactions
 are serialized, so either the evictor sees the lease, or the fetch finds the revision gone
@@ -12,7 +12,7 @@ and fetches it again.
 
 The file is checked before every use: a state.db replaced or deleted under a long-lived
 process is reopened (its leases carried over), and a corrupt one is moved aside to
-`state.db.corrupt-<time>` and rebuilt from the markers on disk (issue 9 items 5, 6).
+`state.db.corrupt-<time>` and rebuilt from the markers on disk (design §3, the index).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import FileLock, Store
 from weightcache.errors import UsageError
-from weightcache.layout import Layout
-from weightcache.store import FileLock, Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,7 +60,6 @@ class Entry:
     source: str
     size: int
     last_access: float
-    pinned: bool
     leases: tuple[str, ...] = ()
 
 
@@ -318,9 +317,8 @@ class Index:
         leases: dict[tuple[str, str], list[str]] = {}
         for name, rev, uid in db.execute("SELECT name, revision, pod_uid FROM leases"):
             leases.setdefault((name, rev), []).append(uid)
-        pins = {(n, r) for n, r in db.execute("SELECT name, revision FROM pins")}
         return [
-            Entry(n, r, src, size, last, (n, r) in pins, tuple(sorted(leases.get((n, r), ()))))
+            Entry(n, r, src, size, last, tuple(sorted(leases.get((n, r), ()))))
             for n, r, src, size, last in db.execute(
                 "SELECT name, revision, source, size, last_access FROM entries "
                 "ORDER BY name, revision"

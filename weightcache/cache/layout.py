@@ -13,7 +13,7 @@ DIR/.weightcache/daemon.sock          the node daemon's Unix socket, when one ru
 DIR/.weightcache/daemon.lock          flocked by the one daemon of this cache dir (its pid)
 ```
 A revision appears by `rename(2)` of a directory assembled under tmp/ with its marker
-already inside, so a marked revision is always complete (SPEC §3, invariants 1 and 2).
+already inside, so a marked revision is always complete (design §3, invariants 1 and 2).
 Everything lives on one filesystem so that links and renames are atomic.
 """
 

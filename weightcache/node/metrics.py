@@ -1,4 +1,4 @@
-"""The daemon's Prometheus metrics (SPEC §6) and the observer that feeds them.
+"""The daemon's Prometheus metrics (design §6) and the observer that feeds them.
 
 The early-warning signal is `weightcache_get_concurrency_per_replica`: object-store GETs
 in flight from this node divided by the Pods waiting in `fetch` on it. During a scale-out
@@ -18,7 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from weightcache.peers import REFUSAL_REASONS
+from weightcache.node.peers import REFUSAL_REASONS
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series only add noise to every scrape
 

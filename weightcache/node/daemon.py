@@ -1,4 +1,4 @@
-"""The node agent (SPEC §5): converge to the models file, bound the cache, coordinate fetches.
+"""The node agent (design §5): converge to the models file, bound the cache, coordinate fetches.
 
 One `Fetcher` (so one token bucket for `--bwlimit` and one AIMD gate) serves both the
 prefetch loop and the Pods' `fetch` requests arriving on the Unix socket; requests for the
@@ -6,8 +6,8 @@ same revision share one download (single-flight). Revisions are prefetched one a
 Capacity is enforced after every change and before every download. SIGTERM stops new
 work, interrupts downloads (partials stay resumable) and exits within the grace period.
 
-Peers (SPEC §8, `--peer-addr`): the daemon serves its blobs to the other nodes' daemons
-and, for the fetches it runs, asks them before the origin (weightcache/peers.py).
+Peers (design §8, `--peer-addr`): the daemon serves its blobs to the other nodes' daemons
+and, for the fetches it runs, asks them before the origin (weightcache/node/peers.py).
 
 Who holds credentials: the daemon downloads with its own (DaemonSet Secret or IRSA) for
 every fetch it coordinates; a Pod's `fetch` uses its own only when it falls back to
@@ -16,7 +16,7 @@ outside its `--allow-source` prefixes: any Pod on the node can reach the socket,
 daemon's credentials must not read whatever a Pod names).
 
 Its loops (converging to the models file; ending leases and bounding capacity) run as
-supervised workers (weightcache/worker.py): a failing step is logged and retried, and
+supervised workers (weightcache/node/worker.py): a failing step is logged and retried, and
 one that keeps failing, or dies, fails /healthz.
 """
 
@@ -32,7 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightcache import coord, eviction, labels, serve
+from weightcache.cache import eviction
+from weightcache.cache.eviction import Watermarks
+from weightcache.cache.index import for_cache
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import Store
 from weightcache.config import (
     Capacity,
     PeerSettings,
@@ -42,21 +46,18 @@ from weightcache.config import (
     parse_pod_uid,
 )
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
-from weightcache.eviction import Watermarks
 from weightcache.fetch import Fetcher, FetchResult
-from weightcache.index import for_cache
-from weightcache.layout import Layout
-from weightcache.metrics import Metrics
-from weightcache.models import DesiredState, load
-from weightcache.peers import Peers, PeerServer
+from weightcache.node import coord, labels, serve
+from weightcache.node.metrics import Metrics
+from weightcache.node.models import DesiredState, load
+from weightcache.node.peers import Peers, PeerServer
+from weightcache.node.worker import Worker, backoff
 from weightcache.progress import human
-from weightcache.store import Store
-from weightcache.worker import Worker, backoff
 
 log = logging.getLogger(__name__)
 
 #: The fetch socket: Pods waiting at once (a node runs at most ~110 Pods), and 5 s for the
-#: request line, which `fetch` sends as soon as it connects (issue 9, item 10).
+#: request line, which `fetch` sends as soon as it connects (design §5, Bounds).
 SOCKET_LIMITS = serve.Limits(connections=256, idle=5.0, header=5.0)
 REQUEST_LINE_LIMIT = 64 << 10  # bytes; a request is ~300
 #: /metrics, /healthz, /readyz: a scraper and the kubelet's probes.
@@ -78,7 +79,7 @@ class DaemonSettings:
     interval: float = 2.0
     node_name: str | None = None  # set to label the node (needs RBAC, see daemonset/)
     grace: float = 25.0  # seconds to wind down after SIGTERM, within the Pod's grace period
-    peer: PeerSettings | None = None  # serve and fetch blobs between nodes (SPEC §8)
+    peer: PeerSettings | None = None  # serve and fetch blobs between nodes (design §8)
     #: Where the daemon fetches for Pods (`--allow-source`); None: under the parent of
     #: every source of the models file (any revision of a listed model).
     allow_sources: tuple[SourcePrefix, ...] | None = None
@@ -241,7 +242,7 @@ class Daemon:
             self._execute(eviction.plan_eviction(revisions, sizes, usage, target))
 
     def _collect_orphans(self) -> None:
-        """Delete blobs no revision links and no running fetch wants (issue 9 item 13):
+        """Delete blobs no revision links and no running fetch wants (design §5, Capacity):
         they count as usage but would never be evicted."""
         freed = self.store.collect_orphans()
         if freed:
@@ -585,7 +586,7 @@ def _pod_dir_exists(path: Path) -> bool:
 def hold_cache_dir(layout: Layout) -> int:
     """flock the cache dir's daemon lock for the life of the process (the fd stays open;
     the kernel releases it on any exit). Raises UsageError naming the holder's pid: two
-    daemons on one cache dir would take each other's socket and partials (issue 9, item 11)."""
+    daemons on one cache dir would take each other's socket and partials (design §5)."""
     fd = os.open(layout.daemon_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -9,9 +9,9 @@ import hashlib
 import logging
 from pathlib import Path
 
+from weightcache.cache.manifest import MANIFEST_NAME, check_path, render
 from weightcache.config import Source, StoreSettings
 from weightcache.errors import UsageError
-from weightcache.manifest import MANIFEST_NAME, check_path, render
 
 log = logging.getLogger(__name__)
 

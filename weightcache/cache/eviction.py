@@ -1,4 +1,4 @@
-"""Capacity-bounded LRU eviction: a pure plan, then its execution (SPEC §5).
+"""Capacity-bounded LRU eviction: a pure plan, then its execution (design §5, Capacity).
 
 `plan_eviction` sees only literal numbers: which revisions exist, which blobs each links,
 how big each blob is, when each revision was last used, which are pinned or leased. It
@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightcache.cache.index import Index
+from weightcache.cache.store import FileLock, Store
 from weightcache.errors import UsageError
-from weightcache.index import Index
-from weightcache.store import FileLock, Store
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def execute(plan: EvictionPlan, store: Store, index: Index) -> int:
     Each removal is a rename out of place first, so no marked revision ever misses a file.
     A revision whose lock a fetch holds is skipped this round, and so is one that a Pod
     leased (or the daemon pinned) since the plan was made: the lease is checked again in
-    the same write transaction as the rename (issue 9 item 4).
+    the same write transaction as the rename (design §3 invariant 8).
     """
     freed_blobs: set[str] = set()
     for name, revision in plan.evict:

@@ -20,8 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from weightcache.devstore import LocalStore, free_port
 from weightcache.errors import UsageError
+from weightcache.ops.devstore import LocalStore, free_port
 
 SHARDS = 4
 

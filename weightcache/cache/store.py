@@ -1,6 +1,6 @@
 """The on-disk cache: blobs, atomic publish, revision assembly, markers, removal.
 
-Correctness comes from renames, never from locks (STYLE: atomic publish): a blob is
+Correctness comes from renames, never from locks (design §3, invariants 1 and 2): a blob is
 published by renaming a verified, fsynced partial; a revision by renaming a directory
 assembled aside with its marker already inside. `FileLock` only avoids duplicate work.
 """
@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightcache.cache.layout import MARKER, Layout
+from weightcache.cache.manifest import Manifest, check_path
 from weightcache.errors import SourceError
-from weightcache.layout import MARKER, Layout
-from weightcache.manifest import Manifest, check_path
 
 log = logging.getLogger(__name__)
 MARKER_VERSION = 1
@@ -65,7 +65,7 @@ class Marker:
 
         Every file path is validated as a manifest path and every digest as 64 hex
         digits: a marker is read back from disk, where anyone who can write the cache
-        can plant one, and its paths are hashed and removed by `verify` (issue 9, item 14).
+        can plant one, and its paths are hashed and removed by `verify` (design §3, the marker).
         """
         try:
             d = json.loads(text)
@@ -96,7 +96,7 @@ def _checked_file(path: str, entry: dict[str, object]) -> tuple[str, int]:
 
 class FileOps:
     """The filesystem calls that publish blobs and revisions, in one object so that a test
-    can make any one of them fail or "crash" (STYLE: pass the filesystem in, as s3transfer
+    can make any one of them fail or "crash" (the filesystem is passed in, as s3transfer
     passes its OSUtils). Reads are not routed here: only writes change what a crash leaves.
     """
 
@@ -201,8 +201,8 @@ class Store:
     def repair(self, marker: Marker) -> list[str]:
         """Unmark a revision whose files lost their marked sizes: drop the marker first,
         then quarantine each damaged file with its blob (when it is the same inode), so
-        the next assembly downloads them again instead of linking the damage (issue 9,
-        item 2). Returns the damaged paths (none: nothing is changed)."""
+        the next assembly downloads them again instead of linking the damage (design §3
+        invariant 7). Returns the damaged paths (none: nothing is changed)."""
         damaged = self.damaged_files(marker)
         if damaged:
             self.drop_marker(marker.name, marker.revision)
@@ -290,7 +290,7 @@ class Store:
 
         No age guard: a fetch in progress writes the blobs it wants into its revision
         lock (`FileLock.note`) before it looks for them, so a blob it published (or found)
-        and has not linked yet is spared while it holds that lock (issue 9 item 13).
+        and has not linked yet is spared while it holds that lock (design §5, Capacity).
         """
         wanted = self.wanted_by_running_fetches()
         out = []
@@ -481,7 +481,7 @@ class FileLock:
 
     Released by the kernel when the holder dies (kill -9 included). On filesystems where
     flock silently does nothing, two fetches both download and the renames keep the
-    cache correct (SPEC §3 invariant 2).
+    cache correct (design §3 invariant 2).
     """
 
     def __init__(self, path: Path, what: str) -> None:

@@ -1,5 +1,5 @@
 """The daemon's background loops, supervised: a failing step is contained, retried with a
-backoff and reported to /healthz; a loop that dies is reported too (issue 9 item 8).
+backoff and reported to /healthz; a loop that dies is reported too (design §5, Roles).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ class Worker:
     """One of the daemon's loops: `step()` every `interval` seconds on its own thread,
     until `stopping` is set.
 
-    Nothing a step raises ends the loop (issue 9 item 8: a sqlite3.Error or OSError used to
-    end the prefetch thread silently): the failure is logged as one line and the step is
+    Nothing a step raises ends the loop (a sqlite3.Error or OSError used to end the
+    prefetch thread silently): the failure is logged as one line and the step is
     retried after a backoff doubling up to `max_delay`. `problem()` is what /healthz
     reports: the thread died, or the step failed UNHEALTHY_AFTER times in a row.
     """

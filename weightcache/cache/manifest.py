@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from weightcache.cache.layout import MARKER, NAME_MAX
 from weightcache.errors import IntegrityError, SourceError
-from weightcache.layout import MARKER, NAME_MAX
 
 MANIFEST_NAME = "SHA256SUMS"
 _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")

@@ -1,7 +1,7 @@
-"""The daemon's listeners, on one asyncio event loop thread (issue 9, item 10).
+"""The daemon's listeners, on one asyncio event loop thread (design §5, Bounds).
 
 Three servers share the loop: the metrics/health HTTP port, the peer port (both aiohttp)
-and the Unix socket the Pods' `fetch` talks to (JSON lines, weightcache/coord.py). None
+and the Unix socket the Pods' `fetch` talks to (JSON lines, weightcache/node/coord.py). None
 of them trusts a client to behave, so every connection is bounded:
 
 - a connection cap per server; a new connection at the cap closes the oldest one that is

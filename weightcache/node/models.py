@@ -1,4 +1,4 @@
-"""The models file (SPEC §2.3): the daemon's desired state, usually a mounted ConfigMap.
+"""The models file (design §2.3): the daemon's desired state, usually a mounted ConfigMap.
 
 ```yaml
 models:
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightcache.cache.layout import check_segment
 from weightcache.config import Source
 from weightcache.errors import UsageError
-from weightcache.layout import check_segment
 
 _KEYS = {"source", "name", "revision", "pin"}
 

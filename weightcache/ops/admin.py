@@ -7,14 +7,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightcache import eviction
+from weightcache.cache import eviction
+from weightcache.cache.index import for_cache
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import Marker, Store
 from weightcache.config import Capacity
 from weightcache.errors import IntegrityError, UsageError
-from weightcache.index import for_cache
-from weightcache.layout import Layout
+from weightcache.ops.publish import sha256_file
 from weightcache.progress import human
-from weightcache.publish import sha256_file
-from weightcache.store import Marker, Store
 
 
 def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
@@ -145,7 +145,7 @@ def _damaged(
 def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> str:
     """Remove orphaned blobs (no revision links them, no running fetch wants them), then
     plan (and unless dry_run, execute) LRU eviction down to `capacity`."""
-    from weightcache.models import load
+    from weightcache.node.models import load
 
     layout = Layout.open(cache_dir, create=False)
     if layout.read_only and not dry_run:
