@@ -62,7 +62,16 @@ def test_fetches_alone_are_counted_while_they_run_and_only_then(
     assert seen["weightcache_get_concurrency_per_replica"] == seen[GETS] / 3, seen
 
     killed.kill9()
-    wait_for("the killed fetch forgotten", lambda: daemon.metrics()[ALONE] == 2, SETTLE_S)
+    records = cache_dir / ".weightcache" / "fetching"
+    assert any(r.name.startswith(f"{killed.pid}-") for r in records.glob("*.json")), (
+        "kill -9 left no record behind: nothing to prove about ghosts"
+    )
+
+    def killed_forgotten() -> bool:
+        running = sum(r.poll() is None for r in (first, refused))
+        return daemon.metrics()[ALONE] == running
+
+    wait_for("the killed fetch forgotten", killed_forgotten, SETTLE_S)
     proxy.configure(trickle_rate=None)  # let the others finish
     for running, pub in ((first, pubs[0]), (refused, pubs[1])):
         assert_ok_path(running.finish(180), pub.local_path(cache_dir))
@@ -74,4 +83,4 @@ def test_fetches_alone_are_counted_while_they_run_and_only_then(
 
     last = wait_for("every gauge back to 0", idle, SETTLE_S)
     assert last["weightcache_max_concurrency"] == 16, last  # the daemon's default
-    assert list((cache_dir / ".weightcache" / "fetching").iterdir()) == [], "ghost records"
+    assert list(records.iterdir()) == [], "records left behind"
