@@ -84,3 +84,9 @@ def test_fetches_alone_are_counted_while_they_run_and_only_then(
     last = wait_for("every gauge back to 0", idle, SETTLE_S)
     assert last["weightcache_max_concurrency"] == 16, last  # the daemon's default
     assert list(records.iterdir()) == [], "records left behind"
+
+    # A hit registers nothing and does not even import the registry.
+    hit = wc.fetch(pubs[0].source, cache_dir, "--no-daemon", endpoint=proxy.url,
+                   env={"PYTHONPROFILEIMPORTTIME": "1"})  # fmt: skip
+    assert_ok_path(hit, pubs[0].local_path(cache_dir))
+    assert "weightcache.alone" not in hit.stderr and "weightcache.fetch" in hit.stderr
