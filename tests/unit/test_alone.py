@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from weightcache import alone
@@ -23,10 +24,10 @@ with alone.registered(Layout.open(sys.argv[1]), "m", "r1", lambda: 7):
 """
 
 
-def wait_until(predicate: object, timeout: float = 10.0) -> bool:
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return True
         time.sleep(0.05)
     return False
