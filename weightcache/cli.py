@@ -227,6 +227,7 @@ def _fetch_miss(
     use_daemon: bool,
     progress_interval: float | None,
 ) -> Any:
+    from weightcache.cache.alone import registered
     from weightcache.fetch import Fetcher, FetchResult
     from weightcache.node.coord import ask_daemon
     from weightcache.progress import Progress
@@ -237,9 +238,11 @@ def _fetch_miss(
             answer.pop("throughput", None)
             return FetchResult(**answer)
     progress = Progress(src.label, 0, interval=progress_interval)
-    fetcher = Fetcher(layout, settings, observer=progress)
+    fetcher = Fetcher(layout, settings, observer=progress)  # no peers: every GET is origin
+    # Fetching alone: the node daemon counts us through the cache dir (issue 13 §4).
     try:
-        return fetcher.fetch(src, pod_uid)
+        with registered(layout, src.name, src.revision, lambda: progress.inflight):
+            return fetcher.fetch(src, pod_uid)
     finally:
         progress.close()
 

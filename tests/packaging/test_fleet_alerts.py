@@ -16,6 +16,7 @@ GROUP = "weightcache.fleet"
 ALERTS = (
     "WeightcacheGPUNodesWithoutDaemon",
     "WeightcacheDaemonDown",
+    "WeightcacheDaemonDownWhilePodsFetch",
     "WeightcacheRevisionNotReady",
     "WeightcachePeerTokenMismatch",
 )
@@ -67,11 +68,19 @@ READY = 'kube_daemonset_status_number_ready{daemonset="weightcache",namespace="w
 UP = 'up{job="weightcache/weightcache",node="a",pod="weightcache-x7k2p",namespace="weightcache"}'
 REVISION = 'weightcache_revision_ready{node="a",name="m",revision="r1"}'
 REFUSED = 'weightcache_peer_requests_refused_total{node="a",reason="%s"}'
+#: kube-state-metrics: a Pod in namespace "team" on node "a" whose init container fetches.
+INIT = 'kube_pod_init_container_status_running{namespace="team",pod="llm-0",container="%s"}'
+POD_ON_A = 'kube_pod_info{namespace="team",pod="llm-0",node="a",uid="u0"}'
+
+
+def _fetching_on_a(container: str = "fetch-weights") -> dict[str, str]:
+    return {INIT % container: "1x20", POD_ON_A: "1x20"}
 
 
 def _cases(daemonset: Any) -> list[dict[str, Any]]:
     gpu_nodes = _alert(daemonset, "WeightcacheGPUNodesWithoutDaemon")
     down = _alert(daemonset, "WeightcacheDaemonDown")
+    fetching = _alert(daemonset, "WeightcacheDaemonDownWhilePodsFetch")
     revision = _alert(daemonset, "WeightcacheRevisionNotReady")
     token = _alert(daemonset, "WeightcachePeerTokenMismatch")
     three_gpu_nodes = dict(_gpu(n, 8) for n in "abc")
@@ -92,6 +101,20 @@ def _cases(daemonset: Any) -> list[dict[str, Any]]:
         _case("another exporter down is not ours: silent",
               {'up{job="gpu-operator/nvidia-dcgm-exporter",node="a"}': "0x20"},
               down["alert"], "12m", []),
+        _case("a daemon down while a Pod fetches on its node: fires",
+              {UP: "0x20", **_fetching_on_a()}, fetching["alert"], "8m",
+              [_firing(fetching, 1, {"node": "a"})]),
+        _case("a GPU node with no daemon at all while a Pod fetches there: fires",
+              {**dict([_gpu("a", 8)]), **_fetching_on_a()}, fetching["alert"], "8m",
+              [_firing(fetching, 1, {"node": "a"})]),
+        _case("a daemon answering while Pods fetch: silent", {UP: "1x20", **_fetching_on_a()},
+              fetching["alert"], "8m", []),
+        _case("a daemon down with no Pod fetching: silent (WeightcacheDaemonDown says it)",
+              {UP: "0x20", POD_ON_A: "1x20"}, fetching["alert"], "8m", []),
+        _case("another init container on that node: silent",
+              {UP: "0x20", **_fetching_on_a("istio-init")}, fetching["alert"], "8m", []),
+        _case("a Pod fetching on a node without GPUs and daemon: silent",
+              {**dict([_gpu("a", 0)]), **_fetching_on_a()}, fetching["alert"], "8m", []),
         _case("a listed revision not ready for over an hour: fires", {REVISION: "0x70"},
               revision["alert"], "65m",
               [_firing(revision, 0, {"node": "a", "name": "m", "revision": "r1"})]),

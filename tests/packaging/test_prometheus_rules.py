@@ -1,9 +1,10 @@
 """The PrometheusRule and the dashboard: valid PromQL, real metric names, and the alert's behaviour.
 
 promtool (Debian package `prometheus`) checks the rules and runs them against synthetic
-series: a scale-out where every replica pulls its own copy (the alert fires) and one where
-the cache works (the ratio falls; silent). Without promtool those tests skip; the metric
-name checks below need nothing but Python.
+series: scale-outs where every replica pulls its own copy, through the daemon or alone (the
+alert fires), and ones where the cache works, including a cold node where 8 replicas wait
+30 minutes on one 16-GET download (silent; issue 13 §4). Without promtool those tests skip;
+the metric name checks below need nothing but Python.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ DESIGN_METRICS = {
     "weightcache_fetch_duration_seconds_bucket",
     "weightcache_fetch_duration_seconds_sum",
     "weightcache_fetch_duration_seconds_count",
+    # what the daemon reads from the fetches alone, and what the rules normalise by
+    "weightcache_fetches_alone_inflight",
+    "weightcache_fetches_alone_origin_get_inflight",
+    "weightcache_downloads_inflight",
+    "weightcache_max_concurrency",
 }
 
 #: Grafana's variables, replaced by what they expand to so that promtool can parse the query.
@@ -73,7 +79,9 @@ def grafana_to_promql(expr: str) -> str:
 def metric_names(expr: str) -> set[str]:
     # Label names and values sit inside {...} or by/without (...) and do not start with
     # "weightcache", so every weightcache token is a metric or recording rule name.
-    return set(re.findall(r"\bweightcache[a-zA-Z0-9_:]*", re.sub(r'"[^"]*"', '""', expr)))
+    # "node:weightcache_..." is a per-node recording rule's name.
+    unquoted = re.sub(r'"[^"]*"', '""', expr)
+    return set(re.findall(r"\b(?:node:)?weightcache[a-zA-Z0-9_:]*", unquoted))
 
 
 def write_rules(daemonset: Any, directory: Path) -> Path:
@@ -173,14 +181,42 @@ def _series(name: str, values_by_node: dict[str, str]) -> list[dict[str, str]]:
     ]
 
 
-def _expected_annotations(alert: dict[str, Any], value: float) -> dict[str, str]:
-    """The alert's annotations as Prometheus renders them for this $value."""
+def _node(
+    node: str, gets: str, fetches: str, downloads: str, alone: str = "0x40"
+) -> list[dict[str, str]]:
+    """One daemon's gauges (each a promtool series of 40+ samples) at --max-concurrency 16."""
+    return [
+        *_series("weightcache_origin_get_inflight", {node: gets}),
+        *_series("weightcache_replica_fetches_inflight", {node: fetches}),
+        *_series("weightcache_downloads_inflight", {node: downloads}),
+        *_series("weightcache_fetches_alone_inflight", {node: alone}),
+        *_series("weightcache_max_concurrency", {node: "16x40"}),
+    ]
+
+
+def _expected_annotations(alert: dict[str, Any], value: float, node: str) -> dict[str, str]:
+    """The alert's annotations as Prometheus renders them for this $value and node."""
     out = {}
     for key, text in alert["annotations"].items():
-        text = text.replace('{{ $value | printf "%.1f" }}', f"{value:.1f}")
+        text = text.replace("{{ $value | humanizePercentage }}", f"{value * 100:.4g}%")
+        text = text.replace("{{ $labels.node }}", node)
         assert "{{" not in text, f"test does not know how to render {text!r}"
         out[key] = text
     return out
+
+
+def _firing(alert: dict[str, Any], value: float, *nodes: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "exp_labels": {"node": node, **alert["labels"]},
+            "exp_annotations": _expected_annotations(alert, value, node),
+        }
+        for node in nodes
+    ]
+
+
+def _silent(*times: str) -> list[dict[str, Any]]:
+    return [{"eval_time": t, "alertname": ALERT, "exp_alerts": []} for t in times]
 
 
 def _unit_tests(daemonset: Any) -> dict[str, Any]:
@@ -190,17 +226,12 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
         "evaluation_interval": "1m",
         "tests": [
             {
-                # 3 new nodes, 4 replicas each, every replica running its own 16-GET download.
+                # 3 new nodes, 4 replicas each of one revision, every replica running its
+                # own 16-GET download (say the revision lock is bypassed on each node).
                 "name": "every replica pulls its own copy: ratio stays at 16, alert fires",
                 "interval": "1m",
                 "input_series": [
-                    *_series(
-                        "weightcache_replica_fetches_inflight",
-                        {n: "0 4x25" for n in ("a", "b", "c")},
-                    ),
-                    *_series(
-                        "weightcache_origin_get_inflight", {n: "0 64x25" for n in ("a", "b", "c")}
-                    ),
+                    *(s for n in "abc" for s in _node(n, "0 64x39", "0 4x39", "0 1x39")),
                 ],
                 "promql_expr_test": [
                     {
@@ -210,18 +241,55 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
                     },
                 ],
                 "alert_rule_test": [
-                    {"eval_time": "5m", "alertname": ALERT, "exp_alerts": []},
+                    *_silent("5m"),
                     {
                         "eval_time": "12m",
                         "alertname": ALERT,
-                        "exp_alerts": [
+                        "exp_alerts": _firing(alert, 1.0, "a", "b", "c"),
+                    },
+                ],
+            },
+            {
+                # The failure the daemon was blind to: 8 Pods on one node fetching alone
+                # (--no-daemon, or a source the daemon refuses), each with 16 GETs.
+                "name": "every replica pulling alone: alert fires",
+                "interval": "1m",
+                "input_series": _node("a", "0 128x39", "0 8x39", "0 1x39", alone="0 8x39"),
+                "alert_rule_test": [
+                    *_silent("5m"),
+                    {
+                        "eval_time": "12m",
+                        "alertname": ALERT,
+                        "exp_alerts": _firing(alert, 1.0, "a"),
+                    },
+                ],
+            },
+            {
+                # A healthy cold scale-out: 8 replicas wait 30 minutes on one node while
+                # its daemon downloads the one revision with 16 GETs. The raw ratio is 2
+                # all along (the old rule paged here); 1/8 pulls per replica.
+                "name": "a healthy cold scale-out on one node: silent for 30 minutes",
+                "interval": "1m",
+                "input_series": _node("a", "0 16x30 0x9", "0 8x30 0x9", "0 1x30 0x9"),
+                "promql_expr_test": [
+                    {
+                        "expr": RATIO,
+                        "eval_time": "20m",
+                        "exp_samples": [{"labels": RATIO, "value": 2}],
+                    },
+                    {
+                        "expr": "node:weightcache_origin_pulls_per_replica:ratio",
+                        "eval_time": "20m",
+                        "exp_samples": [
                             {
-                                "exp_labels": alert["labels"],
-                                "exp_annotations": _expected_annotations(alert, 16.0),
+                                "labels": "node:weightcache_origin_pulls_per_replica"
+                                ':ratio{node="a"}',
+                                "value": 1 / 8,
                             }
                         ],
                     },
                 ],
+                "alert_rule_test": _silent("5m", "12m", "20m", "30m", "35m"),
             },
             {
                 # 6 new nodes, 8 replicas each. One node downloads from the object store (16 GETs),
@@ -229,14 +297,8 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
                 "name": "the cache works: ratio falls during the scale-out, alert silent",
                 "interval": "1m",
                 "input_series": [
-                    *_series(
-                        "weightcache_replica_fetches_inflight",
-                        {"a": "1 1 8x23", **{n: "0 0 8x23" for n in "bcdef"}},
-                    ),
-                    *_series(
-                        "weightcache_origin_get_inflight",
-                        {"a": "16x25", **{n: "0x25" for n in "bcdef"}},
-                    ),
+                    *_node("a", "16x39", "1 1 8x37", "1x39"),
+                    *(s for n in "bcdef" for s in _node(n, "0x39", "0 0 8x37", "0 0 1x37")),
                 ],
                 "promql_expr_test": [
                     {
@@ -250,29 +312,28 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
                         "exp_samples": [{"labels": RATIO, "value": 16 / 48}],
                     },
                 ],
-                "alert_rule_test": [
-                    {"eval_time": t, "alertname": ALERT, "exp_alerts": []}
-                    for t in ("5m", "12m", "20m")
-                ],
+                "alert_rule_test": _silent("5m", "12m", "20m"),
+            },
+            {
+                # Four replicas of four different revisions on one node: each needs its own
+                # download, which no cache can share.
+                "name": "replicas of different revisions: silent",
+                "interval": "1m",
+                "input_series": _node("a", "64x39", "4x39", "4x39"),
+                "alert_rule_test": _silent("20m"),
             },
             {
                 # Two replicas, each pulling: below the "> 2 waiting" floor, so no page.
                 "name": "a couple of replicas is not a scale-out",
                 "interval": "1m",
-                "input_series": [
-                    *_series("weightcache_replica_fetches_inflight", {"a": "2x25"}),
-                    *_series("weightcache_origin_get_inflight", {"a": "32x25"}),
-                ],
-                "alert_rule_test": [{"eval_time": "20m", "alertname": ALERT, "exp_alerts": []}],
+                "input_series": _node("a", "32x39", "2x39", "1x39"),
+                "alert_rule_test": _silent("20m"),
             },
             {
                 # Idle cluster: the ratio is 0 (clamp_min), not NaN, so graphs and alerts stay sane.
                 "name": "idle: ratio is zero",
                 "interval": "1m",
-                "input_series": [
-                    *_series("weightcache_replica_fetches_inflight", {"a": "0x5"}),
-                    *_series("weightcache_origin_get_inflight", {"a": "0x5"}),
-                ],
+                "input_series": _node("a", "0x5", "0x5", "0x5"),
                 "promql_expr_test": [
                     {
                         "expr": RATIO,
@@ -293,10 +354,10 @@ def test_promtool_unit_tests_of_the_alert(daemonset: Any, promtool: str, tmp_pat
 
 
 def test_promtool_unit_tests_can_fail(daemonset: Any, promtool: str, tmp_path: Path) -> None:
-    """Negative control: expecting silence where every replica pulls must fail."""
+    """Negative control: expecting silence where every replica pulls alone must fail."""
     write_rules(daemonset, tmp_path)
     suite = _unit_tests(daemonset)
-    suite["tests"] = suite["tests"][:1]
+    suite["tests"] = suite["tests"][1:2]
     suite["tests"][0]["alert_rule_test"][1]["exp_alerts"] = []
     tests = tmp_path / "inverted.test.yaml"
     tests.write_text(yaml.safe_dump(suite, sort_keys=False))

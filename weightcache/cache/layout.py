@@ -11,6 +11,8 @@ DIR/.weightcache/locks/               flock files: single-flight only, never cor
 DIR/.weightcache/state.db             SQLite (WAL): entries, last access, pins, leases
 DIR/.weightcache/daemon.sock          the node daemon's Unix socket, when one runs
 DIR/.weightcache/daemon.lock          flocked by the one daemon of this cache dir (its pid)
+DIR/.weightcache/fetching/            one record per fetch downloading without the daemon,
+                                      flocked while it runs (weightcache/cache/alone.py)
 ```
 A revision appears by `rename(2)` of a directory assembled under tmp/ with its marker
 already inside, so a marked revision is always complete (design §3, invariants 1 and 2).
@@ -113,6 +115,10 @@ class Layout:
     @property
     def daemon_lock(self) -> Path:
         return self.internal / "daemon.lock"
+
+    @property
+    def fetching(self) -> Path:
+        return self.internal / "fetching"
 
     def blob(self, sha256: str) -> Path:
         if not _HEX.fullmatch(sha256):

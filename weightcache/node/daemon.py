@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightcache.cache import eviction
+from weightcache.cache import alone, eviction
 from weightcache.cache.eviction import Watermarks
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
@@ -95,6 +95,7 @@ class Daemon:
         self.layout = layout
         self.settings = settings
         self.metrics = Metrics()
+        self.metrics.max_concurrency.set(store_settings.max_concurrency)
         self.store = Store(layout)
         self.index = for_cache(layout)
         self._pins_generation = -1  # the index generation our pins were written to
@@ -485,9 +486,21 @@ class Daemon:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         def metrics() -> tuple[int, bytes, str]:
+            self.count_fetches()
             return 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
 
         return {"/metrics": metrics, "/healthz": self._healthz, "/readyz": self._readyz}
+
+    def count_fetches(self) -> None:
+        """Bring the node-wide gauges up to date with the fetches running alone on the cache
+        dir (outside our observer: read from their records at each scrape) and the
+        distinct revisions being fetched, by us or by them."""
+        running = alone.live(self.layout)
+        self.metrics.fetches_alone(len(running), sum(f.gets for f in running))
+        with self._lock:
+            revisions = {(name, revision) for name, revision, _ in self._inflight}
+        revisions |= {(f.name, f.revision) for f in running}
+        self.metrics.downloads_inflight.set(len(revisions))
 
     def _healthz(self) -> tuple[int, bytes, str]:
         problem = self.health_problem()

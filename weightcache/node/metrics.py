@@ -1,9 +1,13 @@
 """The daemon's Prometheus metrics (design §6) and the observer that feeds them.
 
 The early-warning signal is `weightcache_get_concurrency_per_replica`: object-store GETs
-in flight from this node divided by the Pods waiting in `fetch` on it. During a scale-out
-it stays at most max-concurrency / waiting-replicas when fetches coalesce, and drops to 0
-as replicas find the node warm; if it does not fall, every replica is pulling the weights.
+in flight from this node divided by the fetches running on it, both counting every fetch
+of the cache dir: the Pods waiting on the daemon, the daemon's own downloads, and the
+fetches downloading alone (registered in the cache dir, weightcache/cache/alone.py). During a
+scale-out it stays at most max-concurrency / waiting-replicas when fetches coalesce, and
+drops to 0 as replicas find the node warm; if it does not fall, every replica is pulling
+the weights. `weightcache_max_concurrency` and `weightcache_downloads_inflight` let a
+rule normalise it (daemonset/prometheusrule.yaml).
 """
 
 from __future__ import annotations
@@ -54,17 +58,41 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.origin_get_inflight = Gauge(
             "weightcache_origin_get_inflight",
-            "Object-store GETs in flight from this node.",
+            "Object-store GETs in flight from this node's cache dir: the daemon's and those "
+            "of fetches downloading alone.",
             registry=r,
         )
         self.replica_fetches_inflight = Gauge(
             "weightcache_replica_fetches_inflight",
-            "Pods currently waiting in `weightcache fetch` on this node.",
+            "`weightcache fetch` processes running on this node's cache dir: Pods waiting on "
+            "the daemon plus fetches alone.",
+            registry=r,
+        )
+        self.alone_inflight = Gauge(
+            "weightcache_fetches_alone_inflight",
+            "Fetches on this node's cache dir running without the daemon (--no-daemon, a "
+            "refused source, a daemon that did not answer); included in "
+            "replica_fetches_inflight.",
+            registry=r,
+        )
+        self.alone_get_inflight = Gauge(
+            "weightcache_fetches_alone_origin_get_inflight",
+            "Object-store GETs in flight of fetches alone; included in origin_get_inflight.",
+            registry=r,
+        )
+        self.downloads_inflight = Gauge(
+            "weightcache_downloads_inflight",
+            "Distinct revisions being fetched on this node, by the daemon or alone.",
+            registry=r,
+        )
+        self.max_concurrency = Gauge(
+            "weightcache_max_concurrency",
+            "The daemon's --max-concurrency: object-store GETs one download uses at most.",
             registry=r,
         )
         self.ratio = Gauge(
             "weightcache_get_concurrency_per_replica",
-            "origin_get_inflight / replica_fetches_inflight (0 when no replica waits).",
+            "origin_get_inflight / replica_fetches_inflight (0 when no fetch runs).",
             registry=r,
         )
         self.ratio.set_function(self._ratio)
@@ -129,18 +157,34 @@ class Metrics:
         for source in ("origin", "peer", "local"):
             self.bytes.labels(source)
         self._lock = threading.Lock()
-        self._gets = 0
-        self._replicas = 0
+        self._gets = 0  # the daemon's own
+        self._replicas = 0  # waiting on the daemon
+        self._alone = (0, 0)  # fetches alone, their GETs
 
     def _ratio(self) -> float:
         with self._lock:
-            return self._gets / self._replicas if self._replicas > 0 else 0.0
+            replicas = self._replicas + self._alone[0]
+            return (self._gets + self._alone[1]) / replicas if replicas > 0 else 0.0
+
+    def _publish(self) -> None:
+        """Set the node-wide gauges from the counts (the caller holds `_lock`)."""
+        fetches, gets = self._alone
+        self.origin_get_inflight.set(self._gets + gets)
+        self.replica_fetches_inflight.set(self._replicas + fetches)
+        self.alone_inflight.set(fetches)
+        self.alone_get_inflight.set(gets)
 
     def replica_waiting(self, delta: int) -> None:
         """A Pod's fetch started (+1) or ended (-1) waiting on this node."""
         with self._lock:
             self._replicas += delta
-            self.replica_fetches_inflight.set(self._replicas)
+            self._publish()
+
+    def fetches_alone(self, fetches: int, gets: int) -> None:
+        """The fetches running alone on the cache dir now, and their GETs in flight."""
+        with self._lock:
+            self._alone = (fetches, gets)
+            self._publish()
 
     # -- TransferObserver -----------------------------------------------------------------------
 
@@ -152,14 +196,14 @@ class Metrics:
             return
         with self._lock:
             self._gets += 1
-            self.origin_get_inflight.set(self._gets)
+            self._publish()
 
     def request_finished(self, source: str) -> None:
         if source != "origin":
             return
         with self._lock:
             self._gets -= 1
-            self.origin_get_inflight.set(self._gets)
+            self._publish()
 
     def received(self, nbytes: int, source: str) -> None:
         self.bytes.labels(source).inc(nbytes)

@@ -1,0 +1,174 @@
+"""Fetches that download without the daemon, registered in the cache dir so it counts them.
+
+A `fetch` downloading alone (`--no-daemon`, no daemon, a daemon that refused the source
+or stopped answering) runs outside the daemon's transfer observer, yet it is exactly what
+the early-warning ratio exists to see (issue 13 §4). So it registers itself for as long as
+it runs, in `Layout.fetching`:
+
+    <id>.lock   flocked (exclusive) by the fetch for its whole life
+    <id>.json   {"name", "revision", "gets"}: what it fetches, object-store GETs in flight;
+                replaced atomically (rename) at most every UPDATE_INTERVAL seconds
+
+Liveness is the flock, never the pid: the daemon and the Pods live in different pid
+namespaces, and the kernel drops a flock on any exit, `kill -9` included. A record whose
+lock is free (or gone) is a ghost: never counted, and removed by whoever reads it with a
+writable cache. Registration is best effort: it never fails or slows a fetch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from weightcache.cache.layout import Layout
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two rewrites of a record's GET count (only when it changed): the
+#: daemon reads at each scrape, so finer would only cost writes.
+UPDATE_INTERVAL = 0.5
+
+
+@dataclass(frozen=True)
+class AloneFetch:
+    """One live fetch downloading without the daemon, as its record says."""
+
+    name: str
+    revision: str
+    gets: int
+
+
+class Registration:
+    """This process's record while it fetches alone; `close()` removes it."""
+
+    def __init__(self, directory: Path, name: str, revision: str, gets: Callable[[], int]):
+        """Creates and flocks the lock file, then writes the record; raises OSError (the
+        caller goes on unregistered)."""
+        directory.mkdir(exist_ok=True)
+        stem = f"{os.getpid()}-{os.urandom(4).hex()}"
+        self._lock_path = directory / f"{stem}.lock"
+        self._record = directory / f"{stem}.json"
+        self._fields = {"name": name, "revision": revision}
+        self._gets = gets
+        self._written = -1
+        self._stop = threading.Event()
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        self._fd = os.open(self._lock_path, flags, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # before the record exists: never a ghost
+            self._write()
+        except OSError:
+            self._remove()
+            raise
+        self._thread = threading.Thread(target=self._run, name="alone-record", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(UPDATE_INTERVAL):
+            try:
+                self._write()
+            except OSError as e:  # a full disk must not end the fetch; the count goes stale
+                log.debug("could not update %s: %s", self._record, e)
+
+    def _write(self) -> None:
+        """Replace the record if the GET count changed since the last write."""
+        gets = self._gets()
+        if gets == self._written:
+            return
+        tmp = self._record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**self._fields, "gets": gets}))
+        os.replace(tmp, self._record)
+        self._written = gets
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._remove()
+
+    def _remove(self) -> None:
+        """The record first, then its lock: a reader never sees a record without its
+        holder's lock except from a dead process."""
+        for path in (self._record, self._record.with_suffix(".tmp"), self._lock_path):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        os.close(self._fd)
+
+
+@contextlib.contextmanager
+def registered(layout: Layout, name: str, revision: str, gets: Callable[[], int]) -> Iterator[None]:
+    """Register a fetch alone for the duration of the block; `gets()` (called from another
+    thread) returns its object-store GETs in flight. Nothing happens on a read-only cache
+    or when the registration cannot be written."""
+    registration = None
+    if not layout.read_only:
+        try:
+            registration = Registration(layout.fetching, name, revision, gets)
+        except OSError as e:
+            log.debug("fetching unregistered (%s); the node daemon will not count it", e)
+    try:
+        yield
+    finally:
+        if registration is not None:
+            registration.close()
+
+
+def live(layout: Layout) -> list[AloneFetch]:
+    """The fetches alone now running on this cache; removes ghosts when it can."""
+    try:
+        records = sorted(layout.fetching.glob("*.json"))
+    except OSError:
+        return []
+    found = []
+    for record in records:
+        fetch = _read_live(record, remove_ghost=not layout.read_only)
+        if fetch is not None:
+            found.append(fetch)
+    return found
+
+
+def _read_live(record: Path, remove_ghost: bool) -> AloneFetch | None:
+    """The record's fetch if its holder still holds the lock, else None (removing the
+    ghost's files if asked). A record unreadable or malformed counts as nothing."""
+    lock = record.with_suffix(".lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = None
+    except OSError:
+        return None
+    try:
+        if fd is not None and _held(fd):
+            return _parse(record)
+        if remove_ghost:
+            for path in (record, lock):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        return None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _held(fd: int) -> bool:
+    """True if another process holds the flock on fd."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _parse(record: Path) -> AloneFetch | None:
+    try:
+        data = json.loads(record.read_text())
+        return AloneFetch(str(data["name"]), str(data["revision"]), max(0, int(data["gets"])))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
