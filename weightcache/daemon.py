@@ -286,8 +286,24 @@ class Daemon:
         self.desired = desired
         self._converged = False
         self._retry.clear()
+        self._export_readiness()
         log.info("desired state: %d model(s), %d pinned", len(desired.models), len(desired.pinned))
         return True
+
+    def _export_readiness(self) -> None:
+        """One `weightcache_revision_ready` series per listed revision, labelled pinned or
+        not, and none for revisions no longer listed: the alert on pinned revisions not
+        ready (daemonset/prometheusrule.yaml) sees a new pin as 0 until it is fetched."""
+        self.metrics.ready.clear()
+        for name, revision in self._listed():
+            self._set_ready(name, revision, self.store.ready(name, revision) is not None)
+
+    def _listed(self) -> list[tuple[str, str]]:
+        return [(m.source.name, m.source.revision) for m in self.desired.models]
+
+    def _set_ready(self, name: str, revision: str, ready: bool) -> None:
+        pinned = "true" if (name, revision) in self.desired.pinned else "false"
+        self.metrics.ready.labels(name, revision, pinned).set(1 if ready else 0)
 
     def _write_pins(self, pinned: frozenset[tuple[str, str]]) -> None:
         generation = self.index.generation
@@ -326,12 +342,12 @@ class Daemon:
             if not isinstance(e, WeightcacheError):  # a bug or the disk: say what it was
                 e = WeightcacheError(f"unexpected {type(e).__name__}: {e}")
             self.failures[key] = e
-            self.metrics.ready.labels(*key).set(0)
+            self._set_ready(*key, False)
             log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
             return
         self.failures.pop(key, None)
         self._retry.pop(key, None)
-        self.metrics.ready.labels(*key).set(1)
+        self._set_ready(*key, True)
 
     def retry_due(self) -> bool:
         """A failed entry's backoff has run out."""
@@ -347,9 +363,18 @@ class Daemon:
                 return problem
         return None
 
-    def ready(self) -> bool:
-        """Every pinned revision is present (the /readyz contract)."""
-        return all(self.store.ready(n, r) is not None for n, r in self.desired.pinned)
+    def serving(self) -> bool:
+        """The /readyz contract: the daemon serves (models file loaded, fetch socket and
+        HTTP up, not stopping), whatever it is still downloading. Waiting for pinned
+        revisions made every models-file change mark the fleet NotReady for the download,
+        and one unfetchable pin keep it NotReady for good (issue 13 part 3); pinned
+        progress is `weightcache_revision_ready{pinned="true"}` and its alert instead."""
+        return self._socket.listening and not self.stopping.is_set()
+
+    def pinned_missing(self) -> list[str]:
+        """NAME/REV of every pinned revision not ready on this node, sorted."""
+        pinned = sorted(self.desired.pinned)
+        return [f"{n}/{r}" for n, r in pinned if self.store.ready(n, r) is None]
 
     def reap_leases(self) -> None:
         """End the leases of Pods that are gone (their kubelet directory vanished, or,
@@ -493,11 +518,14 @@ class Daemon:
         return (200, b"ok\n", TEXT) if problem is None else (503, f"{problem}\n".encode(), TEXT)
 
     def _readyz(self) -> tuple[int, bytes, str]:
-        pinned = sorted(self.desired.pinned)
-        missing = [f"{n}/{r}" for n, r in pinned if self.store.ready(n, r) is None]
-        if not missing:
-            return 200, b"ready\n", TEXT
-        return 503, ("missing: " + " ".join(missing) + "\n").encode(), TEXT
+        """200 while serving; the body also names pinned revisions still missing, for a
+        human at `curl` (the status does not depend on them)."""
+        if not self.serving():
+            what = "stopping" if self.stopping.is_set() else "the fetch socket is not up yet"
+            return 503, f"not serving: {what}\n".encode(), TEXT
+        missing = self.pinned_missing()
+        body = "ready" + ("; pinned not yet ready: " + " ".join(missing) if missing else "")
+        return 200, (body + "\n").encode(), TEXT
 
     # -- the fetch socket ----------------------------------------------------------------------
 

@@ -131,6 +131,20 @@ def _put_model(s3: Any, prefix: str, files: dict[str, bytes]) -> None:
     s3.put_object(Bucket="models", Key=f"{prefix}/SHA256SUMS", Body=sums.encode())
 
 
+def _pins_ready(base: str) -> bool:
+    """Every `weightcache_revision_ready{pinned="true"}` series is 1 (and there is one)."""
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return False
+    series = "weightcache_revision_ready{"
+    pins = [
+        line for line in text.splitlines() if line.startswith(series) and 'pinned="true"' in line
+    ]
+    return bool(pins) and all(line.endswith(" 1.0") for line in pins)
+
+
 def _http_status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
@@ -176,13 +190,14 @@ def test_daemon_prefetches_then_is_ready_and_serves_metrics(
     podman.start(podman_args(daemon, sandbox, image, name))
     ready, metrics = _probe_url(daemon, "readinessProbe"), _probe_url(daemon, "livenessProbe")
     deadline = time.monotonic() + 180
-    while _http_status(ready) != 200:
+    # /readyz means serving; the prefetch of the pin is the metric (issue 13 part 3).
+    while _http_status(ready) != 200 or not _pins_ready(ready.rsplit("/", 1)[0]):
         state = subprocess.run(
             ["podman", "inspect", "--format", "{{.State.Running}}", name],
             capture_output=True, text=True, check=False,
         ).stdout.strip()  # fmt: skip
         assert state == "true", f"the daemon container exited:\n{podman.logs(name)}"
-        assert time.monotonic() < deadline, f"/readyz never 200:\n{podman.logs(name)}"
+        assert time.monotonic() < deadline, f"/readyz or the pin never ready:\n{podman.logs(name)}"
         time.sleep(1)
     assert (pub.local_path(cache) / pub.model.files[0].relpath).exists(), "not prefetched"
     assert _http_status(metrics) == 200, podman.logs(name)

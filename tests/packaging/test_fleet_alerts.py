@@ -65,7 +65,8 @@ def _gpu(node: str, gpus: int) -> tuple[str, str]:
 
 READY = 'kube_daemonset_status_number_ready{daemonset="weightcache",namespace="weightcache"}'
 UP = 'up{job="weightcache/weightcache",node="a",pod="weightcache-x7k2p",namespace="weightcache"}'
-REVISION = 'weightcache_revision_ready{node="a",name="m",revision="r1"}'
+REVISION = 'weightcache_revision_ready{node="a",name="m",revision="r1",pinned="true"}'
+UNPINNED = 'weightcache_revision_ready{node="a",name="m",revision="r2",pinned="false"}'
 REFUSED = 'weightcache_peer_requests_refused_total{node="a",reason="%s"}'
 
 
@@ -92,9 +93,12 @@ def _cases(daemonset: Any) -> list[dict[str, Any]]:
         _case("another exporter down is not ours: silent",
               {'up{job="gpu-operator/nvidia-dcgm-exporter",node="a"}': "0x20"},
               down["alert"], "12m", []),
-        _case("a listed revision not ready for over an hour: fires", {REVISION: "0x70"},
+        _case("a pinned revision not ready for over an hour: fires", {REVISION: "0x70"},
               revision["alert"], "65m",
-              [_firing(revision, 0, {"node": "a", "name": "m", "revision": "r1"})]),
+              [_firing(revision, 0, {"node": "a", "name": "m", "revision": "r1",
+                                     "pinned": "true"})]),
+        _case("an unpinned revision not ready for over an hour: silent", {UNPINNED: "0x70"},
+              revision["alert"], "65m", []),
         _case("a revision ready after a 30-minute prefetch: silent", {REVISION: "0x30 1x40"},
               revision["alert"], "65m", []),
         _case("bad_token refusals keep rising: fires", {REFUSED % "bad_token": "0+6x40"},
