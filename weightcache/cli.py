@@ -235,13 +235,30 @@ def _fetch_miss(
         answer = ask_daemon(layout.socket, src, pod_uid)
         if answer is not None:
             answer.pop("throughput", None)
+            # Our mount of the cache, not the daemon's: they may differ (initcontainer/).
+            answer["path"] = str(layout.revision_dir(src.name, src.revision))
             return FetchResult(**answer)
+    if layout.read_only:
+        raise _read_only_miss(layout, src, use_daemon)
     progress = Progress(src.label, 0, interval=progress_interval)
     fetcher = Fetcher(layout, settings, observer=progress)
     try:
         return fetcher.fetch(src, pod_uid)
     finally:
         progress.close()
+
+
+def _read_only_miss(layout: Any, src: Source, use_daemon: bool) -> UsageError:
+    """A miss on a read-only cache (the Pods' mount, initcontainer/): only the node daemon
+    can bring the revision in."""
+    why = "--no-daemon was given" if not use_daemon else (
+        f"no node daemon answers on {layout.socket}")  # fmt: skip
+    return UsageError(
+        f"{src.label} is not in the cache at {layout.root}, which is mounted read-only, and "
+        f"{why}: a read-only cache fetches only through the daemon; start the weightcache "
+        "DaemonSet on this node, or mount the cache read-write (initcontainer/components/"
+        "read-write)"
+    )
 
 
 @main.command()

@@ -192,7 +192,14 @@ class Daemon:
             "too small for what runs on this node: raise --capacity"
         )
 
-    def record_hit(self, source: Source) -> None:
+    def record_hit(self, source: Source, pod_uid: str | None = None) -> None:
+        """Count a Pod's hit and lease the revision for it: a Pod on a read-only mount of
+        the cache (initcontainer/, issue 13 part 3) cannot write its lease itself, and
+        without one its revision could be evicted under the running engine. The lease is
+        committed before the marker is read (as in `submit`); a revision that is gone by
+        then keeps a lease that ends with the Pod, as any lease does."""
+        if pod_uid:
+            self.index.lease(source.name, source.revision, pod_uid)
         marker = self.store.read_marker(source.name, source.revision)
         self.metrics.fetches.labels("hit").inc()
         self.metrics.duration.labels("hit").observe(0.0)
@@ -575,7 +582,7 @@ class Daemon:
         source = Source.parse(msg["source"], msg.get("name"), msg.get("revision"))
         pod_uid = msg.get("pod_uid")
         if msg.get("op") == "hit":
-            self.record_hit(source)
+            self.record_hit(source, pod_uid)
             return
         refusal = self.refusal(source)
         if refusal is not None:
