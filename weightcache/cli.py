@@ -34,6 +34,7 @@ from weightcache.options import (
     capacity_option,
     converter,
     env,
+    min_free_option,
     node_options,
     peer_options,
     settings_from,
@@ -419,12 +420,17 @@ def verify(target: str, cache_dir: Path) -> None:
     help="Also protect the revisions this models file pins.",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
+@min_free_option
 @reports_errors
-def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> None:
-    """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY."""
+def gc(
+    cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool,
+    min_free: Capacity,
+) -> None:  # fmt: skip
+    """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY
+    and leave --min-free free on the disk."""
     from weightcache.admin import gc as do_gc
 
-    click.echo(do_gc(cache_dir, capacity, models_file, dry_run))
+    click.echo(do_gc(cache_dir, capacity, models_file, dry_run, min_free))
 
 
 @main.command()

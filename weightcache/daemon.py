@@ -64,10 +64,18 @@ HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0)
 TEXT = "text/plain; charset=utf-8"
 
 
+#: The default --min-free (see DaemonSettings.min_free).
+MIN_FREE = Capacity(percent=20.0)
+
+
 @dataclass(frozen=True)
 class DaemonSettings:
     models_file: Path
     capacity: Capacity | None = None  # None: only the disk bounds the cache (prefetch)
+    #: Free space the cache never takes from its disk, counting every file on it. The
+    #: kubelet garbage-collects images above 85% disk usage and evicts Pods below 10-15%
+    #: free (its defaults) on the same disk: 20% keeps the cache clear of both.
+    min_free: Capacity = MIN_FREE
     watermarks: Watermarks = field(default_factory=Watermarks)
     metrics_addr: tuple[str, int] | None = None
     #: The kubelet's pod directories (read-only hostPath): a lease ends when its Pod's
@@ -211,19 +219,27 @@ class Daemon:
     def capacity_bytes(self) -> int | None:
         if self.settings.capacity is None:
             return None
-        st = os.statvfs(self.layout.root)
-        return self.settings.capacity.resolve(st.f_blocks * st.f_frsize)
+        return self.settings.capacity.resolve(_disk(self.layout.root)[0])
 
     def make_room(self, need: int) -> None:
-        """Evict LRU revisions so that `need` more bytes fit under capacity, or raise."""
-        capacity = self.capacity_bytes()
-        if capacity is None or need <= 0:
+        """Evict LRU revisions so that `need` more bytes fit under capacity and leave
+        --min-free free on the disk, or raise NoSpaceError (exit 5) saying which bound
+        cannot be kept."""
+        if need <= 0:
             return
         with self._evict_lock:
             self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
-            plan = eviction.plan_eviction(revisions, sizes, usage, capacity - need)
+            size, free = _disk(self.layout.root)
+            floor = self.settings.min_free.resolve(size)
+            by_floor = eviction.floor_target(usage, need, free, floor)
+            capacity = self.capacity_bytes()
+            target = by_floor if capacity is None else min(capacity - need, by_floor)
+            plan = eviction.plan_eviction(revisions, sizes, usage, target)
             if not plan.sufficient:
+                if plan.usage_after > by_floor:
+                    raise NoSpaceError(_floor_message(need, usage, free, floor, plan))
+                assert capacity is not None
                 raise NoSpaceError(
                     f"the revision needs {human(need)} but the cache holds {human(usage)} of "
                     f"{human(capacity)} capacity and evicting every unpinned, unused "
@@ -233,19 +249,21 @@ class Daemon:
             self._execute(plan)
 
     def enforce_capacity(self) -> None:
-        """Above the high watermark, evict down to the low one."""
+        """Above the high watermark, evict down to the low one; below --min-free free on
+        the disk (other files grew), evict until the floor is back."""
         capacity = self.capacity_bytes()
-        if capacity is None:
-            return
-        self.metrics.capacity_bytes.set(capacity)
         with self._evict_lock:
             self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
             self.metrics.cache_bytes.set(usage)
-            if usage <= capacity * self.settings.watermarks.high:
-                return
-            target = int(capacity * self.settings.watermarks.low)
-            self._execute(eviction.plan_eviction(revisions, sizes, usage, target))
+            size, free = _disk(self.layout.root)
+            target = eviction.floor_target(usage, 0, free, self.settings.min_free.resolve(size))
+            if capacity is not None:
+                self.metrics.capacity_bytes.set(capacity)
+                if usage > capacity * self.settings.watermarks.high:
+                    target = min(target, int(capacity * self.settings.watermarks.low))
+            if target < usage:
+                self._execute(eviction.plan_eviction(revisions, sizes, usage, target))
 
     def _collect_orphans(self) -> None:
         """Delete blobs no revision links and no running fetch wants (issue 9 item 13):
@@ -599,6 +617,25 @@ class Daemon:
             self._answer_error(send, e)
         finally:
             self.metrics.replica_waiting(-1)
+
+
+def _disk(path: Path) -> tuple[int, int]:
+    """(size, free bytes) of the filesystem holding `path`; free as an unprivileged
+    writer sees it (f_bavail), which is what the kubelet's thresholds measure too."""
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _floor_message(
+    need: int, usage: int, free: int, floor: int, plan: eviction.EvictionPlan
+) -> str:
+    return (
+        f"the revision needs {human(need)} but the cache disk has {human(free)} free and "
+        f"--min-free keeps {human(floor)} of it free (the cache holds {human(usage)}; other "
+        f"files use the rest); evicting every unpinned, unused revision would free only "
+        f"{human(plan.freed_bytes)}: free space on the disk, lower --min-free, or unpin "
+        "models"
+    )
 
 
 def _is_pod_uid(holder: str) -> bool:

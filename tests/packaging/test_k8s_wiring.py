@@ -66,6 +66,15 @@ def test_fetch_mounts_the_node_cache_read_only(initcontainer: Any) -> None:
     assert "--no-daemon" not in fetch.argv and fetch.env("WEIGHTCACHE_DAEMON") is None
 
 
+def test_daemon_keeps_free_space_above_the_kubelets_thresholds(daemonset: Any) -> None:
+    """--min-free above the kubelet's defaults (image GC at 85% used, Pod eviction below
+    10-15% free), whatever the cache's --capacity (issue 13 part 3)."""
+    from weightcache.config import Capacity
+
+    floor = Capacity.parse(_daemon(daemonset).option("--min-free"), "--min-free", zero_ok=True)
+    assert floor.percent is not None and floor.percent > 15, floor
+
+
 def test_read_write_fallback_is_an_explicit_component(tmp_path: Path) -> None:
     """The read-write mount (fetch alone without a daemon) is a component one opts into;
     it changes the fetch's cache mount and nothing else, and says its risk."""
