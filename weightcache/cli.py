@@ -34,6 +34,7 @@ from weightcache.options import (
     capacity_option,
     converter,
     env,
+    min_free_option,
     node_options,
     peer_options,
     settings_from,
@@ -236,7 +237,11 @@ def _fetch_miss(
         answer = ask_daemon(layout.socket, src, pod_uid)
         if answer is not None:
             answer.pop("throughput", None)
+            # Our mount of the cache, not the daemon's: they may differ (initcontainer/).
+            answer["path"] = str(layout.revision_dir(src.name, src.revision))
             return FetchResult(**answer)
+    if layout.read_only:
+        raise _read_only_miss(layout, src, use_daemon)
     progress = Progress(src.label, 0, interval=progress_interval)
     fetcher = Fetcher(layout, settings, observer=progress)  # no peers: every GET is origin
     # Fetching alone: the node daemon counts us through the cache dir (issue 13 §4).
@@ -245,6 +250,19 @@ def _fetch_miss(
             return fetcher.fetch(src, pod_uid)
     finally:
         progress.close()
+
+
+def _read_only_miss(layout: Any, src: Source, use_daemon: bool) -> UsageError:
+    """A miss on a read-only cache (the Pods' mount, initcontainer/): only the node daemon
+    can bring the revision in."""
+    why = "--no-daemon was given" if not use_daemon else (
+        f"no node daemon answers on {layout.socket}")  # fmt: skip
+    return UsageError(
+        f"{src.label} is not in the cache at {layout.root}, which is mounted read-only, and "
+        f"{why}: a read-only cache fetches only through the daemon; start the weightcache "
+        "DaemonSet on this node, or mount the cache read-write (initcontainer/components/"
+        "read-write)"
+    )
 
 
 @main.command()
@@ -405,12 +423,17 @@ def verify(target: str, cache_dir: Path) -> None:
     help="Also protect the revisions this models file pins.",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
+@min_free_option
 @reports_errors
-def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> None:
-    """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY."""
+def gc(
+    cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool,
+    min_free: Capacity,
+) -> None:  # fmt: skip
+    """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY
+    and leave --min-free free on the disk."""
     from weightcache.ops.admin import gc as do_gc
 
-    click.echo(do_gc(cache_dir, capacity, models_file, dry_run))
+    click.echo(do_gc(cache_dir, capacity, models_file, dry_run, min_free))
 
 
 @main.command()

@@ -69,22 +69,25 @@ class Capacity:
     percent: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> Capacity:
+    def parse(cls, text: str, what: str = "capacity", zero_ok: bool = False) -> Capacity:
+        """`500G` or `85%`; `what` names the option in errors; `zero_ok` accepts 0 (and
+        0%), for a bound that 0 turns off (--min-free)."""
         text = str(text).strip()
+        low = "[0, 100]" if zero_ok else "(0, 100]"
         if text.endswith("%"):
             try:
                 pct = float(text[:-1])
             except ValueError:
                 pct = -1.0
-            if not 0 < pct <= 100:
-                raise UsageError(f"invalid capacity {text!r}: a percentage must be in (0, 100]")
+            if not (0 <= pct <= 100 if zero_ok else 0 < pct <= 100):
+                raise UsageError(f"invalid {what} {text!r}: a percentage must be in {low}")
             return cls(percent=pct)
         try:
-            size = parse_size(text, "capacity")
+            size = parse_size(text, what)
         except UsageError as e:
             raise UsageError(f"{e}, or a percentage of the cache filesystem such as 85%") from e
-        if size <= 0:
-            raise UsageError(f"invalid capacity {text!r}: it must be more than zero")
+        if size < 0 or (size == 0 and not zero_ok):
+            raise UsageError(f"invalid {what} {text!r}: it must be more than zero")
         return cls(bytes=size)
 
     def resolve(self, filesystem_bytes: int) -> int:

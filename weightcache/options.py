@@ -144,6 +144,7 @@ def node_options(fn: F) -> F:
             help="Read-only kubelet pod directories: a lease ends when its Pod's "
             "directory is gone.",
         ),
+        min_free_option,
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -187,6 +188,26 @@ def peer_options(fn: F) -> F:
     for option in reversed(options):
         fn = option(fn)
     return fn
+
+
+def _parse_min_free(text: str, what: str) -> Capacity:
+    return Capacity.parse(text, what, zero_ok=True)
+
+
+def min_free_option(fn: F) -> F:
+    """--min-free: the floor of free disk space the cache never takes (daemon, prefetch, gc)."""
+    return click.option(
+        "--min-free",
+        envvar=env("min-free"),
+        default="20%",
+        show_default=True,
+        callback=converter(_parse_min_free, "--min-free"),
+        help="Free space to keep on the cache's disk, counting every file on it: bytes "
+        "(100G) or percent of the filesystem; the cache evicts to keep it, and a download "
+        "that cannot is exit 5. The default stays above the kubelet's image garbage "
+        "collection (85% used) and Pod eviction (10-15% free) on a shared disk. 0 turns "
+        "it off.",
+    )(fn)
 
 
 def capacity_option(required: bool, help: str) -> Callable[[F], F]:

@@ -43,6 +43,23 @@ class Progress:
         self._start = time.monotonic()
         self._last = self._start
         self._lock = threading.Lock()
+        self._line = threading.RLock()  # one writer of the TTY line at a time
+        self._bar_open = False  # the bar is drawn and its line not ended yet
+        self._ender = _EndsBar(self)
+        if self.tty:
+            for handler in _handlers_on(self.stream):
+                handler.addFilter(self._ender)
+
+    def end_line(self) -> None:
+        """End the bar's line, if one is drawn, with its latest state, so that what is
+        written next (a log line) starts on a line of its own (issue 13 part 5: they ran
+        together)."""
+        with self._line:
+            if self._bar_open:
+                self._report(time.monotonic())
+                self.stream.write("\n")
+                self.stream.flush()
+                self._bar_open = False
 
     def expect(self, nbytes: int) -> None:
         """More bytes to come (called once per batch of blobs)."""
@@ -81,11 +98,13 @@ class Progress:
             width = 30
             filled = int(width * min(pct, 100) / 100)
             bar = "#" * filled + "-" * (width - filled)
-            self.stream.write(
-                f"\r{self.label} [{bar}] {pct:5.1f}% {human(self.received_bytes)}"
-                f"/{human(self.total)} {human(rate)}/s "
-            )
-            self.stream.flush()
+            with self._line:
+                self.stream.write(
+                    f"\r{self.label} [{bar}] {pct:5.1f}% {human(self.received_bytes)}"
+                    f"/{human(self.total)} {human(rate)}/s "
+                )
+                self.stream.flush()
+                self._bar_open = True
         else:
             log.info(
                 "progress revision=%s bytes=%d total=%d percent=%.1f rate_bps=%.0f "
@@ -100,7 +119,27 @@ class Progress:
             )
 
     def close(self) -> None:
-        if self.tty and self.received_bytes:
-            self._report(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
+        """Draw the bar's last state and end its line (unless a log line ended it), and
+        stop watching the log handlers."""
+        if not self.tty:
+            return
+        for handler in _handlers_on(self.stream):
+            handler.removeFilter(self._ender)
+        self.end_line()
+
+
+class _EndsBar(logging.Filter):
+    """On a handler writing to the bar's stream: ends the bar's line before each record."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.progress.end_line()
+        return True
+
+
+def _handlers_on(stream: TextIO) -> list[logging.Handler]:
+    """The root logger's handlers that write to `stream` (basicConfig's on stderr)."""
+    return [h for h in logging.getLogger().handlers if getattr(h, "stream", None) is stream]

@@ -23,6 +23,7 @@ from typing import Any
 from tests.image.conftest import Podman, PodSandbox, node_dir, podman_args
 from tests.packaging.conftest import (
     DAEMONSET,
+    INITCONTAINER,
     NODE_PREP,
     Container,
     Rendered,
@@ -71,6 +72,15 @@ def test_image_runs_as_the_non_root_uid(image: str, podman: Podman) -> None:
     assert help_.returncode == 0 and "Usage: weightcache" in help_.stdout, help_.stderr
 
 
+def _read_write(tmp_path: Path) -> Rendered:
+    """initcontainer/ with its read-write component: the fetch alone, without a daemon."""
+    component = INITCONTAINER / "components" / "read-write"
+    directory = tmp_path / "overlay"
+    directory.mkdir()
+    return Rendered("initcontainer+read-write",
+                    kustomize(overlay(directory, INITCONTAINER, (component,))))  # fmt: skip
+
+
 def test_init_container_miss_then_hit(
     image: str,
     podman: Podman,
@@ -79,8 +89,12 @@ def test_init_container_miss_then_hit(
     publish: Callable[..., Any],
     tmp_path: Path,
 ) -> None:
+    """The read-write fallback fetches alone; the default read-only init container then
+    hits, and without a daemon its miss is exit 2 in one line."""
     pub = publish([3 << 20, 1 << 20])
-    fetch = _with_source(_only(initcontainer_rendered, "fetch"), pub.source)
+    absent = publish([1 << 20], name="absent", rev="r1")
+    fetch = _with_source(_only(_read_write(tmp_path), "fetch"), pub.source)
+    read_only = _only(initcontainer_rendered, "fetch")
     cache = node_dir(tmp_path / "node" / "weightcache")
     sandbox = _fetch_sandbox(tmp_path, store, cache)
 
@@ -91,8 +105,13 @@ def test_init_container_miss_then_hit(
         local = pub.local_path(cache) / f.relpath
         assert hashlib.sha256(local.read_bytes()).hexdigest() == f.sha256, f.relpath
 
-    hit = _run_fetch(podman, image, fetch, sandbox)
+    hit = _run_fetch(podman, image, _with_source(read_only, pub.source), sandbox)
     assert hit["hit"] is True and hit["bytes_from_origin"] == 0, hit
+    miss = podman.run(podman_args(_with_source(read_only, absent.source), sandbox, image,
+                                  podman.name()))  # fmt: skip
+    errors = [line for line in miss.stderr.splitlines() if line.startswith("weightcache: error:")]
+    assert miss.returncode == 2 and len(errors) == 1, miss.stderr
+    assert "read-only" in errors[0] and "no node daemon answers" in errors[0], errors
 
 
 def test_init_container_takes_over_a_read_only_partial(
@@ -142,13 +161,14 @@ def test_init_container_hits_with_the_store_stopped(
             region_name=env["AWS_REGION"],
         )
         _put_model(s3, "offline/m/r1", {"model.safetensors": b"w" * (1 << 20)})
-        fetch = _with_source(_only(initcontainer_rendered, "fetch"), "s3://models/offline/m/r1")
+        fetch = _with_source(_only(_read_write(tmp_path), "fetch"), "s3://models/offline/m/r1")
         cache = node_dir(tmp_path / "node" / "weightcache")
         sandbox = _fetch_sandbox(tmp_path, local, cache)
         assert _run_fetch(podman, image, fetch, sandbox)["hit"] is False
     finally:
         local.stop()
-    hit = _run_fetch(podman, image, fetch, sandbox)
+    read_only = _with_source(_only(initcontainer_rendered, "fetch"), "s3://models/offline/m/r1")
+    hit = _run_fetch(podman, image, read_only, sandbox)
     assert hit["hit"] is True and hit["bytes_from_origin"] == 0, hit
 
 
@@ -157,6 +177,20 @@ def _put_model(s3: Any, prefix: str, files: dict[str, bytes]) -> None:
         s3.put_object(Bucket="models", Key=f"{prefix}/{rel}", Body=data)
     sums = "".join(f"{hashlib.sha256(d).hexdigest()}  {rel}\n" for rel, d in files.items())
     s3.put_object(Bucket="models", Key=f"{prefix}/SHA256SUMS", Body=sums.encode())
+
+
+def _pins_ready(base: str) -> bool:
+    """Every `weightcache_revision_ready{pinned="true"}` series is 1 (and there is one)."""
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return False
+    series = "weightcache_revision_ready{"
+    pins = [
+        line for line in text.splitlines() if line.startswith(series) and 'pinned="true"' in line
+    ]
+    return bool(pins) and all(line.endswith(" 1.0") for line in pins)
 
 
 def _http_status(url: str) -> int:
@@ -204,13 +238,14 @@ def test_daemon_prefetches_then_is_ready_and_serves_metrics(
     podman.start(podman_args(daemon, sandbox, image, name))
     ready, metrics = _probe_url(daemon, "readinessProbe"), _probe_url(daemon, "livenessProbe")
     deadline = time.monotonic() + 180
-    while _http_status(ready) != 200:
+    # /readyz means serving; the prefetch of the pin is the metric (issue 13 part 3).
+    while _http_status(ready) != 200 or not _pins_ready(ready.rsplit("/", 1)[0]):
         state = subprocess.run(
             ["podman", "inspect", "--format", "{{.State.Running}}", name],
             capture_output=True, text=True, check=False,
         ).stdout.strip()  # fmt: skip
         assert state == "true", f"the daemon container exited:\n{podman.logs(name)}"
-        assert time.monotonic() < deadline, f"/readyz never 200:\n{podman.logs(name)}"
+        assert time.monotonic() < deadline, f"/readyz or the pin never ready:\n{podman.logs(name)}"
         time.sleep(1)
     assert (pub.local_path(cache) / pub.model.files[0].relpath).exists(), "not prefetched"
     assert _http_status(metrics) == 200, podman.logs(name)

@@ -91,6 +91,15 @@ class DaemonProc:
         assert status == 200, f"/metrics answered {status}: {body}\n{self.log()}"
         return parse_metrics(body)
 
+    def pins_ready(self) -> bool:
+        """Every pinned revision of the models file is ready, as the daemon exports it
+        (`weightcache_revision_ready{pinned="true"}`; /readyz does not wait for pins)."""
+        series = "weightcache_revision_ready{"
+        pinned = [
+            v for k, v in self.metrics().items() if k.startswith(series) and 'pinned="true"' in k
+        ]
+        return bool(pinned) and all(v == 1 for v in pinned)
+
     def wait_serving(self, timeout: float = 30.0) -> None:
         """Until /healthz answers (the fetch socket is up before the HTTP server)."""
 

@@ -229,7 +229,7 @@ def test_the_daemon_on_a_corrupt_state_db(
     models = write_models(tmp_path / "models.yaml", [entry(a, pin=True)])
     (tmp_path / "pods" / POD).mkdir(parents=True)
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url)
-    wait_for("/readyz", lambda: daemon.get("/readyz")[0] == 200, timeout=30)
+    wait_for("the pinned revision", daemon.pins_ready, timeout=30)
     rows = ls_json(wc, cache_dir)
     assert rows[(a.name, a.rev)]["pinned"], rows  # the pins came back from the models file
     assert_ok_path(wc.fetch(b.source, cache_dir, env={"POD_UID": POD}), b.local_path(cache_dir))

@@ -79,7 +79,7 @@ def test_capacity_evicts_lru_never_pinned_or_leased(
     watermarks = ["--high-watermark", "0.99", "--low-watermark", "0.9"]
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url, capacity=str(capacity),
                            pods_dir=pods, extra=watermarks)  # fmt: skip
-    wait_for("the pinned model", lambda: daemon.get("/readyz")[0] == 200, timeout=30)
+    wait_for("the pinned model", daemon.pins_ready, timeout=30)
 
     def fetch(pub: Published, pod_uid: str | None = None) -> None:
         env = {"POD_UID": pod_uid} if pod_uid else {"POD_UID": None}

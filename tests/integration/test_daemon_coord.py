@@ -160,7 +160,7 @@ def test_sigterm_mid_prefetch_leaves_resumable_partials(
 
     proxy.reset_stats()
     again = daemons.start(cache_dir, models, endpoint=proxy.url, extra=store_args)
-    wait_for("the resumed prefetch", lambda: again.get("/readyz")[0] == 200, timeout=60)
+    wait_for("the resumed prefetch", again.pins_ready, timeout=60)
     assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
     second = proxy.stats().body_bytes
     report = f"first run {first} bytes, second run {second} bytes, model {size} bytes"

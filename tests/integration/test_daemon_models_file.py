@@ -67,14 +67,14 @@ def test_daemon_keeps_the_last_good_models_file_and_says_so_once(
     b = publish([1 * MiB], name="beta", rev="r1", seed="beta")
     models = write_models(tmp_path / "models.yaml", [entry(a, pin=True)])
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url)  # reloads every 0.5 s
-    wait_for("alpha to be prefetched", lambda: daemon.get("/readyz")[0] == 200, timeout=60)
+    wait_for("alpha to be prefetched", daemon.pins_ready, timeout=60)
 
     def count(text: str) -> int:
         return daemon.log().count(text)
 
     def still_the_last_good_state() -> None:
         assert daemon.alive(), daemon.log()
-        assert daemon.get("/readyz")[0] == 200, daemon.log()
+        assert daemon.pins_ready(), daemon.log()
         assert ls_json(wc, cache_dir)[(a.name, a.rev)]["pinned"] is True
         assert daemon.get("/healthz")[0] == 200, daemon.log()
 

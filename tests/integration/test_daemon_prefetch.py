@@ -87,26 +87,24 @@ def test_daemon_readiness_follows_models_file(
     a = publish([3 * MiB], name="alpha", rev="r1", seed="alpha")
     b = publish([3 * MiB], name="beta", rev="r1", seed="beta")
     c = publish([1 * MiB], name="gamma", rev="r1", seed="gamma")
-    # ~6 MiB at 3 MiB/s: /readyz has two seconds to say "not yet".
+    # ~6 MiB at 3 MiB/s: two seconds during which the pins are not ready yet.
     proxy.configure(rate_limit=3 * MiB)
     models = write_models(tmp_path / "models.yaml", [entry(a, pin=True), entry(b, pin=True)])
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url)
 
     assert daemon.get("/healthz")[0] == 200
-    seen: list[tuple[int, int]] = []  # (status, revisions marked after the answer)
-
-    def ready() -> bool:
-        status, body = daemon.get("/readyz")
-        seen.append((status, len(markers(cache_dir))))
-        assert status in (200, 503), (status, body)
-        if status == 503:
-            assert "alpha/r1" in body or "beta/r1" in body, body
-        return status == 200
-
-    wait_for("/readyz 200", ready, timeout=60, every=0.05)
-    assert seen[0][0] == 503, f"/readyz was 200 before any model was fetched: {seen[:5]}"
-    # Markers only appear, so one counted after a 200 bounds what existed at the answer.
-    assert all(n == 2 for status, n in seen if status == 200), seen
+    # Readiness means serving (issue 13 part 3): 200 while the pins download, the body
+    # naming them; their progress is the metric, which starts at 0 for every pin.
+    status, body = daemon.get("/readyz")
+    assert status == 200, (status, body, daemon.log())
+    assert len(markers(cache_dir)) < 2, "the prefetch finished before /readyz was asked"
+    assert "pinned not yet ready:" in body and "beta/r1" in body, body
+    pinned = {k: v for k, v in daemon.metrics().items() if 'pinned="true"' in k}
+    beta = f'weightcache_revision_ready{{name="{b.name}",pinned="true",revision="r1"}}'
+    assert pinned.get(beta) == 0, pinned
+    wait_for("the pins ready", daemon.pins_ready, timeout=60, every=0.05)
+    assert len(markers(cache_dir)) == 2
+    assert daemon.get("/readyz") == (200, "ready\n")
     assert_revision_ok(cache_dir, a.name, a.rev, a.model)
     assert_revision_ok(cache_dir, b.name, b.rev, b.model)
     assert daemon.get("/healthz")[0] == 200

@@ -45,8 +45,10 @@ def test_an_entry_failing_with_an_oserror_never_stops_the_others(
 
     wait_for("the good model to be prefetched", lambda: is_marked(cache_dir, good), timeout=60)
     assert_revision_ok(cache_dir, good.name, good.rev, good.model)
-    status, body = daemon.get("/readyz")
-    assert (status, body) == (503, "missing: blocked/r1\n"), (status, body, daemon.log())
+    status, body = daemon.get("/readyz")  # serving: an unfetchable pin is an alert, not NotReady
+    assert (status, body) == (200, "ready; pinned not yet ready: blocked/r1\n"), daemon.log()
+    blocked_series = 'weightcache_revision_ready{name="blocked",pinned="true",revision="r1"}'
+    assert daemon.metrics()[blocked_series] == 0, daemon.metrics()
     # A bad entry is the entry's problem, not the daemon's: /healthz stays 200.
     assert daemon.get("/healthz") == (200, "ok\n"), daemon.log()
     failed = [line for line in daemon.log().splitlines() if "prefetch of blocked/r1 failed" in line]
@@ -56,7 +58,7 @@ def test_an_entry_failing_with_an_oserror_never_stops_the_others(
 
     # Repaired, it is fetched on a later retry (10 s, then 20 s: not every 0.5 s reload).
     (cache_dir / blocked.name).unlink()
-    wait_for("/readyz 200", lambda: daemon.get("/readyz")[0] == 200, timeout=60)
+    wait_for("the pins ready", daemon.pins_ready, timeout=60)
     assert_revision_ok(cache_dir, blocked.name, blocked.rev, blocked.model)
     failed = [line for line in daemon.log().splitlines() if "prefetch of blocked/r1 failed" in line]
     assert len(failed) <= 3, failed
@@ -71,7 +73,7 @@ def test_a_step_that_keeps_failing_makes_healthz_fail_until_it_works(
     pub = publish([1 * MiB], name="alpha", rev="r1", seed="alpha")
     models = write_models(tmp_path / "models.yaml", [entry(pub, pin=True)])
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url)
-    wait_for("the prefetch", lambda: daemon.get("/readyz")[0] == 200, timeout=60)
+    wait_for("the prefetch", daemon.pins_ready, timeout=60)
     assert daemon.get("/healthz") == (200, "ok\n")
 
     # A file where the blob directory is expected: surveying the cache for the capacity

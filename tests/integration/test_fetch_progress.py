@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -67,3 +68,9 @@ def test_bar_when_stderr_is_a_tty(
     assert proc.stdout.decode() == f"{pub.local_path(cache_dir)}\n"
     text = shown.decode(errors="replace")
     assert "bar/r1 [" in text and "100.0%" in text, text
+    # The bar's line ends before a log line starts (issue 13 part 5): no log line is
+    # written onto the end of the bar.
+    lines = text.replace("\r\n", "\n").split("\n")
+    logged = [line for line in lines if "INFO weightcache" in line]
+    assert any("ready bar/r1 at" in line for line in logged), text
+    assert all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in logged), logged

@@ -66,7 +66,8 @@ def _gpu(node: str, gpus: int) -> tuple[str, str]:
 
 READY = 'kube_daemonset_status_number_ready{daemonset="weightcache",namespace="weightcache"}'
 UP = 'up{job="weightcache/weightcache",node="a",pod="weightcache-x7k2p",namespace="weightcache"}'
-REVISION = 'weightcache_revision_ready{node="a",name="m",revision="r1"}'
+REVISION = 'weightcache_revision_ready{node="a",name="m",revision="r1",pinned="true"}'
+UNPINNED = 'weightcache_revision_ready{node="a",name="m",revision="r2",pinned="false"}'
 REFUSED = 'weightcache_peer_requests_refused_total{node="a",reason="%s"}'
 #: kube-state-metrics: a Pod in namespace "team" on node "a" whose init container fetches.
 INIT = 'kube_pod_init_container_status_running{namespace="team",pod="llm-0",container="%s"}'
@@ -115,9 +116,12 @@ def _cases(daemonset: Any) -> list[dict[str, Any]]:
               {UP: "0x20", **_fetching_on_a("istio-init")}, fetching["alert"], "8m", []),
         _case("a Pod fetching on a node without GPUs and daemon: silent",
               {**dict([_gpu("a", 0)]), **_fetching_on_a()}, fetching["alert"], "8m", []),
-        _case("a listed revision not ready for over an hour: fires", {REVISION: "0x70"},
+                _case("a pinned revision not ready for over an hour: fires", {REVISION: "0x70"},
               revision["alert"], "65m",
-              [_firing(revision, 0, {"node": "a", "name": "m", "revision": "r1"})]),
+              [_firing(revision, 0, {"node": "a", "name": "m", "revision": "r1",
+                                     "pinned": "true"})]),
+        _case("an unpinned revision not ready for over an hour: silent", {UNPINNED: "0x70"},
+              revision["alert"], "65m", []),
         _case("a revision ready after a 30-minute prefetch: silent", {REVISION: "0x30 1x40"},
               revision["alert"], "65m", []),
         _case("bad_token refusals keep rising: fires", {REFUSED % "bad_token": "0+6x40"},

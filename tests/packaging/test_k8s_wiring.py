@@ -55,12 +55,43 @@ def _cache_volume(container: Any, cache_dir: str) -> dict[str, Any]:
     return host  # type: ignore[no-any-return]
 
 
-def test_fetch_writes_into_the_node_cache(initcontainer: Any) -> None:
+def test_fetch_mounts_the_node_cache_read_only(initcontainer: Any) -> None:
+    """Tenants cannot change each other's weights (issue 13 part 3): the Pod's fetch asks
+    the daemon through its socket in the cache and writes nothing itself."""
     fetch = _fetch(initcontainer)
     cache_dir = fetch.option("--cache-dir")
     host = _cache_volume(fetch, cache_dir)
     assert host["path"] == CACHE_HOST_PATH
-    assert fetch.mount_holding(cache_dir).get("readOnly") is not True
+    assert fetch.mount_holding(cache_dir).get("readOnly") is True
+    assert "--no-daemon" not in fetch.argv and fetch.env("WEIGHTCACHE_DAEMON") is None
+
+
+def test_daemon_keeps_free_space_above_the_kubelets_thresholds(daemonset: Any) -> None:
+    """--min-free above the kubelet's defaults (image GC at 85% used, Pod eviction below
+    10-15% free), whatever the cache's --capacity (issue 13 part 3)."""
+    from weightcache.config import Capacity
+
+    floor = Capacity.parse(_daemon(daemonset).option("--min-free"), "--min-free", zero_ok=True)
+    assert floor.percent is not None and floor.percent > 15, floor
+
+
+def test_read_write_fallback_is_an_explicit_component(tmp_path: Path) -> None:
+    """The read-write mount (fetch alone without a daemon) is a component one opts into;
+    it changes the fetch's cache mount and nothing else, and says its risk."""
+    from tests.packaging.conftest import INITCONTAINER, Rendered, kustomize, overlay
+
+    component = INITCONTAINER / "components" / "read-write"
+    text = (component / "kustomization.yaml").read_text()
+    assert "risk" in text.lower() and "not re-hashed" in text, "the component must say its risk"
+    base = Rendered("initcontainer", kustomize(INITCONTAINER))
+    rw = Rendered("initcontainer+read-write",
+                  kustomize(overlay(tmp_path, INITCONTAINER, (component,))))  # fmt: skip
+    fetch = _fetch(rw)
+    assert fetch.mount_holding(fetch.option("--cache-dir")).get("readOnly") is False
+    assert _engine(rw).mount_holding(_engine(rw).option("--model")).get("readOnly") is True
+    changed = [(a.where, b.where) for a, b in zip(base.containers(), rw.containers(), strict=True)
+               if a.spec != b.spec]  # fmt: skip
+    assert changed == [(fetch.where, fetch.where)], changed
 
 
 def test_fetch_records_its_pod_for_the_lease(initcontainer: Any) -> None:

@@ -162,6 +162,20 @@ def test_capacity_invalid(text: str) -> None:
         Capacity.parse(text)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("0", Capacity(bytes=0)), ("0%", Capacity(percent=0.0)), ("20%", Capacity(percent=20.0))],
+)
+def test_min_free_accepts_zero_to_turn_the_floor_off(text: str, expected: Capacity) -> None:
+    assert Capacity.parse(text, "--min-free", zero_ok=True) == expected
+
+
+@pytest.mark.parametrize("text", ["-5%", "100.1%", "nan%", "-1G", "lots"])
+def test_min_free_invalid_names_the_option(text: str) -> None:
+    with pytest.raises(UsageError, match="--min-free"):
+        Capacity.parse(text, "--min-free", zero_ok=True)
+
+
 # -- StoreSettings -----------------------------------------------------------------------------
 
 

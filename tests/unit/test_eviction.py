@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightcache.cache.eviction import CachedRevision, Watermarks, plan_eviction
+from weightcache.cache.eviction import CachedRevision, Watermarks, floor_target, plan_eviction
 
 MB = 1_000_000
 
@@ -131,3 +131,40 @@ def test_a_target_from_the_watermarks() -> None:
 def test_watermarks_out_of_order_or_range_are_refused(high: float, low: float) -> None:
     with pytest.raises(ValueError, match="watermarks"):
         Watermarks(high, low)
+
+
+# -- the --min-free floor (issue 13 part 3): free space on the disk, other files counted -----
+
+
+@pytest.mark.parametrize(
+    ("usage", "need", "free", "min_free", "target"),
+    [
+        (40 * MB, 10 * MB, 100 * MB, 20 * MB, 40 * MB),  # room to spare: evict nothing
+        (40 * MB, 10 * MB, 30 * MB, 20 * MB, 40 * MB),  # 30 - 10 = 20 left: exactly the floor
+        (40 * MB, 10 * MB, 25 * MB, 20 * MB, 35 * MB),  # 5 MB short: evict 5 MB of cache
+        (40 * MB, 0, 5 * MB, 20 * MB, 25 * MB),  # other files filled the disk: 15 MB short
+        (40 * MB, 10 * MB, 0, 50 * MB, -20 * MB),  # even an empty cache cannot keep it
+        (40 * MB, 10 * MB, 5 * MB, 0, 35 * MB),  # floor off: the download itself must fit
+    ],
+)
+def test_floor_target_keeps_min_free_after_the_download(
+    usage: int, need: int, free: int, min_free: int, target: int
+) -> None:
+    assert floor_target(usage, need, free, min_free) == target
+
+
+def test_other_files_filling_the_disk_make_the_plan_evict_for_the_floor() -> None:
+    # A 100 MB disk, the cache holds 40 MB (4 revisions), other files 45 MB: 15 MB free.
+    # A 10 MB download with a 20 MB floor needs 15 MB freed: the two least recently used.
+    target = floor_target(40 * MB, 10 * MB, 15 * MB, 20 * MB)
+    plan = plan_eviction(four(), SIZES, 40 * MB, target)
+    assert (target, plan.evict, plan.sufficient) == (25 * MB, keys("old", "mid"), True)
+
+
+def test_a_floor_that_pins_and_leases_prevent_is_insufficient() -> None:
+    # Only "old" and "mid" are evictable; the floor wants 35 MB freed.
+    target = floor_target(40 * MB, 10 * MB, 0, 25 * MB)
+    plan = plan_eviction(four(new={"pinned": True}, newest={"leased": True}), SIZES, 40 * MB,
+                         target)  # fmt: skip
+    assert plan.evict == keys("old", "mid") and plan.freed_bytes == 20 * MB
+    assert not plan.sufficient

@@ -97,6 +97,18 @@ def plan_eviction(
     return EvictionPlan(tuple(evict), freed, usage, usage - freed, target, protected)
 
 
+def floor_target(usage: int, need: int, free: int, min_free: int) -> int:
+    """The cache usage to evict down to so that, after writing `need` more bytes, the disk
+    keeps `min_free` bytes free (the --min-free floor, issue 13 part 3).
+
+    `free` is the disk's free space now (statvfs), so other files on the disk count: every
+    byte evicted is a byte freed, and the floor needs `min_free + need - free` of them
+    (none when the disk already has room). May be negative: not even an empty cache would
+    keep the floor.
+    """
+    return usage - max(0, min_free + need - free)
+
+
 @dataclass(frozen=True)
 class Watermarks:
     """Evict when usage passes `high` x capacity, down to `low` x capacity."""

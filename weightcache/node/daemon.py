@@ -65,10 +65,18 @@ HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0)
 TEXT = "text/plain; charset=utf-8"
 
 
+#: The default --min-free (see DaemonSettings.min_free).
+MIN_FREE = Capacity(percent=20.0)
+
+
 @dataclass(frozen=True)
 class DaemonSettings:
     models_file: Path
     capacity: Capacity | None = None  # None: only the disk bounds the cache (prefetch)
+    #: Free space the cache never takes from its disk, counting every file on it. The
+    #: kubelet garbage-collects images above 85% disk usage and evicts Pods below 10-15%
+    #: free (its defaults) on the same disk: 20% keeps the cache clear of both.
+    min_free: Capacity = MIN_FREE
     watermarks: Watermarks = field(default_factory=Watermarks)
     metrics_addr: tuple[str, int] | None = None
     #: The kubelet's pod directories (read-only hostPath): a lease ends when its Pod's
@@ -194,7 +202,14 @@ class Daemon:
             "too small for what runs on this node: raise --capacity"
         )
 
-    def record_hit(self, source: Source) -> None:
+    def record_hit(self, source: Source, pod_uid: str | None = None) -> None:
+        """Count a Pod's hit and lease the revision for it: a Pod on a read-only mount of
+        the cache (initcontainer/, issue 13 part 3) cannot write its lease itself, and
+        without one its revision could be evicted under the running engine. The lease is
+        committed before the marker is read (as in `submit`); a revision that is gone by
+        then keeps a lease that ends with the Pod, as any lease does."""
+        if pod_uid:
+            self.index.lease(source.name, source.revision, pod_uid)
         marker = self.store.read_marker(source.name, source.revision)
         self.metrics.fetches.labels("hit").inc()
         self.metrics.duration.labels("hit").observe(0.0)
@@ -206,19 +221,27 @@ class Daemon:
     def capacity_bytes(self) -> int | None:
         if self.settings.capacity is None:
             return None
-        st = os.statvfs(self.layout.root)
-        return self.settings.capacity.resolve(st.f_blocks * st.f_frsize)
+        return self.settings.capacity.resolve(_disk(self.layout.root)[0])
 
     def make_room(self, need: int) -> None:
-        """Evict LRU revisions so that `need` more bytes fit under capacity, or raise."""
-        capacity = self.capacity_bytes()
-        if capacity is None or need <= 0:
+        """Evict LRU revisions so that `need` more bytes fit under capacity and leave
+        --min-free free on the disk, or raise NoSpaceError (exit 5) saying which bound
+        cannot be kept."""
+        if need <= 0:
             return
         with self._evict_lock:
             self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
-            plan = eviction.plan_eviction(revisions, sizes, usage, capacity - need)
+            size, free = _disk(self.layout.root)
+            floor = self.settings.min_free.resolve(size)
+            by_floor = eviction.floor_target(usage, need, free, floor)
+            capacity = self.capacity_bytes()
+            target = by_floor if capacity is None else min(capacity - need, by_floor)
+            plan = eviction.plan_eviction(revisions, sizes, usage, target)
             if not plan.sufficient:
+                if plan.usage_after > by_floor:
+                    raise NoSpaceError(_floor_message(need, usage, free, floor, plan))
+                assert capacity is not None
                 raise NoSpaceError(
                     f"the revision needs {human(need)} but the cache holds {human(usage)} of "
                     f"{human(capacity)} capacity and evicting every unpinned, unused "
@@ -228,19 +251,21 @@ class Daemon:
             self._execute(plan)
 
     def enforce_capacity(self) -> None:
-        """Above the high watermark, evict down to the low one."""
+        """Above the high watermark, evict down to the low one; below --min-free free on
+        the disk (other files grew), evict until the floor is back."""
         capacity = self.capacity_bytes()
-        if capacity is None:
-            return
-        self.metrics.capacity_bytes.set(capacity)
         with self._evict_lock:
             self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
             self.metrics.cache_bytes.set(usage)
-            if usage <= capacity * self.settings.watermarks.high:
-                return
-            target = int(capacity * self.settings.watermarks.low)
-            self._execute(eviction.plan_eviction(revisions, sizes, usage, target))
+            size, free = _disk(self.layout.root)
+            target = eviction.floor_target(usage, 0, free, self.settings.min_free.resolve(size))
+            if capacity is not None:
+                self.metrics.capacity_bytes.set(capacity)
+                if usage > capacity * self.settings.watermarks.high:
+                    target = min(target, int(capacity * self.settings.watermarks.low))
+            if target < usage:
+                self._execute(eviction.plan_eviction(revisions, sizes, usage, target))
 
     def _collect_orphans(self) -> None:
         """Delete blobs no revision links and no running fetch wants (design §5, Capacity):
@@ -288,8 +313,24 @@ class Daemon:
         self.desired = desired
         self._converged = False
         self._retry.clear()
+        self._export_readiness()
         log.info("desired state: %d model(s), %d pinned", len(desired.models), len(desired.pinned))
         return True
+
+    def _export_readiness(self) -> None:
+        """One `weightcache_revision_ready` series per listed revision, labelled pinned or
+        not, and none for revisions no longer listed: the alert on pinned revisions not
+        ready (daemonset/prometheusrule.yaml) sees a new pin as 0 until it is fetched."""
+        self.metrics.ready.clear()
+        for name, revision in self._listed():
+            self._set_ready(name, revision, self.store.ready(name, revision) is not None)
+
+    def _listed(self) -> list[tuple[str, str]]:
+        return [(m.source.name, m.source.revision) for m in self.desired.models]
+
+    def _set_ready(self, name: str, revision: str, ready: bool) -> None:
+        pinned = "true" if (name, revision) in self.desired.pinned else "false"
+        self.metrics.ready.labels(name, revision, pinned).set(1 if ready else 0)
 
     def _write_pins(self, pinned: frozenset[tuple[str, str]]) -> None:
         generation = self.index.generation
@@ -328,12 +369,12 @@ class Daemon:
             if not isinstance(e, WeightcacheError):  # a bug or the disk: say what it was
                 e = WeightcacheError(f"unexpected {type(e).__name__}: {e}")
             self.failures[key] = e
-            self.metrics.ready.labels(*key).set(0)
+            self._set_ready(*key, False)
             log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
             return
         self.failures.pop(key, None)
         self._retry.pop(key, None)
-        self.metrics.ready.labels(*key).set(1)
+        self._set_ready(*key, True)
 
     def retry_due(self) -> bool:
         """A failed entry's backoff has run out."""
@@ -349,9 +390,18 @@ class Daemon:
                 return problem
         return None
 
-    def ready(self) -> bool:
-        """Every pinned revision is present (the /readyz contract)."""
-        return all(self.store.ready(n, r) is not None for n, r in self.desired.pinned)
+    def serving(self) -> bool:
+        """The /readyz contract: the daemon serves (models file loaded, fetch socket and
+        HTTP up, not stopping), whatever it is still downloading. Waiting for pinned
+        revisions made every models-file change mark the fleet NotReady for the download,
+        and one unfetchable pin keep it NotReady for good (issue 13 part 3); pinned
+        progress is `weightcache_revision_ready{pinned="true"}` and its alert instead."""
+        return self._socket.listening and not self.stopping.is_set()
+
+    def pinned_missing(self) -> list[str]:
+        """NAME/REV of every pinned revision not ready on this node, sorted."""
+        pinned = sorted(self.desired.pinned)
+        return [f"{n}/{r}" for n, r in pinned if self.store.ready(n, r) is None]
 
     def reap_leases(self) -> None:
         """End the leases of Pods that are gone (their kubelet directory vanished, or,
@@ -507,11 +557,14 @@ class Daemon:
         return (200, b"ok\n", TEXT) if problem is None else (503, f"{problem}\n".encode(), TEXT)
 
     def _readyz(self) -> tuple[int, bytes, str]:
-        pinned = sorted(self.desired.pinned)
-        missing = [f"{n}/{r}" for n, r in pinned if self.store.ready(n, r) is None]
-        if not missing:
-            return 200, b"ready\n", TEXT
-        return 503, ("missing: " + " ".join(missing) + "\n").encode(), TEXT
+        """200 while serving; the body also names pinned revisions still missing, for a
+        human at `curl` (the status does not depend on them)."""
+        if not self.serving():
+            what = "stopping" if self.stopping.is_set() else "the fetch socket is not up yet"
+            return 503, f"not serving: {what}\n".encode(), TEXT
+        missing = self.pinned_missing()
+        body = "ready" + ("; pinned not yet ready: " + " ".join(missing) if missing else "")
+        return 200, (body + "\n").encode(), TEXT
 
     # -- the fetch socket ----------------------------------------------------------------------
 
@@ -561,7 +614,7 @@ class Daemon:
         source = Source.parse(msg["source"], msg.get("name"), msg.get("revision"))
         pod_uid = msg.get("pod_uid")
         if msg.get("op") == "hit":
-            self.record_hit(source)
+            self.record_hit(source, pod_uid)
             return
         refusal = self.refusal(source)
         if refusal is not None:
@@ -578,6 +631,25 @@ class Daemon:
             self._answer_error(send, e)
         finally:
             self.metrics.replica_waiting(-1)
+
+
+def _disk(path: Path) -> tuple[int, int]:
+    """(size, free bytes) of the filesystem holding `path`; free as an unprivileged
+    writer sees it (f_bavail), which is what the kubelet's thresholds measure too."""
+    st = os.statvfs(path)
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _floor_message(
+    need: int, usage: int, free: int, floor: int, plan: eviction.EvictionPlan
+) -> str:
+    return (
+        f"the revision needs {human(need)} but the cache disk has {human(free)} free and "
+        f"--min-free keeps {human(floor)} of it free (the cache holds {human(usage)}; other "
+        f"files use the rest); evicting every unpinned, unused revision would free only "
+        f"{human(plan.freed_bytes)}: free space on the disk, lower --min-free, or unpin "
+        "models"
+    )
 
 
 def _is_pod_uid(holder: str) -> bool:

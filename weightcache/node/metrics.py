@@ -134,8 +134,10 @@ class Metrics:
         )
         self.ready = Gauge(
             "weightcache_revision_ready",
-            "1 when a listed revision is ready on this node.",
-            ["name", "revision"],
+            "1 when a revision of the models file is ready on this node, 0 until then; "
+            'pinned="true" for pinned ones (readiness does not wait for them: alert on '
+            "this instead).",
+            ["name", "revision", "pinned"],
             registry=r,
         )
         self.peer_upload_bytes = Counter(

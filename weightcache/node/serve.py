@@ -325,6 +325,11 @@ class SocketServer:
         sock.listen(BACKLOG)
         self._sweeper = asyncio.create_task(sweep(self.books, self._stop))
 
+    @property
+    def listening(self) -> bool:
+        """Started and not closed: Pods can connect."""
+        return self._server is not None and self._server.is_serving()
+
     async def close(self) -> None:
         """Stop accepting, remove the socket file and close every connection (no answer)."""
         self._stop.set()

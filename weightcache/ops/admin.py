@@ -142,9 +142,16 @@ def _damaged(
     )
 
 
-def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool) -> str:
+def gc(
+    cache_dir: Path,
+    capacity: Capacity,
+    models_file: Path | None,
+    dry_run: bool,
+    min_free: Capacity | None = None,
+) -> str:
     """Remove orphaned blobs (no revision links them, no running fetch wants them), then
-    plan (and unless dry_run, execute) LRU eviction down to `capacity`."""
+    plan (and unless dry_run, execute) LRU eviction down to `capacity`, and further if
+    needed to leave `min_free` free on the disk (other files count)."""
     from weightcache.node.models import load
 
     layout = Layout.open(cache_dir, create=False)
@@ -157,15 +164,18 @@ def gc(cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: b
     index = for_cache(layout)
     pinned = load(models_file).pinned if models_file else frozenset()
     st = os.statvfs(layout.root)
-    target = capacity.resolve(st.f_blocks * st.f_frsize)
+    disk_size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    floor = min_free.resolve(disk_size) if min_free is not None else 0
     orphans = sum(size for _, size in store.orphans())
     if not dry_run:
         orphans = store.collect_orphans()
     revisions, sizes, usage = eviction.survey(store, index, pinned)
     if dry_run:  # the orphans are still there: plan as if they were gone
-        plan = eviction.plan_eviction(revisions, sizes, usage - orphans, target)
-        return f"would remove {orphans} bytes of orphaned blobs; would " + plan.describe()
+        usage, free = usage - orphans, free + orphans
+    target = min(capacity.resolve(disk_size), eviction.floor_target(usage, 0, free, floor))
     plan = eviction.plan_eviction(revisions, sizes, usage, target)
+    if dry_run:
+        return f"would remove {orphans} bytes of orphaned blobs; would " + plan.describe()
     eviction.execute(plan, store, index)
     store.clean_tmp()
     return plan.describe() + f"; {orphans} bytes of orphaned blobs removed"
