@@ -244,7 +244,7 @@ def _fetch_miss(
         raise _read_only_miss(layout, src, use_daemon)
     progress = Progress(src.label, 0, interval=progress_interval)
     fetcher = Fetcher(layout, settings, observer=progress)  # no peers: every GET is origin
-    # Fetching alone: the node daemon counts us through the cache dir (issue 13 §4).
+    # Fetching alone: the node daemon counts us through the cache dir (design §6).
     try:
         with registered(layout, src.name, src.revision, lambda: progress.inflight):
             return fetcher.fetch(src, pod_uid)

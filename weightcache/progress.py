@@ -52,7 +52,7 @@ class Progress:
 
     def end_line(self) -> None:
         """End the bar's line, if one is drawn, with its latest state, so that what is
-        written next (a log line) starts on a line of its own (issue 13 part 5: they ran
+        written next (a log line) starts on a line of its own (they ran
         together)."""
         with self._line:
             if self._bar_open:

@@ -117,7 +117,6 @@ def test_init_container_miss_then_hit(
 def test_init_container_takes_over_a_read_only_partial(
     image: str,
     podman: Podman,
-    initcontainer_rendered: Rendered,
     store: Any,
     publish: Callable[..., Any],
     tmp_path: Path,
@@ -126,7 +125,7 @@ def test_init_container_takes_over_a_read_only_partial(
     read-only `<hex>.part`. Root ignores file modes, so only uid 65532 (as the image runs)
     shows whether the next fetch takes it over instead of failing on EACCES for a day."""
     pub = publish([2 << 20], name="ro-partial", seed="ro-partial")
-    fetch = _with_source(_only(initcontainer_rendered, "fetch"), pub.source)
+    fetch = _with_source(_only(_read_write(tmp_path), "fetch"), pub.source)  # alone: no daemon
     cache = node_dir(tmp_path / "node" / "weightcache")
     tmp = node_dir(node_dir(cache / ".weightcache") / "tmp")
     sha = next(f.sha256 for f in pub.model.files if f.size == 2 << 20)
@@ -238,7 +237,7 @@ def test_daemon_prefetches_then_is_ready_and_serves_metrics(
     podman.start(podman_args(daemon, sandbox, image, name))
     ready, metrics = _probe_url(daemon, "readinessProbe"), _probe_url(daemon, "livenessProbe")
     deadline = time.monotonic() + 180
-    # /readyz means serving; the prefetch of the pin is the metric (issue 13 part 3).
+    # /readyz means serving; the prefetch of the pin is the metric.
     while _http_status(ready) != 200 or not _pins_ready(ready.rsplit("/", 1)[0]):
         state = subprocess.run(
             ["podman", "inspect", "--format", "{{.State.Running}}", name],

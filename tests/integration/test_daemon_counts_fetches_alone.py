@@ -1,4 +1,4 @@
-"""Every fetch on a node is visible to the node's daemon (issue 13 §4): fetches that
+"""Every fetch on a node is visible to the node's daemon: fetches that
 download without it (`--no-daemon`, a source it refuses) register in the cache dir, and
 its /metrics counts them and their GETs while they run, and forgets them when their
 process is gone, `kill -9` included."""

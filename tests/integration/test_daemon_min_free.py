@@ -1,4 +1,4 @@
-"""The --min-free floor (issue 13 part 3): on a small tmpfs that other files fill, the
+"""The --min-free floor: on a small tmpfs that other files fill, the
 daemon evicts so that free space after a download stays above the floor, and a download
 that cannot keep it even with everything evictable gone is exit 5 saying so."""
 

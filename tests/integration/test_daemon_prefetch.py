@@ -93,7 +93,7 @@ def test_daemon_readiness_follows_models_file(
     daemon = daemons.start(cache_dir, models, endpoint=proxy.url)
 
     assert daemon.get("/healthz")[0] == 200
-    # Readiness means serving (issue 13 part 3): 200 while the pins download, the body
+    # Readiness means serving: 200 while the pins download, the body
     # naming them; their progress is the metric, which starts at 0 for every pin.
     status, body = daemon.get("/readyz")
     assert status == 200, (status, body, daemon.log())

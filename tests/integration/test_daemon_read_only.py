@@ -1,4 +1,4 @@
-"""Pods mount the cache read-only and ask the node daemon (issue 13 part 3, initcontainer/):
+"""Pods mount the cache read-only and ask the node daemon (initcontainer/):
 a miss is downloaded by the daemon, a hit is leased by it, and without a daemon a miss is
 one line saying why (exit 2). Real read-only bind mounts (root)."""
 

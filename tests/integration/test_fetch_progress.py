@@ -68,7 +68,7 @@ def test_bar_when_stderr_is_a_tty(
     assert proc.stdout.decode() == f"{pub.local_path(cache_dir)}\n"
     text = shown.decode(errors="replace")
     assert "bar/r1 [" in text and "100.0%" in text, text
-    # The bar's line ends before a log line starts (issue 13 part 5): no log line is
+    # The bar's line ends before a log line starts: no log line is
     # written onto the end of the bar.
     lines = text.replace("\r\n", "\n").split("\n")
     logged = [line for line in lines if "INFO weightcache" in line]

@@ -56,7 +56,7 @@ def _cache_volume(container: Any, cache_dir: str) -> dict[str, Any]:
 
 
 def test_fetch_mounts_the_node_cache_read_only(initcontainer: Any) -> None:
-    """Tenants cannot change each other's weights (issue 13 part 3): the Pod's fetch asks
+    """Tenants cannot change each other's weights (design §5): the Pod's fetch asks
     the daemon through its socket in the cache and writes nothing itself."""
     fetch = _fetch(initcontainer)
     cache_dir = fetch.option("--cache-dir")
@@ -68,7 +68,7 @@ def test_fetch_mounts_the_node_cache_read_only(initcontainer: Any) -> None:
 
 def test_daemon_keeps_free_space_above_the_kubelets_thresholds(daemonset: Any) -> None:
     """--min-free above the kubelet's defaults (image GC at 85% used, Pod eviction below
-    10-15% free), whatever the cache's --capacity (issue 13 part 3)."""
+    10-15% free), whatever the cache's --capacity (design §5)."""
     from weightcache.config import Capacity
 
     floor = Capacity.parse(_daemon(daemonset).option("--min-free"), "--min-free", zero_ok=True)

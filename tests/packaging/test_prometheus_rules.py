@@ -3,7 +3,7 @@
 promtool (Debian package `prometheus`) checks the rules and runs them against synthetic
 series: scale-outs where every replica pulls its own copy, through the daemon or alone (the
 alert fires), and ones where the cache works, including a cold node where 8 replicas wait
-30 minutes on one 16-GET download (silent; issue 13 §4). Without promtool those tests skip;
+30 minutes on one 16-GET download (silent; design §6). Without promtool those tests skip;
 the metric name checks below need nothing but Python.
 """
 

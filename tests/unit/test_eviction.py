@@ -133,7 +133,7 @@ def test_watermarks_out_of_order_or_range_are_refused(high: float, low: float) -
         Watermarks(high, low)
 
 
-# -- the --min-free floor (issue 13 part 3): free space on the disk, other files counted -----
+# -- the --min-free floor: free space on the disk, other files counted -----
 
 
 @pytest.mark.parametrize(

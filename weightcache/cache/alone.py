@@ -2,7 +2,7 @@
 
 A `fetch` downloading alone (`--no-daemon`, no daemon, a daemon that refused the source
 or stopped answering) runs outside the daemon's transfer observer, yet it is exactly what
-the early-warning ratio exists to see (issue 13 §4). So it registers itself for as long as
+the early-warning ratio exists to see (design §6). So it registers itself for as long as
 it runs, in `Layout.fetching`:
 
     <id>.lock   flocked (exclusive) by the fetch for its whole life

@@ -99,7 +99,7 @@ def plan_eviction(
 
 def floor_target(usage: int, need: int, free: int, min_free: int) -> int:
     """The cache usage to evict down to so that, after writing `need` more bytes, the disk
-    keeps `min_free` bytes free (the --min-free floor, issue 13 part 3).
+    keeps `min_free` bytes free (the --min-free floor, design §5).
 
     `free` is the disk's free space now (statvfs), so other files on the disk count: every
     byte evicted is a byte freed, and the floor needs `min_free + need - free` of them

@@ -204,7 +204,7 @@ class Daemon:
 
     def record_hit(self, source: Source, pod_uid: str | None = None) -> None:
         """Count a Pod's hit and lease the revision for it: a Pod on a read-only mount of
-        the cache (initcontainer/, issue 13 part 3) cannot write its lease itself, and
+        the cache (initcontainer/, design §5) cannot write its lease itself, and
         without one its revision could be evicted under the running engine. The lease is
         committed before the marker is read (as in `submit`); a revision that is gone by
         then keeps a lease that ends with the Pod, as any lease does."""
@@ -394,7 +394,7 @@ class Daemon:
         """The /readyz contract: the daemon serves (models file loaded, fetch socket and
         HTTP up, not stopping), whatever it is still downloading. Waiting for pinned
         revisions made every models-file change mark the fleet NotReady for the download,
-        and one unfetchable pin keep it NotReady for good (issue 13 part 3); pinned
+        and one unfetchable pin keep it NotReady for good (design §5); pinned
         progress is `weightcache_revision_ready{pinned="true"}` and its alert instead."""
         return self._socket.listening and not self.stopping.is_set()
 
