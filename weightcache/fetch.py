@@ -104,13 +104,13 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
     cannot be evicted any more (Index.remove_unless_protected).
     """
     start = time.monotonic()
-    index = for_cache(layout)
-    if pod_uid and not layout.read_only:
+    index = for_cache(layout)  # it looked at the mount's flags (one statvfs) for us
+    if pod_uid and not index.read_only:
         index.lease(source.name, source.revision, pod_uid)
     marker = Store(layout).ready(source.name, source.revision)
     if marker is None or marker.source != source.url:
         return None
-    if not layout.read_only:  # the engine's read-only mount: serve it, record nothing
+    if not index.read_only:  # the engine's read-only mount: serve it, record nothing
         index.record_access(source.name, source.revision)
     path = str(layout.revision_dir(source.name, source.revision))
     return FetchResult(path, True, 0, time.monotonic() - start)

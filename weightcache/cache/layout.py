@@ -32,7 +32,8 @@ from weightcache.errors import UsageError
 
 MARKER = ".weightcache"
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-+=@]{0,254}")
-_HEX = re.compile(r"[0-9a-f]{64}")
+#: A sha256 as blob names and manifests spell it.
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 #: NAME_MAX of every Linux filesystem: a longer file name is ENAMETOOLONG.
 NAME_MAX = 255
 
@@ -121,7 +122,7 @@ class Layout:
         return self.internal / "fetching"
 
     def blob(self, sha256: str) -> Path:
-        if not _HEX.fullmatch(sha256):
+        if not SHA256_HEX.fullmatch(sha256):
             raise ValueError(f"not a sha256 hex digest: {sha256!r}")
         return self.blobs / sha256
 

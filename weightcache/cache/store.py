@@ -20,13 +20,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightcache.cache.layout import MARKER, Layout
+from weightcache.cache.layout import MARKER, SHA256_HEX, Layout
 from weightcache.cache.manifest import Manifest, check_path
 from weightcache.errors import SourceError
 
 log = logging.getLogger(__name__)
 MARKER_VERSION = 1
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX_LINE = re.compile(r"^[0-9a-f]{64}$", re.M)
 
 
@@ -89,7 +88,7 @@ def _checked_path(raw: str) -> str:
 
 def _checked_file(path: str, entry: dict[str, object]) -> tuple[str, int]:
     sha256, size = entry["sha256"], int(entry["size"])  # type: ignore[call-overload]
-    if not isinstance(sha256, str) or not _HEX64.fullmatch(sha256) or size < 0:
+    if not isinstance(sha256, str) or not SHA256_HEX.fullmatch(sha256) or size < 0:
         raise ValueError(f"the marker lists {path!r} with sha256 {sha256!r} and size {size}")
     return sha256, size
 
