@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -458,8 +457,7 @@ class Fetcher:
         need = sum(e.size - min(self.store.partial_bytes(e.sha256), e.size) for e in entries)
         if self._reserve is not None:
             self._reserve(need)
-        st = os.statvfs(self.layout.tmp)
-        free = st.f_bavail * st.f_frsize
+        _, free = self.layout.disk_space()  # tmp/ is on the cache's filesystem
         if need > free:
             raise NoSpaceError(
                 f"the cache disk at {self.layout.root} has {human(free)} free but the "

@@ -81,6 +81,12 @@ class Layout:
             raise _open_error(root, e) from e
         return layout
 
+    def disk_space(self) -> tuple[int, int]:
+        """(size, free bytes) of the filesystem holding the cache; free as an unprivileged
+        writer sees it (f_bavail), which is what the kubelet's thresholds measure too."""
+        st = os.statvfs(self.root)
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
     @property
     def read_only(self) -> bool:
         """True when the cache is on a read-only mount (the engine's view of it)."""

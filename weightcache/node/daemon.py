@@ -221,7 +221,7 @@ class Daemon:
     def capacity_bytes(self) -> int | None:
         if self.settings.capacity is None:
             return None
-        return self.settings.capacity.resolve(_disk(self.layout.root)[0])
+        return self.settings.capacity.resolve(self.layout.disk_space()[0])
 
     def make_room(self, need: int) -> None:
         """Evict LRU revisions so that `need` more bytes fit under capacity and leave
@@ -232,7 +232,7 @@ class Daemon:
         with self._evict_lock:
             self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
-            size, free = _disk(self.layout.root)
+            size, free = self.layout.disk_space()
             floor = self.settings.min_free.resolve(size)
             by_floor = eviction.floor_target(usage, need, free, floor)
             capacity = self.capacity_bytes()
@@ -258,7 +258,7 @@ class Daemon:
             self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
             self.metrics.cache_bytes.set(usage)
-            size, free = _disk(self.layout.root)
+            size, free = self.layout.disk_space()
             target = eviction.floor_target(usage, 0, free, self.settings.min_free.resolve(size))
             if capacity is not None:
                 self.metrics.capacity_bytes.set(capacity)
@@ -631,13 +631,6 @@ class Daemon:
             self._answer_error(send, e)
         finally:
             self.metrics.replica_waiting(-1)
-
-
-def _disk(path: Path) -> tuple[int, int]:
-    """(size, free bytes) of the filesystem holding `path`; free as an unprivileged
-    writer sees it (f_bavail), which is what the kubelet's thresholds measure too."""
-    st = os.statvfs(path)
-    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
 def _floor_message(

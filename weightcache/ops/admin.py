@@ -163,8 +163,7 @@ def gc(
     store = Store(layout)
     index = for_cache(layout)
     pinned = load(models_file).pinned if models_file else frozenset()
-    st = os.statvfs(layout.root)
-    disk_size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    disk_size, free = layout.disk_space()
     floor = min_free.resolve(disk_size) if min_free is not None else 0
     orphans = sum(size for _, size in store.orphans())
     if not dry_run:
