@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark harness (design §9): the model, the tools, the measurements.
 
 Benchmarks are not tests: they report numbers, they assert nothing about them. Everything
-here runs on one machine against a throwaway SeaweedFS (`weightcache.ops.devstore.LocalStore`)
+here runs on one machine against a throwaway SeaweedFS (`weightcache.ops.devstore.DevStore`)
 on loopback.
 
 The tools compared (design §9):

@@ -17,7 +17,7 @@ from pathlib import Path
 import benchlib as bl
 import measure as ms
 
-from weightcache.ops.devstore import LocalStore
+from weightcache.ops.devstore import DevStore
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,7 +53,7 @@ def run_rounds(
     args: argparse.Namespace,
     tools: dict[str, list[str]],
     model: bl.Model,
-    store: LocalStore,
+    store: DevStore,
     workdir: Path,
 ) -> list[ms.Run]:
     env = bl.peer_env(store.endpoint_url, store.env)
@@ -151,7 +151,7 @@ def main() -> None:
         bl.log(
             f"model {model.prefix}: {bl.fmt_size(model.total_bytes)} in {len(model.files)} files"
         )
-        with LocalStore(workdir / "store") as store:
+        with DevStore(workdir / "store") as store:
             secs = bl.upload_model(model, store.endpoint_url, store.env)
             bl.log(f"uploaded to {store.endpoint_url} in {secs:.1f} s")
             runs = run_rounds(args, tools, model, store, workdir)

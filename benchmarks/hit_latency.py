@@ -23,7 +23,7 @@ from pathlib import Path
 import benchlib as bl
 import measure as ms
 
-from weightcache.ops.devstore import LocalStore
+from weightcache.ops.devstore import DevStore
 
 TARGET_MS = 150.0
 
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
 
 def prepare(
     model: bl.Model,
-    store: LocalStore,
+    store: DevStore,
     workdir: Path,
     tools: dict[str, list[str]],
     wc_args: list[str],
@@ -155,7 +155,7 @@ def main() -> None:
     info = bl.machine_info(workdir)
     try:
         model = bl.make_model(workdir / "model", bl.parse_size(args.size), name="hit")
-        with LocalStore(workdir / "store") as store:
+        with DevStore(workdir / "store") as store:
             bl.upload_model(model, store.endpoint_url, store.env)
             commands, cold = prepare(model, store, workdir, tools, args.wc_arg)
             bl.log(f"cold fetch {cold.wall_s:.2f} s; now {args.runs} hits per command")

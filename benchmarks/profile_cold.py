@@ -70,8 +70,8 @@ RULES: list[tuple[str, str | None, str | None]] = [
     ),
     ("allocate 1 MiB buffers", r"RangedDownloader\._buffer$", None),
     ("open, preallocate partials", r"(RangedDownloader\._open|_preallocate)$", None),
-    ("publish blobs (chmod, rename)", r"Store\.publish_blob$", None),
-    ("assembly (links, marker)", r"Store\.assemble$", None),
+    ("publish blobs (chmod, rename)", r"Cache\.publish_blob$", None),
+    ("assembly (links, marker)", r"Cache\.assemble$", None),
     ("index (sqlite)", r"^Index\.", None),
     # the main thread from the first worker's start to the last digest: join, is_alive, _finish
     ("main: waiting for the workers", r"RangedDownloader\._download$", None),
@@ -80,10 +80,10 @@ RULES: list[tuple[str, str | None, str | None]] = [
     ("presign", r"(presign_get|BlobJob\.request)$", None),
     (
         "listing + manifest (boto3 calls)",
-        r"(ObjectStore\.(list_sizes|get_bytes)|read_manifest)$",
+        r"(Origin\.(list_sizes|get_bytes)|read_manifest)$",
         None,
     ),
-    ("boto3 client", r"ObjectStore\.__init__$", None),
+    ("boto3 client", r"Origin\.__init__$", None),
     ("locks", r"^FileLock\.", None),
 ]
 
@@ -100,7 +100,7 @@ def bucket_of(frames: list[str], main: bool) -> str:
         # fetches, for seconds): these samples are not all start-up and exit.
         return "no Python frame (start, exit, or stack lost)" if main else "thread start/exit"
     if any("<frozen importlib" in m["file"] for m in parsed):
-        boto = any(_BOTO.search(m["file"]) or m["func"] == "ObjectStore.__init__" for m in parsed)
+        boto = any(_BOTO.search(m["file"]) or m["func"] == "Origin.__init__" for m in parsed)
         return "imports: boto3, botocore" if boto else "imports: the rest (site, click, ...)"
     for m in reversed(parsed):
         src = _source_line(m["file"], int(m["line"]))
@@ -326,11 +326,11 @@ def main() -> None:
     info = bl.machine_info(workdir)
     walls: list[dict[str, object]] = []
     imports: list[float] = []
-    from weightcache.ops.devstore import LocalStore
+    from weightcache.ops.devstore import DevStore
 
     try:
         model = bl.make_model(workdir / "model", size, name=f"profile-{args.size.lower()}")
-        with LocalStore(workdir / "store") as store:
+        with DevStore(workdir / "store") as store:
             bl.upload_model(model, store.endpoint_url, store.env)
             os.sync()  # the upload's writeback is not the first run's
             env = bl.peer_env(store.endpoint_url, store.env)

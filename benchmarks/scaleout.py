@@ -53,7 +53,7 @@ import benchlib as bl
 import measure as ms
 from countingproxy import Counters, CountingProxy, Sampler
 
-from weightcache.ops.devstore import LocalStore, free_port
+from weightcache.ops.devstore import DevStore, free_port
 
 STRATEGIES = ("aws", "rclone", "weightcache", "weightcache-daemon", "weightcache-p2p")
 DAEMON_STRATEGIES = ("weightcache-daemon", "weightcache-p2p")
@@ -289,7 +289,7 @@ class Outcome:
 def run_scaleout(
     strategy: Strategy,
     model: bl.Model,
-    store: LocalStore,
+    store: DevStore,
     proxy: CountingProxy,
     root: Path,
     args: argparse.Namespace,
@@ -339,7 +339,7 @@ def run_scaleout(
 def prewarm(
     strategy: Strategy,
     model: bl.Model,
-    store: LocalStore,
+    store: DevStore,
     nodes: list[Path],
     logs: Path,
     timeout: float,
@@ -506,7 +506,7 @@ def main() -> None:
     outcomes: list[Outcome] = []
     try:
         model = bl.make_model(workdir / "model", size, name=f"scaleout-{args.size.lower()}")
-        with LocalStore(workdir / "store") as store, CountingProxy(store.endpoint_url) as proxy:
+        with DevStore(workdir / "store") as store, CountingProxy(store.endpoint_url) as proxy:
             bl.upload_model(model, store.endpoint_url, store.env)
             bl.log(
                 f"model {model.prefix} ({bl.fmt_size(model.total_bytes)}) uploaded; "

@@ -34,9 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A `weed mini` on loopback with the bucket "models", for the whole session."""
-    from weightcache.ops.devstore import LocalStore
+    from weightcache.ops.devstore import DevStore
 
-    local = LocalStore(tmp_path_factory.mktemp("seaweedfs"))
+    local = DevStore(tmp_path_factory.mktemp("seaweedfs"))
     local.start()
     try:
         yield local

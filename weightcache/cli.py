@@ -20,9 +20,9 @@ import click
 
 from weightcache.config import (
     Capacity,
+    OriginSettings,
     PeerSettings,
     Source,
-    StoreSettings,
     parse_allow_sources,
     parse_duration,
     parse_pod_uid,
@@ -222,7 +222,7 @@ def fetch(
 
 def _fetch_miss(
     layout: Any,
-    settings: StoreSettings,
+    settings: OriginSettings,
     src: Source,
     pod_uid: str | None,
     use_daemon: bool,
@@ -286,7 +286,7 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
 # -- node agent -------------------------------------------------------------------------------
 
 
-def _daemon(cache_dir: Path, store: StoreSettings, **kw: Any) -> Any:
+def _daemon(cache_dir: Path, store: OriginSettings, **kw: Any) -> Any:
     from weightcache.cache.eviction import Watermarks
     from weightcache.cache.layout import Layout
     from weightcache.node.daemon import Daemon, DaemonSettings

@@ -99,7 +99,7 @@ class Capacity:
 
 
 @dataclass(frozen=True)
-class StoreSettings:
+class OriginSettings:
     """How weightcache talks to the object store (every store-facing command takes these)."""
 
     #: None: the AWS chain decides (AWS_ENDPOINT_URL, config), else AWS S3 itself.

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
-from weightcache.cache.store import FileLock, Marker, Store
-from weightcache.config import PeerSettings, Source, StoreSettings
+from weightcache.cache.store import Cache, FileLock, Marker
+from weightcache.config import OriginSettings, PeerSettings, Source
 from weightcache.errors import (
     IntegrityError,
     Interrupted,
@@ -41,7 +41,7 @@ from weightcache.progress import human
 
 if TYPE_CHECKING:
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
-    from weightcache.transfer.s3 import ObjectStore
+    from weightcache.transfer.s3 import Origin
 
 log = logging.getLogger(__name__)
 #: Peers tried for one blob before the origin: a second chance when the first dies.
@@ -106,7 +106,7 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
     index = for_cache(layout)  # it looked at the mount's flags (one statvfs) for us
     if pod_uid and not index.read_only:
         index.lease(source.name, source.revision, pod_uid)
-    marker = Store(layout).ready(source.name, source.revision)
+    marker = Cache(layout).ready(source.name, source.revision)
     if marker is None or marker.source != source.url:
         return None
     if not index.read_only:  # the engine's read-only mount: serve it, record nothing
@@ -121,19 +121,19 @@ class Fetcher:
     def __init__(
         self,
         layout: Layout,
-        settings: StoreSettings,
+        settings: OriginSettings,
         observer: TransferObserver | None = None,
         downloader: RangedDownloader | None = None,
         reserve: Callable[[int], None] | None = None,
         peers: PeerSource[Any] | None = None,
-        store: Store | None = None,
+        cache: Cache | None = None,
     ) -> None:
         """`reserve(nbytes)` is called before a download to make room under a capacity
         bound (the daemon evicts); it raises NoSpaceError when the room cannot be made.
         With `peers` (the daemon's), blobs come from other nodes that hold them when they
         can, verified exactly as from the origin."""
         self.layout = layout
-        self.store = store or Store(layout)
+        self.cache = cache or Cache(layout)
         self.index = for_cache(layout)
         self.settings = settings
         self._observer = observer
@@ -153,17 +153,17 @@ class Fetcher:
         with self._downloader_lock:
             if self._downloader is None:
                 from weightcache.transfer.ranged import RangedDownloader
-                from weightcache.transfer.s3 import ObjectStore
+                from weightcache.transfer.s3 import Origin
 
                 self._downloader = RangedDownloader(
-                    ObjectStore(self.settings), self.settings, self._observer
+                    Origin(self.settings), self.settings, self._observer
                 )
                 if self._interrupted:
                     self._downloader.interrupt()
             return self._downloader
 
     @property
-    def origin(self) -> ObjectStore:
+    def origin(self) -> Origin:
         return self.downloader.store
 
     def interrupt(self) -> None:
@@ -194,7 +194,7 @@ class Fetcher:
             if hit is not None:
                 return hit
             manifest = self.read_manifest(source)
-            if lock.held:  # spares the blobs we are about to link (Store.orphans)
+            if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
             fetched = self._bring_blobs(source, manifest)
             marker = Marker(
@@ -224,12 +224,12 @@ class Fetcher:
         finished it; a hit of another source only if that source's manifest is the same
         (UsageError otherwise); None (a miss) if it is absent, or damaged since it was
         marked (then it is unmarked and its damaged blobs quarantined, design §3 invariant 7)."""
-        marker = self.store.read_marker(source.name, source.revision)
+        marker = self.cache.read_marker(source.name, source.revision)
         if marker is None or (marker.name, marker.revision) != (source.name, source.revision):
             return None
         if marker.source != source.url:
             self._check_same_content(source, marker)
-        damaged = self.store.repair(marker)
+        damaged = self.cache.repair(marker)
         if damaged:
             log.warning(
                 "%s: %d file(s) no longer of their size (e.g. %s); unmarked it and "
@@ -284,7 +284,7 @@ class Fetcher:
         """
         wanted: dict[str, ManifestEntry] = {}
         for entry in manifest.entries:
-            if not self.store.has_blob(entry.sha256, entry.size):
+            if not self.cache.has_blob(entry.sha256, entry.size):
                 wanted.setdefault(entry.sha256, entry)
         if not wanted:
             return 0
@@ -307,25 +307,25 @@ class Fetcher:
                 lock = FileLock(self.layout.blob_lock(entry.sha256), entry.path)
                 mine.append((entry, lock if lock.acquire(self._holder_stalled()) else None))
             try:
-                has = self.store.has_blob
+                has = self.cache.has_blob
                 todo = [(e, lock is None) for e, lock in mine if not has(e.sha256, e.size)]
                 fetched += self._download_verified(source, todo)
             finally:
                 for _, held in mine:
                     if held is not None:
                         held.release()
-            pending = [e for e in pending + theirs if not self.store.has_blob(e.sha256, e.size)]
-        self.store.sync_blobs()
+            pending = [e for e in pending + theirs if not self.cache.has_blob(e.sha256, e.size)]
+        self.cache.sync_blobs()
         return fetched
 
     def _holder_stalled(self) -> Callable[[], bool]:
         """A give-up test for lock waits: true once no download on this node has made
         progress for `--timeout` (a hung daemon or a stopped process holds the lock)."""
-        last = (self.store.progress_signature(), time.monotonic())
+        last = (self.cache.progress_signature(), time.monotonic())
 
         def stalled() -> bool:
             nonlocal last
-            now = self.store.progress_signature()
+            now = self.cache.progress_signature()
             if now != last[0]:
                 last = (now, time.monotonic())
             return time.monotonic() - last[1] >= self.settings.timeout
@@ -398,9 +398,9 @@ class Fetcher:
                 failed.append(holding.peer)
                 continue
             if got == entry.sha256:
-                self.store.publish_blob(partial, entry.sha256)
+                self.cache.publish_blob(partial, entry.sha256)
                 return True, []
-            self.store.discard_partial(partial)
+            self.cache.discard_partial(partial)
             self.downloader.observer.verify_failed()
             self.peers.mark_bad(holding.peer, f"it served {entry.path} with sha256 {got}, "
                                 f"expected {entry.sha256}")  # fmt: skip
@@ -433,9 +433,9 @@ class Fetcher:
             for job, (e, private) in zip(jobs, todo, strict=True):
                 got = actual[job.label]
                 if got == e.sha256:
-                    self.store.publish_blob(job.partial, e.sha256)
+                    self.cache.publish_blob(job.partial, e.sha256)
                     continue
-                self.store.discard_partial(job.partial)
+                self.cache.discard_partial(job.partial)
                 self.downloader.observer.verify_failed()
                 log.warning("sha256 mismatch for %s (expected %s, got %s)", e.path, e.sha256, got)
                 peers = tainted.pop(e.sha256, [])
@@ -454,7 +454,7 @@ class Fetcher:
         return fetched
 
     def _check_space(self, entries: list[ManifestEntry]) -> None:
-        need = sum(e.size - min(self.store.partial_bytes(e.sha256), e.size) for e in entries)
+        need = sum(e.size - min(self.cache.partial_bytes(e.sha256), e.size) for e in entries)
         if self._reserve is not None:
             self._reserve(need)
         _, free = self.layout.disk_space()  # tmp/ is on the cache's filesystem
@@ -467,11 +467,11 @@ class Fetcher:
 
     def _assemble(self, source: Source, marker: Marker, manifest: Manifest) -> str:
         try:
-            return str(self.store.assemble(marker, manifest))
+            return str(self.cache.assemble(marker, manifest))
         except FileNotFoundError:
             # A blob was evicted between our check and our link: fetch it again, once.
             log.warning(
                 "a blob of %s vanished while assembling it; fetching it again", source.label
             )
             self._bring_blobs(source, manifest)
-            return str(self.store.assemble(marker, manifest))
+            return str(self.cache.assemble(marker, manifest))

@@ -14,7 +14,7 @@ import click
 
 from weightcache.config import (
     Capacity,
-    StoreSettings,
+    OriginSettings,
     parse_duration,
     parse_rate,
     parse_size,
@@ -58,7 +58,7 @@ def store_options(fn: F) -> F:
             "--max-concurrency",
             envvar=env("max-concurrency"),
             type=int,
-            default=StoreSettings.max_concurrency,
+            default=OriginSettings.max_concurrency,
             show_default=True,
             help="Ranged GETs in flight at most.",
         ),
@@ -94,9 +94,9 @@ def cache_dir_option(fn: F) -> F:
     )(fn)
 
 
-def settings_from(kw: dict[str, Any]) -> StoreSettings:
+def settings_from(kw: dict[str, Any]) -> OriginSettings:
     """Pop the store options out of a command's keyword arguments into settings."""
-    return StoreSettings(
+    return OriginSettings(
         endpoint_url=kw.pop("endpoint_url") or None,
         bwlimit=kw.pop("bwlimit"),
         max_concurrency=kw.pop("max_concurrency"),

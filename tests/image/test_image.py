@@ -147,9 +147,9 @@ def test_init_container_hits_with_the_store_stopped(
     """A warm node starts Pods while the object store is down."""
     import boto3
 
-    from weightcache.ops.devstore import LocalStore
+    from weightcache.ops.devstore import DevStore
 
-    local = LocalStore(tmp_path / "store").start()
+    local = DevStore(tmp_path / "store").start()
     try:
         env = local.env
         s3 = boto3.client(

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import Published
 from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
-from weightcache.config import Source, StoreSettings
+from weightcache.config import OriginSettings, Source
 from weightcache.fetch import Fetcher, FetchResult
 
 MiB = 1 << 20
@@ -36,7 +36,7 @@ def test_concurrent_fetches_on_one_fetcher_each_count_their_own_bytes(
     proxy.configure(scope="data", rate_limit=2 * MiB)
     fetcher = Fetcher(
         Layout.open(tmp_path / "cache"),
-        StoreSettings(endpoint_url=proxy.url, part_size=1 * MiB, max_concurrency=4, timeout=60),
+        OriginSettings(endpoint_url=proxy.url, part_size=1 * MiB, max_concurrency=4, timeout=60),
     )
     results: dict[str, FetchResult] = {}
     errors: list[BaseException] = []

@@ -24,8 +24,8 @@ from tests.conftest import Published
 from tests.support.checks import assert_blobs_valid, assert_revision_ok
 from tests.support.modelgen import sha256_file
 from weightcache.cache.layout import Layout
-from weightcache.cache.store import FileOps, Store
-from weightcache.config import Source, StoreSettings
+from weightcache.cache.store import Cache, FileOps
+from weightcache.config import OriginSettings, Source
 from weightcache.fetch import Fetcher
 
 KiB = 1024
@@ -95,25 +95,25 @@ class RecordingOps(FileOps):
 
 
 @pytest.fixture
-def aws_env(store: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreSettings]:
+def aws_env(store: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[OriginSettings]:
     for key, value in store.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
-    yield StoreSettings(endpoint_url=store.endpoint_url, part_size=256 * KiB, max_attempts=2)
+    yield OriginSettings(endpoint_url=store.endpoint_url, part_size=256 * KiB, max_attempts=2)
 
 
-def _fetcher(settings: StoreSettings) -> Callable[[Path, Source, FileOps], None]:
+def _fetcher(settings: OriginSettings) -> Callable[[Path, Source, FileOps], None]:
     """fetch(cache_dir, source, ops), sharing one downloader (one boto3 client) between
     the many fetches of a test."""
     from weightcache.transfer.ranged import RangedDownloader
-    from weightcache.transfer.s3 import ObjectStore
+    from weightcache.transfer.s3 import Origin
 
-    downloader = RangedDownloader(ObjectStore(settings), settings)
+    downloader = RangedDownloader(Origin(settings), settings)
 
     def fetch(cache_dir: Path, source: Source, ops: FileOps) -> None:
         layout = Layout.open(cache_dir)
-        Fetcher(layout, settings, downloader=downloader, store=Store(layout, ops)).fetch(source)
+        Fetcher(layout, settings, downloader=downloader, cache=Cache(layout, ops)).fetch(source)
 
     return fetch
 
@@ -121,7 +121,7 @@ def _fetcher(settings: StoreSettings) -> Callable[[Path, Source, FileOps], None]
 def _assert_no_marker_on_an_incomplete_revision(cache_dir: Path, step: str) -> None:
     """Every revision with a marker holds exactly the marker's files, each verified."""
     layout = Layout.open(cache_dir)
-    store = Store(layout)
+    store = Cache(layout)
     for name, revision in layout.revisions():
         marker = store.read_marker(name, revision)
         if marker is None:
@@ -147,7 +147,7 @@ def _damage(cache_dir: Path, pub: Published) -> None:
 @pytest.mark.parametrize("start", ["empty", "damaged"])
 def test_a_failure_at_every_publishing_step_leaves_no_false_marker(
     publish: Callable[..., Published],
-    aws_env: StoreSettings,
+    aws_env: OriginSettings,
     tmp_path: Path,
     crash: bool,
     start: str,

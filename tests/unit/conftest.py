@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from weightcache.cache.layout import Layout
-from weightcache.cache.store import Store
+from weightcache.cache.store import Cache
 
 
 class FakeClock:
@@ -42,8 +42,8 @@ def layout(tmp_path: Path) -> Layout:
 
 
 @pytest.fixture
-def store(layout: Layout) -> Store:
-    return Store(layout)
+def store(layout: Layout) -> Cache:
+    return Cache(layout)
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import pytest
 
 from weightcache.config import (
     Capacity,
+    OriginSettings,
     Source,
-    StoreSettings,
     parse_duration,
     parse_rate,
     parse_size,
@@ -176,11 +176,11 @@ def test_min_free_invalid_names_the_option(text: str) -> None:
         Capacity.parse(text, "--min-free", zero_ok=True)
 
 
-# -- StoreSettings -----------------------------------------------------------------------------
+# -- OriginSettings -----------------------------------------------------------------------------
 
 
 def test_store_settings_defaults_are_valid_and_frozen() -> None:
-    s = StoreSettings()
+    s = OriginSettings()
     assert (s.endpoint_url, s.bwlimit, s.max_concurrency) == (None, None, 16)
     assert (s.part_size, s.timeout, s.max_attempts) == (16 * MiB, 300.0, 8)
     assert 8 * MiB <= s.part_size <= 64 * MiB  # tens of MiB: design §4
@@ -203,7 +203,7 @@ def test_store_settings_defaults_are_valid_and_frozen() -> None:
     ],
 )
 def test_store_settings_accepts_bounds(kwargs: dict[str, object]) -> None:
-    s = StoreSettings(**kwargs)  # type: ignore[arg-type]
+    s = OriginSettings(**kwargs)  # type: ignore[arg-type]
     for key, value in kwargs.items():
         assert getattr(s, key) == value
 
@@ -227,7 +227,7 @@ def test_store_settings_accepts_bounds(kwargs: dict[str, object]) -> None:
 )
 def test_store_settings_rejects(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(UsageError, match=message):
-        StoreSettings(**kwargs)  # type: ignore[arg-type]
+        OriginSettings(**kwargs)  # type: ignore[arg-type]
 
 
 # -- Source ------------------------------------------------------------------------------------

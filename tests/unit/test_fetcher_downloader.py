@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from weightcache.cache.layout import Layout
-from weightcache.config import StoreSettings
+from weightcache.config import OriginSettings
 from weightcache.errors import Interrupted
 from weightcache.fetch import Fetcher
 
@@ -50,7 +50,7 @@ def _race(fetcher: Fetcher) -> list[object]:
 
 @pytest.mark.usefixtures("fine_switching")
 def test_threads_racing_the_property_share_one_downloader(layout: Layout) -> None:
-    fetcher = Fetcher(layout, StoreSettings(endpoint_url="http://127.0.0.1:9", bwlimit=1 << 20))
+    fetcher = Fetcher(layout, OriginSettings(endpoint_url="http://127.0.0.1:9", bwlimit=1 << 20))
     got = _race(fetcher)
     assert len(got) == THREADS
     built = {id(d) for d in got}
@@ -59,7 +59,7 @@ def test_threads_racing_the_property_share_one_downloader(layout: Layout) -> Non
 
 
 def test_a_downloader_built_after_interrupt_is_interrupted(layout: Layout) -> None:
-    fetcher = Fetcher(layout, StoreSettings(endpoint_url="http://127.0.0.1:9"))
+    fetcher = Fetcher(layout, OriginSettings(endpoint_url="http://127.0.0.1:9"))
     fetcher.interrupt()  # SIGTERM before any fetch built the downloader
     with pytest.raises(Interrupted):
         fetcher.downloader.download([])

@@ -13,7 +13,7 @@ import pytest
 from weightcache.cache import manifest
 from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.manifest import Manifest
-from weightcache.cache.store import FileLock, Marker, Store
+from weightcache.cache.store import Cache, FileLock, Marker
 
 PutBlob = Callable[[bytes], str]
 
@@ -89,7 +89,7 @@ def test_marker_with_an_unsafe_entry_is_refused(path: str, sha256: str, size: in
 
 
 def test_read_marker_ignores_an_unsafe_marker_and_load_marker_says_why(
-    store: Store, layout: Layout
+    store: Cache, layout: Layout
 ) -> None:
     d = json.loads(Marker("m", "r", "s", "d" * 64, {}, 0.0).to_json())
     d["files"]["../../../x"] = {"sha256": "1" * 64, "size": 1}
@@ -104,7 +104,7 @@ def test_read_marker_ignores_an_unsafe_marker_and_load_marker_says_why(
 
 
 def test_assemble_refuses_a_blob_not_of_its_size_and_quarantines_it(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, {"a.bin": b"A" * 100, "b.bin": b"B" * 50})
     damaged = layout.blob(marker.files["a.bin"][0])
@@ -119,7 +119,7 @@ def test_assemble_refuses_a_blob_not_of_its_size_and_quarantines_it(
 
 
 def test_repair_unmarks_and_quarantines_only_damaged_files(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, {"a.bin": b"A" * 100, "b.bin": b"B" * 50})
     target = store.assemble(marker, m)
@@ -135,7 +135,7 @@ def test_repair_unmarks_and_quarantines_only_damaged_files(
 
 
 def test_assemble_links_blobs_and_writes_the_marker(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, FILES)
     target = store.assemble(marker, m)
@@ -153,7 +153,7 @@ def test_assemble_links_blobs_and_writes_the_marker(
     assert store.ready("m", "r") == marker
 
 
-def test_two_revisions_share_a_blob(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+def test_two_revisions_share_a_blob(store: Cache, layout: Layout, put_blob: PutBlob) -> None:
     shared = b"S" * 100
     m1, man1 = _revision(put_blob, {"a.bin": shared, "b.bin": b"one"}, revision="r1")
     m2, man2 = _revision(put_blob, {"a.bin": shared, "b.bin": b"two"}, revision="r2")
@@ -166,7 +166,7 @@ def test_two_revisions_share_a_blob(store: Store, layout: Layout, put_blob: PutB
 
 
 def test_assemble_replaces_an_existing_revision(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     old, old_m = _revision(put_blob, {"a.bin": b"old", "stale.bin": b"gone"})
     store.assemble(old, old_m)
@@ -180,7 +180,7 @@ def test_assemble_replaces_an_existing_revision(
 
 
 def test_assemble_with_a_missing_blob_leaves_nothing(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, {"a.bin": b"here", "b.bin": b"evicted"})
     layout.blob(hashlib.sha256(b"evicted").hexdigest()).unlink()
@@ -191,7 +191,7 @@ def test_assemble_with_a_missing_blob_leaves_nothing(
     assert store.ready("m", "r") is None
 
 
-def test_ready_none_without_a_marker(store: Store, layout: Layout) -> None:
+def test_ready_none_without_a_marker(store: Cache, layout: Layout) -> None:
     assert store.ready("m", "r") is None
     (layout.root / "m" / "r").mkdir(parents=True)
     (layout.root / "m" / "r" / "a.bin").write_bytes(b"x")
@@ -200,7 +200,7 @@ def test_ready_none_without_a_marker(store: Store, layout: Layout) -> None:
 
 @pytest.mark.parametrize("change", ["append", "truncate", "delete", "replace_by_dir"])
 def test_ready_none_when_a_file_changed(
-    store: Store, layout: Layout, put_blob: PutBlob, change: str
+    store: Cache, layout: Layout, put_blob: PutBlob, change: str
 ) -> None:
     marker, m = _revision(put_blob, FILES)
     target = store.assemble(marker, m)
@@ -220,7 +220,7 @@ def test_ready_none_when_a_file_changed(
 
 
 def test_ready_none_when_the_marker_names_another_revision(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, {"a.bin": b"x"})
     target = store.assemble(marker, m)
@@ -243,7 +243,7 @@ def test_ready_none_when_the_marker_names_another_revision(
         '"manifest_sha256": "", "created": 0, "files": {"a.bin": {"size": "x"}}}',
     ],
 )
-def test_ready_none_for_an_unreadable_marker(store: Store, layout: Layout, content: str) -> None:
+def test_ready_none_for_an_unreadable_marker(store: Cache, layout: Layout, content: str) -> None:
     (layout.root / "m" / "r").mkdir(parents=True)
     (layout.root / "m" / "r" / MARKER).write_text(content)
     assert store.read_marker("m", "r") is None
@@ -261,7 +261,7 @@ def test_ready_none_for_an_unreadable_marker(store: Store, layout: Layout, conte
     ],
 )
 def test_ready_none_for_a_marker_that_is_not_an_object(
-    store: Store, layout: Layout, content: str
+    store: Cache, layout: Layout, content: str
 ) -> None:
     (layout.root / "m" / "r").mkdir(parents=True)
     (layout.root / "m" / "r" / MARKER).write_text(content)
@@ -271,7 +271,7 @@ def test_ready_none_for_a_marker_that_is_not_an_object(
 # -- remove / GC -------------------------------------------------------------------------------
 
 
-def test_remove_revision(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+def test_remove_revision(store: Cache, layout: Layout, put_blob: PutBlob) -> None:
     m1, man1 = _revision(put_blob, {"a.bin": b"1"}, revision="r1")
     m2, man2 = _revision(put_blob, {"a.bin": b"2"}, revision="r2")
     store.assemble(m1, man1)
@@ -290,7 +290,7 @@ def test_remove_revision(store: Store, layout: Layout, put_blob: PutBlob) -> Non
 
 
 def test_unreferenced_blobs_are_those_with_one_link(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, {"kept.bin": b"K" * 50})
     store.assemble(marker, m)
@@ -301,7 +301,7 @@ def test_unreferenced_blobs_are_those_with_one_link(
     assert store.unreferenced_blobs(min_age=3600) == []
 
 
-def test_delete_blobs_if_unreferenced(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+def test_delete_blobs_if_unreferenced(store: Cache, layout: Layout, put_blob: PutBlob) -> None:
     marker, m = _revision(put_blob, {"kept.bin": b"K" * 50})
     store.assemble(marker, m)
     kept = hashlib.sha256(b"K" * 50).hexdigest()
@@ -319,7 +319,7 @@ def test_delete_blobs_if_unreferenced(store: Store, layout: Layout, put_blob: Pu
     assert list(layout.blobs.iterdir()) == []
 
 
-def test_usage_counts_blobs_and_partials(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+def test_usage_counts_blobs_and_partials(store: Cache, layout: Layout, put_blob: PutBlob) -> None:
     assert store.usage() == 0
     marker, m = _revision(put_blob, {"a.bin": b"a" * 100, "b.bin": b"b" * 20})
     store.assemble(marker, m)  # links add no bytes
@@ -327,7 +327,7 @@ def test_usage_counts_blobs_and_partials(store: Store, layout: Layout, put_blob:
     assert store.usage() == 127
 
 
-def test_has_blob_and_partials(store: Store, layout: Layout, put_blob: PutBlob) -> None:
+def test_has_blob_and_partials(store: Cache, layout: Layout, put_blob: PutBlob) -> None:
     digest = put_blob(b"data")
     assert store.has_blob(digest)
     missing = hashlib.sha256(b"missing").hexdigest()
@@ -342,7 +342,7 @@ def test_has_blob_and_partials(store: Store, layout: Layout, put_blob: PutBlob) 
     store.discard_partial(partial)  # idempotent
 
 
-def test_publish_blob(store: Store, layout: Layout) -> None:
+def test_publish_blob(store: Cache, layout: Layout) -> None:
     data = b"published"
     digest = hashlib.sha256(data).hexdigest()
     partial = layout.partial(digest)
@@ -390,7 +390,7 @@ def test_file_lock_acquire_gives_up_while_held(tmp_path: Path) -> None:
 
 
 def test_orphans_spare_the_blobs_a_running_fetch_noted_in_its_lock(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, {"kept.bin": b"K" * 50})
     store.assemble(marker, m)
@@ -415,7 +415,7 @@ def test_orphans_spare_the_blobs_a_running_fetch_noted_in_its_lock(
 
 
 def test_retire_revision_renames_it_away_for_the_caller_to_delete(
-    store: Store, layout: Layout, put_blob: PutBlob
+    store: Cache, layout: Layout, put_blob: PutBlob
 ) -> None:
     marker, m = _revision(put_blob, {"a.bin": b"A"})
     store.assemble(marker, m)

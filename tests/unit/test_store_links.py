@@ -14,7 +14,7 @@ import pytest
 
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
-from weightcache.cache.store import Marker, Store
+from weightcache.cache.store import Cache, Marker
 
 EXT4_LINK_MAX = 65000
 FILES = EXT4_LINK_MAX + 50
@@ -44,7 +44,7 @@ def ext4(tmp_path: Path) -> Iterator[Path]:
 @pytest.mark.timeout(120)
 def test_more_files_of_one_content_than_links_allowed_are_copied(ext4: Path) -> None:
     layout = Layout.open(ext4 / "cache")
-    store = Store(layout)
+    store = Cache(layout)
     data = b'{"same": true}\n'
     digest = hashlib.sha256(data).hexdigest()
     layout.blob(digest).write_bytes(data)

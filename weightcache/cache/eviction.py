@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.cache.index import Index
-from weightcache.cache.store import FileLock, Store
+from weightcache.cache.store import Cache, FileLock
 from weightcache.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Watermarks:
 
 
 def survey(
-    store: Store, index: Index, pinned: frozenset[RevisionKey] = frozenset()
+    cache: Cache, index: Index, pinned: frozenset[RevisionKey] = frozenset()
 ) -> tuple[list[CachedRevision], dict[str, int], int]:
     """(ready revisions, blob sizes, bytes in use) of a cache, as the planner needs them.
 
@@ -135,8 +135,8 @@ def survey(
     entries = {(e.name, e.revision): e for e in index.entries()}
     pinned = pinned | index.pins()
     revisions = []
-    for name, revision in store.layout.revisions():
-        marker = store.read_marker(name, revision)
+    for name, revision in cache.layout.revisions():
+        marker = cache.read_marker(name, revision)
         if marker is None:
             continue
         entry = entries.get((name, revision))
@@ -151,13 +151,13 @@ def survey(
             )
         )
     blob_sizes = {}
-    for blob in store.layout.blobs.iterdir():
+    for blob in cache.layout.blobs.iterdir():
         with contextlib.suppress(FileNotFoundError):
             blob_sizes[blob.name] = blob.stat().st_size
-    return revisions, blob_sizes, store.usage()
+    return revisions, blob_sizes, cache.usage()
 
 
-def execute(plan: EvictionPlan, store: Store, index: Index) -> int:
+def execute(plan: EvictionPlan, cache: Cache, index: Index) -> int:
     """Remove the planned revisions, then their blobs no one else links; return bytes freed.
 
     Each removal is a rename out of place first, so no marked revision ever misses a file.
@@ -167,21 +167,21 @@ def execute(plan: EvictionPlan, store: Store, index: Index) -> int:
     """
     freed_blobs: set[str] = set()
     for name, revision in plan.evict:
-        freed_blobs |= _evict(name, revision, store, index)
-    return store.delete_blobs_if_unreferenced(freed_blobs - store.wanted_by_running_fetches())
+        freed_blobs |= _evict(name, revision, cache, index)
+    return cache.delete_blobs_if_unreferenced(freed_blobs - cache.wanted_by_running_fetches())
 
 
-def _evict(name: str, revision: str, store: Store, index: Index) -> set[str]:
+def _evict(name: str, revision: str, cache: Cache, index: Index) -> set[str]:
     """Evict one revision unless a fetch, a lease or a pin holds it; its blobs if evicted."""
-    marker = store.read_marker(name, revision)
-    lock = FileLock(store.layout.revision_lock(name, revision), f"{name}/{revision}")
+    marker = cache.read_marker(name, revision)
+    lock = FileLock(cache.layout.revision_lock(name, revision), f"{name}/{revision}")
     if not lock.try_acquire():
         log.info("not evicting %s/%s: a fetch holds it", name, revision)
         return set()
     trash: list[Path | None] = []
     try:
         removed = index.remove_unless_protected(
-            name, revision, lambda: trash.append(store.retire_revision(name, revision))
+            name, revision, lambda: trash.append(cache.retire_revision(name, revision))
         )
     except (sqlite3.Error, UsageError) as e:
         log.error("not evicting %s/%s: cannot read its leases in %s: %s", name, revision,

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from weightcache.cache.layout import Layout
-from weightcache.cache.store import FileLock, Store
+from weightcache.cache.store import Cache, FileLock
 from weightcache.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -367,7 +367,7 @@ class Index:
 def for_cache(layout: Layout) -> Index:
     """The index of a cache directory, rebuilt from its markers if found corrupt (the
     last access of a rebuilt revision is its marker's mtime)."""
-    store = Store(layout)
+    store = Cache(layout)
 
     def rebuild() -> Iterator[Rebuilt]:
         for name, revision in layout.revisions():

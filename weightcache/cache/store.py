@@ -132,7 +132,7 @@ class FileOps:
         shutil.rmtree(path, ignore_errors=True)
 
 
-class Store:
+class Cache:
     """Blobs and revisions of one cache directory."""
 
     def __init__(self, layout: Layout, ops: FileOps | None = None) -> None:
@@ -527,7 +527,7 @@ class FileLock:
 
     def note(self, text: str) -> None:
         """Replace the lock file's content with `text` (one write), while held: what the
-        holder is doing, for others to read (`Store.wanted_by_running_fetches`)."""
+        holder is doing, for others to read (`Cache.wanted_by_running_fetches`)."""
         assert self._fd is not None, "note() needs the lock held"
         data = text.encode()
         os.pwrite(self._fd, data, 0)  # then truncate: a reader never sees it emptied

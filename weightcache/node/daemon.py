@@ -36,13 +36,13 @@ from weightcache.cache import alone, eviction
 from weightcache.cache.eviction import Watermarks
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
-from weightcache.cache.store import Store
+from weightcache.cache.store import Cache
 from weightcache.config import (
     Capacity,
+    OriginSettings,
     PeerSettings,
     Source,
     SourcePrefix,
-    StoreSettings,
     parse_pod_uid,
 )
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
@@ -99,12 +99,12 @@ ENTRY_RETRY_MAX = 300.0
 
 
 class Daemon:
-    def __init__(self, layout: Layout, store_settings: StoreSettings, settings: DaemonSettings):
+    def __init__(self, layout: Layout, store_settings: OriginSettings, settings: DaemonSettings):
         self.layout = layout
         self.settings = settings
         self.metrics = Metrics()
         self.metrics.max_concurrency.set(store_settings.max_concurrency)
-        self.store = Store(layout)
+        self.cache = Cache(layout)
         self.index = for_cache(layout)
         self._pins_generation = -1  # the index generation our pins were written to
         self.peers = Peers(settings.peer) if settings.peer is not None else None
@@ -159,7 +159,7 @@ class Daemon:
 
     def _fetch(self, source: Source, pod_uid: str | None) -> FetchResult:
         result = self.fetcher.fetch(source, pod_uid)
-        self.metrics.cache_bytes.set(self.store.usage())
+        self.metrics.cache_bytes.set(self.cache.usage())
         return result
 
     def wait(self, source: Source, pod_uid: str | None = None, beat: Any = None) -> FetchResult:
@@ -190,7 +190,7 @@ class Daemon:
                 except TimeoutError:
                     if beat is not None:
                         beat()
-            if self.store.ready(source.name, source.revision) is not None:
+            if self.cache.ready(source.name, source.revision) is not None:
                 return result
             log.warning("%s was evicted as it became ready; fetching it again", source.label)
             with self._lock:  # its done-callback may not have run yet: do not join it again
@@ -210,7 +210,7 @@ class Daemon:
         then keeps a lease that ends with the Pod, as any lease does."""
         if pod_uid:
             self.index.lease(source.name, source.revision, pod_uid)
-        marker = self.store.read_marker(source.name, source.revision)
+        marker = self.cache.read_marker(source.name, source.revision)
         self.metrics.fetches.labels("hit").inc()
         self.metrics.duration.labels("hit").observe(0.0)
         if marker is not None:
@@ -231,7 +231,7 @@ class Daemon:
             return
         with self._evict_lock:
             self._collect_orphans()
-            revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
+            revisions, sizes, usage = eviction.survey(self.cache, self.index, self.desired.pinned)
             size, free = self.layout.disk_space()
             floor = self.settings.min_free.resolve(size)
             by_floor = eviction.floor_target(usage, need, free, floor)
@@ -256,7 +256,7 @@ class Daemon:
         capacity = self.capacity_bytes()
         with self._evict_lock:
             self._collect_orphans()
-            revisions, sizes, usage = eviction.survey(self.store, self.index, self.desired.pinned)
+            revisions, sizes, usage = eviction.survey(self.cache, self.index, self.desired.pinned)
             self.metrics.cache_bytes.set(usage)
             size, free = self.layout.disk_space()
             target = eviction.floor_target(usage, 0, free, self.settings.min_free.resolve(size))
@@ -270,7 +270,7 @@ class Daemon:
     def _collect_orphans(self) -> None:
         """Delete blobs no revision links and no running fetch wants (design §5, Capacity):
         they count as usage but would never be evicted."""
-        freed = self.store.collect_orphans()
+        freed = self.cache.collect_orphans()
         if freed:
             log.info("removed %s of blobs no revision uses", human(freed))
 
@@ -278,9 +278,9 @@ class Daemon:
         if not plan.evict:
             return
         log.info("eviction plan: %s", plan.describe())
-        eviction.execute(plan, self.store, self.index)
+        eviction.execute(plan, self.cache, self.index)
         self.metrics.evictions.inc(len(plan.evict))
-        self.metrics.cache_bytes.set(self.store.usage())
+        self.metrics.cache_bytes.set(self.cache.usage())
 
     # -- convergence ---------------------------------------------------------------------------
 
@@ -323,7 +323,7 @@ class Daemon:
         ready (daemonset/prometheusrule.yaml) sees a new pin as 0 until it is fetched."""
         self.metrics.ready.clear()
         for name, revision in self._listed():
-            self._set_ready(name, revision, self.store.ready(name, revision) is not None)
+            self._set_ready(name, revision, self.cache.ready(name, revision) is not None)
 
     def _listed(self) -> list[tuple[str, str]]:
         return [(m.source.name, m.source.revision) for m in self.desired.models]
@@ -358,7 +358,7 @@ class Daemon:
     def _converge_entry(self, source: Source) -> None:
         key = (source.name, source.revision)
         try:
-            marker = self.store.ready(*key)
+            marker = self.cache.ready(*key)
             # Cached from another source: the Fetcher proves it the same or refuses it.
             if marker is None or marker.source != source.url:
                 self.wait(source)
@@ -401,7 +401,7 @@ class Daemon:
     def pinned_missing(self) -> list[str]:
         """NAME/REV of every pinned revision not ready on this node, sorted."""
         pinned = sorted(self.desired.pinned)
-        return [f"{n}/{r}" for n, r in pinned if self.store.ready(n, r) is None]
+        return [f"{n}/{r}" for n, r in pinned if self.cache.ready(n, r) is None]
 
     def reap_leases(self) -> None:
         """End the leases of Pods that are gone (their kubelet directory vanished, or,
@@ -443,7 +443,7 @@ class Daemon:
         ready = [
             (m.source.name, m.source.revision)
             for m in self.desired.models
-            if self.store.ready(m.source.name, m.source.revision)
+            if self.cache.ready(m.source.name, m.source.revision)
         ]
         wanted = labels.node_labels(ready)
         if wanted != self._labels:
@@ -464,7 +464,7 @@ class Daemon:
         self._dir_lock = hold_cache_dir(self.layout)
         self.load_models()  # before /readyz answers: it must not say ready for an empty list
         serve.raise_fd_limit()
-        self.store.clean_tmp()
+        self.cache.clean_tmp()
         self._loop = serve.LoopThread()
         self._loop.run(self._listen())
         self._loop.run(self._socket.start())

@@ -354,7 +354,7 @@ class PeerServer:
         self.observer = observer
         self.stopping = stopping or threading.Event()
         limit = settings.upload_limit
-        self.bucket = TokenBucket(limit) if limit else None
+        self.limiter = TokenBucket(limit) if limit else None
         self.http = HttpServer(self.handle, PEER_LIMITS, lambda: observer.peer_refused("busy"))
         self.address = settings.listen
         self._requests = 0  # being served; only the loop thread touches it
@@ -452,8 +452,8 @@ class PeerServer:
                     raise _Abort()
                 await asyncio.sleep(0.05)
                 continue
-            if self.bucket is not None:
-                await asyncio.sleep(self.bucket.reserve(len(data)))
+            if self.limiter is not None:
+                await asyncio.sleep(self.limiter.reserve(len(data)))
             await resp.write(data)
             self.observer.peer_uploaded(len(data))
             pos += len(data)

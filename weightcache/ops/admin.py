@@ -10,7 +10,7 @@ from typing import Any
 from weightcache.cache import eviction
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
-from weightcache.cache.store import Marker, Store
+from weightcache.cache.store import Cache, Marker
 from weightcache.config import Capacity
 from weightcache.errors import IntegrityError, UsageError
 from weightcache.ops.publish import sha256_file
@@ -20,13 +20,13 @@ from weightcache.progress import human
 def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
     """One row per revision directory on disk, with the index's bookkeeping."""
     layout = Layout.open(cache_dir, create=False)
-    store = Store(layout)
+    cache = Cache(layout)
     idx = for_cache(layout)
     index = {(e.name, e.revision): e for e in idx.entries()}
     pins = idx.pins()
     rows = []
     for name, revision in layout.revisions():
-        marker = store.read_marker(name, revision)
+        marker = cache.read_marker(name, revision)
         entry = index.get((name, revision))
         rows.append(
             {
@@ -36,7 +36,7 @@ def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
                 "last_access": entry.last_access if entry else (marker.created if marker else None),
                 "pinned": (name, revision) in pins,
                 "leases": list(entry.leases) if entry else [],
-                "ready": store.ready(name, revision) is not None,
+                "ready": cache.ready(name, revision) is not None,
                 "source": marker.source if marker else (entry.source if entry else ""),
             }
         )
@@ -73,7 +73,7 @@ def verify(cache_dir: Path, target: str) -> list[str]:
     IntegrityError naming the file and both hashes.
     """
     layout = Layout.open(cache_dir, create=False)
-    store = Store(layout)
+    cache = Cache(layout)
     name, _, revision = target.partition("/")
     revisions = [revision] if revision else [r for n, r in layout.revisions() if n == name]
     if not revisions:
@@ -86,23 +86,23 @@ def verify(cache_dir: Path, target: str) -> list[str]:
                 f"no revision {name}/{rev} in {layout.root}; see `weightcache ls` for what "
                 "the cache holds"
             )
-        marker = _trusted_marker(layout, store, name, rev)
+        marker = _trusted_marker(layout, cache, name, rev)
         for path, (expected, size) in sorted(marker.files.items()):
             actual = sha256_file(root / path) if (root / path).is_file() else "missing"
             if actual != expected or os.stat(root / path).st_size != size:
-                raise _damaged(store, (name, rev), root / path, expected, actual)
+                raise _damaged(cache, (name, rev), root / path, expected, actual)
         verified.append(str(root))
     return verified
 
 
-def _trusted_marker(layout: Layout, store: Store, name: str, rev: str) -> Marker:
+def _trusted_marker(layout: Layout, cache: Cache, name: str, rev: str) -> Marker:
     """The marker of NAME/REV, refused (IntegrityError) if absent, unreadable, or if any
     of its paths leads outside the revision (a planted `../../x` or a symlinked directory):
     verify runs as root and deletes what does not match, so it must touch nothing else
     (design §3, the marker)."""
     root = layout.revision_dir(name, rev)
     try:
-        marker = store.load_marker(name, rev)
+        marker = cache.load_marker(name, rev)
     except ValueError as e:
         raise IntegrityError(
             f"the marker of {name}/{rev} cannot be trusted ({e}); nothing was hashed or "
@@ -120,23 +120,23 @@ def _trusted_marker(layout: Layout, store: Store, name: str, rev: str) -> Marker
 
 
 def _damaged(
-    store: Store, revision: tuple[str, str], file: Path, expected: str, actual: str
+    cache: Cache, revision: tuple[str, str], file: Path, expected: str, actual: str
 ) -> IntegrityError:
     """Unmark the damaged revision (so the next fetch repairs it) unless the mount is
     read-only; the error to raise either way."""
     name, rev = revision
-    root = store.layout.revision_dir(name, rev)
+    root = cache.layout.revision_dir(name, rev)
     what = (
         f"sha256 mismatch for {file.relative_to(root)} in {name}/{rev}: expected {expected}, "
         f"got {actual}"
     )
-    if store.layout.read_only:
+    if cache.layout.read_only:
         return IntegrityError(
             f"{what}; nothing was removed (read-only mount): run verify where the cache is "
             "mounted read-write so that the next fetch repairs it"
         )
-    store.drop_marker(name, rev)
-    store.quarantine(file, expected)
+    cache.drop_marker(name, rev)
+    cache.quarantine(file, expected)
     return IntegrityError(
         f"{what}; the marker and the damaged file were removed so the next fetch repairs it"
     )
@@ -160,21 +160,21 @@ def gc(
             f"the cache at {layout.root} is on a read-only mount; run gc where it is mounted "
             "read-write (or add --dry-run to see the plan)"
         )
-    store = Store(layout)
+    cache = Cache(layout)
     index = for_cache(layout)
     pinned = load(models_file).pinned if models_file else frozenset()
     disk_size, free = layout.disk_space()
     floor = min_free.resolve(disk_size) if min_free is not None else 0
-    orphans = sum(size for _, size in store.orphans())
+    orphans = sum(size for _, size in cache.orphans())
     if not dry_run:
-        orphans = store.collect_orphans()
-    revisions, sizes, usage = eviction.survey(store, index, pinned)
+        orphans = cache.collect_orphans()
+    revisions, sizes, usage = eviction.survey(cache, index, pinned)
     if dry_run:  # the orphans are still there: plan as if they were gone
         usage, free = usage - orphans, free + orphans
     target = min(capacity.resolve(disk_size), eviction.floor_target(usage, 0, free, floor))
     plan = eviction.plan_eviction(revisions, sizes, usage, target)
     if dry_run:
         return f"would remove {orphans} bytes of orphaned blobs; would " + plan.describe()
-    eviction.execute(plan, store, index)
-    store.clean_tmp()
+    eviction.execute(plan, cache, index)
+    cache.clean_tmp()
     return plan.describe() + f"; {orphans} bytes of orphaned blobs removed"

