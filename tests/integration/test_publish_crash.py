@@ -109,11 +109,12 @@ def _fetcher(settings: OriginSettings) -> Callable[[Path, Source, FileOps], None
     from weightcache.transfer.ranged import RangedDownloader
     from weightcache.transfer.s3 import Origin
 
-    downloader = RangedDownloader(Origin(settings), settings)
+    downloader, origin = RangedDownloader(settings), Origin(settings)
 
     def fetch(cache_dir: Path, source: Source, ops: FileOps) -> None:
         layout = Layout.open(cache_dir)
-        Fetcher(layout, settings, downloader=downloader, cache=Cache(layout, ops)).fetch(source)
+        cache = Cache(layout, ops)
+        Fetcher(layout, settings, downloader=downloader, cache=cache, origin=origin).fetch(source)
 
     return fetch
 

@@ -19,12 +19,10 @@ from weightcache.node.peers import (
     Discovery,
     Holding,
     Peers,
-    parse_range,
-    partial_prefix,
     peer_url,
     rank,
-    refusal,
 )
+from weightcache.node.peerserver import parse_range, partial_prefix, refusal
 from weightcache.transfer.parts import PartState
 
 if TYPE_CHECKING:

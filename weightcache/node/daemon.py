@@ -50,7 +50,8 @@ from weightcache.fetch import Fetcher, FetchResult
 from weightcache.node import coord, labels, serve
 from weightcache.node.metrics import Metrics
 from weightcache.node.models import DesiredState, load
-from weightcache.node.peers import Peers, PeerServer
+from weightcache.node.peers import Peers
+from weightcache.node.peerserver import PeerServer
 from weightcache.node.worker import Worker, backoff
 from weightcache.progress import human
 

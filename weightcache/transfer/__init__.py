@@ -1,2 +1,3 @@
-"""The data plane to the object store (design §4): the S3 client, the ranged downloader,
-its part state and pacing. Knows nothing of the cache layout or of the daemon."""
+"""The data plane (design §4): blob sources and their protocol (sources.py, httprange.py),
+the S3 client, the ranged downloader with its partial files, part state and pacing. Knows
+nothing of the cache layout or of the daemon."""

@@ -2,7 +2,7 @@
 
 A partial blob `<hex>.part` is preallocated to its full size; parts are written at their
 offsets in any order. `<hex>.part.json` records which parts are complete, rewritten by
-rename at most every SAVE_INTERVAL (ranged.py) and when a download stops short, so a
+rename at most every SAVE_INTERVAL (partial.py) and when a download stops short, so a
 process killed at any instant leaves a state that only ever under-reports: a resumed
 download refetches at most the parts in flight or finished in that last interval when it
 died. The final sha256 check catches anything else (design §4, Resume).

@@ -1,0 +1,244 @@
+"""The downloader in-process, through the BlobSource seam: parts read in parallel and written
+at their offsets, resume after a download stopped short, a range that breaks resumed at the
+byte where it broke, a source's patience and throttling, a digest mismatch reported, the
+stall clock. Sources are local files (`FileBlob`) and small wrappers around them."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from weightcache.config import OriginSettings
+from weightcache.errors import IntegrityError, SourceError, TransientError
+from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.partial import state_path
+from weightcache.transfer.parts import PartState, plan_parts
+from weightcache.transfer.ranged import BlobJob, RangedDownloader
+from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader, RetryRange
+
+KiB = 1 << 10
+PART = 256 * KiB  # the smallest part size the settings accept
+
+
+def settings(**kw: object) -> OriginSettings:
+    kw.setdefault("part_size", PART)
+    kw.setdefault("max_concurrency", 4)
+    kw.setdefault("timeout", 60.0)
+    return OriginSettings(**kw)  # type: ignore[arg-type]
+
+
+def downloader(**kw: object) -> RangedDownloader:
+    """A downloader that retries at once (no backoff sleeps in unit tests)."""
+    return RangedDownloader(settings(**kw), backoff=Backoff(base=0.0, cap=0.0))
+
+
+@pytest.fixture
+def blob(tmp_path: Path) -> tuple[Path, bytes]:
+    """A 10-part blob (the last part short) in a local file, and its bytes."""
+    data = random.Random(7).randbytes(9 * PART + 1234)
+    path = tmp_path / "origin" / "model.bin"
+    path.parent.mkdir()
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.fixture
+def one_part(tmp_path: Path) -> Path:
+    """A blob of exactly one part, in a local file."""
+    path = tmp_path / "one-part.bin"
+    path.write_bytes(random.Random(8).randbytes(PART))
+    return path
+
+
+def job(source: BlobSource, size: int, tmp_path: Path) -> BlobJob:
+    return BlobJob(source, size, tmp_path / "blob.part", "model.bin")
+
+
+class Wrapped:
+    """A BlobSource around a FileBlob: records each range opened (start, end, thread) and
+    lets a test act on each read (`on_read(start, read_so_far)`) or on each open."""
+
+    kind = "origin"
+    throttles = True
+
+    def __init__(
+        self, path: Path, attempts: int | None = None,
+        on_open: Callable[[int, int], None] | None = None,
+        on_read: Callable[[int, int], None] | None = None, chunk: int | None = None,
+    ) -> None:  # fmt: skip
+        self.inner = FileBlob(path)
+        self.attempts = attempts
+        self.opened: list[tuple[int, int]] = []
+        self.threads: set[int] = set()
+        self._on_open, self._on_read, self._chunk = on_open, on_read, chunk
+        self._lock = threading.Lock()
+
+    @property
+    def where(self) -> str:
+        return self.inner.where
+
+    @contextlib.contextmanager
+    def open_range(self, start: int, end: int, size: int, timeout: float) -> Iterator[RangeReader]:
+        with self._lock:
+            self.opened.append((start, end))
+            self.threads.add(threading.get_ident())
+        if self._on_open is not None:
+            self._on_open(start, end)
+        with self.inner.open_range(start, end, size, timeout) as reader:
+            yield _Reader(reader, start, self._on_read, self._chunk)
+
+
+class _Reader:
+    def __init__(
+        self, inner: RangeReader, start: int, on_read: Callable[[int, int], None] | None,
+        chunk: int | None,
+    ) -> None:  # fmt: skip
+        self._inner, self._start, self._on_read, self._chunk = inner, start, on_read, chunk
+        self._read = 0
+
+    def readinto(self, buf: memoryview) -> int:
+        if self._on_read is not None:
+            self._on_read(self._start, self._read)
+        n = self._inner.readinto(buf[: self._chunk] if self._chunk else buf)
+        self._read += n
+        return n
+
+
+def test_parts_are_read_in_parallel_and_written_at_their_offsets(
+    blob: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    path, data = blob
+    ready = threading.Barrier(4, timeout=30)  # four parts in flight at once, or it breaks
+
+    def meet(start: int, end: int) -> None:
+        if start < 4 * PART:
+            ready.wait()
+
+    source = Wrapped(path, on_open=meet)
+    j = job(source, len(data), tmp_path)
+    done = RangedDownloader(settings()).download([j])
+    assert done.digests == {"model.bin": hashlib.sha256(data).hexdigest()}
+    assert done.received == {"origin": len(data)}
+    assert j.partial.read_bytes() == data
+    assert sorted(source.opened) == plan_parts(len(data), PART)
+    assert len(source.threads) == 4
+
+
+def test_a_download_stopped_short_resumes_after_the_parts_it_finished(
+    blob: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    path, data = blob
+
+    def refuse_part_5(start: int, end: int) -> None:
+        if start == 5 * PART:
+            raise SourceError("the object vanished")
+
+    d = downloader(max_concurrency=1)  # one worker: parts in order, 0-4 done when 5 fails
+    with pytest.raises(SourceError):
+        d.download([job(Wrapped(path, on_open=refuse_part_5), len(data), tmp_path)])
+    saved = PartState.load(state_path(tmp_path / "blob.part"), len(data), PART)
+    assert saved.done == [True] * 5 + [False] * 5  # saved when it stopped short
+
+    again = Wrapped(path)
+    done = d.download([job(again, len(data), tmp_path)])
+    assert done.digests["model.bin"] == hashlib.sha256(data).hexdigest()
+    assert done.received == {"origin": len(data) - 5 * PART}
+    assert sorted(again.opened) == plan_parts(len(data), PART)[5:]
+
+
+def test_a_range_that_breaks_is_resumed_at_the_byte_where_it_broke(
+    blob: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    path, data = blob
+    broken: list[int] = []
+
+    def break_once(start: int, read: int) -> None:
+        if start == 2 * PART and read >= 100_000 and not broken:
+            broken.append(read)
+            raise RetryRange("ConnectionResetError: reset by peer")
+
+    source = Wrapped(path, on_read=break_once, chunk=10_000)
+    done = downloader().download([job(source, len(data), tmp_path)])
+    assert done.digests["model.bin"] == hashlib.sha256(data).hexdigest()
+    assert broken == [100_000]
+    assert (2 * PART, 3 * PART) in source.opened
+    assert (2 * PART + 100_000, 3 * PART) in source.opened  # not from the part's start
+    assert done.received == {"origin": len(data)}  # no byte fetched twice
+
+
+def test_a_source_is_given_up_after_its_own_attempts(one_part: Path, tmp_path: Path) -> None:
+    path = one_part
+
+    def always_fail(start: int, end: int) -> None:
+        raise RetryRange("HTTP 500")
+
+    source = Wrapped(path, attempts=2, on_open=always_fail)
+    with pytest.raises(TransientError, match=r"after 2 attempts"):
+        downloader(max_concurrency=1, max_attempts=8).download([job(source, PART, tmp_path)])
+    assert len(source.opened) == 2  # the source's 2, not --max-attempts' 8
+
+
+@pytest.mark.parametrize("throttles", [True, False])
+def test_throttling_lowers_the_concurrency_only_for_a_source_that_means_slow_down(
+    one_part: Path, tmp_path: Path, throttles: bool
+) -> None:
+    path = one_part
+    refused: list[int] = []
+
+    def slow_down_once(start: int, end: int) -> None:
+        if not refused:
+            refused.append(start)
+            raise RetryRange("HTTP 503 SlowDown", throttle=True)
+
+    source = Wrapped(path, on_open=slow_down_once)
+    source.throttles = throttles
+    d = downloader(max_concurrency=8)
+    d.download([job(source, PART, tmp_path)])
+    assert refused and d.gate.limit == (4 if throttles else 8)
+
+
+def test_a_digest_mismatch_is_reported_not_raised(blob: tuple[Path, bytes], tmp_path: Path) -> None:
+    path, data = blob
+    wrong = bytearray(data)
+    wrong[3 * PART + 17] ^= 0xFF
+    path.write_bytes(wrong)
+    done = downloader().download([job(FileBlob(path), len(data), tmp_path)])
+    assert done.digests["model.bin"] == hashlib.sha256(wrong).hexdigest()
+    assert done.digests["model.bin"] != hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "blob.part").read_bytes() == wrong  # kept for the caller to judge
+
+
+def test_a_trickle_ends_the_download_after_the_timeout(one_part: Path, tmp_path: Path) -> None:
+    """One byte every 20 ms (50 B/s) never fills a buffer and never moves the stall clock
+    (1 KiB): checked after every read, it ends the download at --timeout (exit 6), not never."""
+    path = one_part
+    source = Wrapped(path, on_read=lambda start, read: time.sleep(0.02), chunk=1)
+    start = time.monotonic()
+    with pytest.raises(TransientError, match=r"trickle"):
+        downloader(timeout=1.0, max_concurrency=1).download([job(source, PART, tmp_path)])
+    # 1 s of --timeout; the margin is for a loaded machine, a hang would be minutes.
+    assert time.monotonic() - start < 30
+
+
+def test_a_file_source_refuses_a_file_of_another_size(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 100)
+    with (
+        pytest.raises(IntegrityError, match=r"100 bytes now but was 101"),
+        FileBlob(path).open_range(0, 101, 101, 1.0),
+    ):
+        pass
+    os.unlink(path)
+    with (
+        pytest.raises(SourceError, match=r"no such file"),
+        FileBlob(path).open_range(0, 100, 100, 1.0),
+    ):
+        pass

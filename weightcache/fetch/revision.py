@@ -1,0 +1,272 @@
+"""A revision's fetch (design §4): a hit touches no network; a miss downloads once per node.
+
+Hit: the marker is present, records the requested source, and every file has its recorded
+size -> record the access and return. Nothing heavy is imported on this path (boto3 loads
+only on a miss).
+
+Miss: take the revision lock, re-check the marker (the waiter of a concurrent fetch finds
+it there; a revision of another source is served only if that source's manifest is the
+same, else exit 2; a revision damaged since is unmarked and its damaged blobs
+quarantined), read and validate the manifest, list sizes, bring the missing blobs
+(blobs.py: locks, peers then origin, verification), assemble the revision aside and rename
+it into place with its marker inside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from weightcache.cache.index import for_cache
+from weightcache.cache.layout import Layout
+from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
+from weightcache.cache.store import Cache, FileLock, Marker
+from weightcache.config import OriginSettings, Source
+from weightcache.errors import SourceError, UsageError
+from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled
+from weightcache.progress import human
+
+if TYPE_CHECKING:
+    from weightcache.transfer.httprange import HttpRanges
+    from weightcache.transfer.ranged import RangedDownloader, TransferObserver
+    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.sources import BlobSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    path: str
+    hit: bool
+    bytes_from_origin: int
+    seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Bytes per second from the origin (0 for a hit)."""
+        return self.bytes_from_origin / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "throughput": round(self.throughput, 1)}
+
+
+def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> FetchResult | None:
+    """The hit path: no network, no heavy import. None on a miss, and for a revision
+    fetched from another source (a revision directory belongs to its source, design §3;
+    `Fetcher.fetch` settles that case).
+
+    The Pod's lease is committed before the marker is checked, so a path returned here
+    cannot be evicted any more (Index.remove_unless_protected).
+    """
+    start = time.monotonic()
+    index = for_cache(layout)  # it looked at the mount's flags (one statvfs) for us
+    if pod_uid and not index.read_only:
+        index.lease(source.name, source.revision, pod_uid)
+    marker = Cache(layout).ready(source.name, source.revision)
+    if marker is None or marker.source != source.url:
+        return None
+    if not index.read_only:  # the engine's read-only mount: serve it, record nothing
+        index.record_access(source.name, source.revision)
+    path = str(layout.revision_dir(source.name, source.revision))
+    return FetchResult(path, True, 0, time.monotonic() - start)
+
+
+class Fetcher:
+    """Brings revisions into one cache directory. Reusable across fetches (the daemon)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        settings: OriginSettings,
+        observer: TransferObserver | None = None,
+        downloader: RangedDownloader | None = None,
+        reserve: Callable[[int], None] | None = None,
+        peers: NodePeers[Any] | None = None,
+        cache: Cache | None = None,
+        origin: Origin | None = None,
+    ) -> None:
+        """`reserve(nbytes)` is called before a download to make room under a capacity
+        bound (the daemon evicts); it raises NoSpaceError when the room cannot be made.
+        With `peers` (the daemon's), blobs come from other nodes that hold them when they
+        can, verified exactly as from the origin. `downloader` and `origin` may be shared
+        with other Fetchers (one token bucket, one boto3 client); built on first use if not
+        given."""
+        self.layout = layout
+        self.cache = cache or Cache(layout)
+        self.index = for_cache(layout)
+        self.settings = settings
+        self._observer = observer
+        self._downloader = downloader
+        self._origin = origin
+        self._http: HttpRanges | None = None
+        # Guards building the downloader, the origin and `_interrupted`: two threads
+        # building it at once made two token buckets, one that interrupt() never reached.
+        self._build_lock = threading.Lock()
+        self._interrupted = False
+        verify_failed = observer.verify_failed if observer is not None else _nothing
+        self.blobs = BlobFetch(layout, self.cache, settings.timeout, lambda: self.downloader,
+                               self._origin_blob, verify_failed, reserve, peers)  # fmt: skip
+
+    @property
+    def downloader(self) -> RangedDownloader:
+        """The one downloader of this Fetcher (so one token bucket and one AIMD gate),
+        built on first use; concurrent first uses get the same object. Built after
+        `interrupt()`, it is interrupted at once."""
+        with self._build_lock:
+            if self._downloader is None:
+                from weightcache.transfer.ranged import RangedDownloader
+
+                self._downloader = RangedDownloader(self.settings, self._observer)
+                if self._interrupted:
+                    self._downloader.interrupt()
+            return self._downloader
+
+    @property
+    def origin(self) -> Origin:
+        """The origin store's client (boto3: imported on first use, never on a hit)."""
+        with self._build_lock:
+            if self._origin is None:
+                from weightcache.transfer.s3 import Origin
+
+                self._origin = Origin(self.settings)
+            return self._origin
+
+    def _origin_blob(self, source: Source, entry: ManifestEntry) -> BlobSource:
+        """The blob of `entry` as the origin's object, read by presigned ranged GETs."""
+        from weightcache.transfer.httprange import HttpRanges, OriginBlob
+
+        origin = self.origin
+        with self._build_lock:
+            if self._http is None:
+                self._http = HttpRanges()
+            http = self._http
+        return OriginBlob(http, origin, source.bucket, source.key(entry.path))
+
+    def interrupt(self) -> None:
+        """Stop running downloads for good (SIGTERM), and those of a downloader still
+        being built; partial files stay resumable."""
+        with self._build_lock:
+            self._interrupted = True
+            downloader = self._downloader
+        if downloader is not None:
+            downloader.interrupt()
+
+    def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
+        """Make the revision ready; raises a WeightcacheError subclass on failure."""
+        start = time.monotonic()
+        self.layout.revision_dir(source.name, source.revision)  # validates, refuses symlinks
+        hit = check_hit(self.layout, source, pod_uid)
+        if hit is not None:
+            return hit
+        lock = FileLock(self.layout.revision_lock(source.name, source.revision), source.label)
+        if not lock.acquire(give_up=holder_stalled(self.cache, self.settings.timeout)):
+            log.warning(
+                "the fetch holding %s made no progress for %.0fs; going ahead without its lock",
+                source.label,
+                self.settings.timeout,
+            )
+        try:
+            hit = self._hit_under_lock(source, start)
+            if hit is not None:
+                return hit
+            manifest = self.read_manifest(source)
+            if lock.held:  # spares the blobs we are about to link (Cache.orphans)
+                lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
+            fetched = self.blobs.bring(source, manifest)
+            marker = Marker(
+                name=source.name,
+                revision=source.revision,
+                source=source.url,
+                manifest_sha256=manifest.digest,
+                files={e.path: (e.sha256, e.size) for e in manifest.entries},
+                created=time.time(),
+            )
+            path = self._assemble(source, marker, manifest)
+        finally:
+            lock.release()
+        # The lease, if any, was committed by the first check_hit, before the revision
+        # existed: an evictor can never remove it between our rename and our print.
+        self.index.record_access(
+            source.name, source.revision, source=source.url, size=manifest.total_size
+        )
+        seconds = time.monotonic() - start
+        log.info(
+            "ready %s at %s: %s from origin in %.1fs", source.label, path, human(fetched), seconds
+        )
+        return FetchResult(str(path), False, fetched, seconds)
+
+    def _hit_under_lock(self, source: Source, start: float) -> FetchResult | None:
+        """The revision as it is once we hold its lock: a hit if a concurrent fetch
+        finished it; a hit of another source only if that source's manifest is the same
+        (UsageError otherwise); None (a miss) if it is absent, or damaged since it was
+        marked (then it is unmarked and its damaged blobs quarantined, design §3 invariant 7)."""
+        marker = self.cache.read_marker(source.name, source.revision)
+        if marker is None or (marker.name, marker.revision) != (source.name, source.revision):
+            return None
+        if marker.source != source.url:
+            self._check_same_content(source, marker)
+        damaged = self.cache.repair(marker)
+        if damaged:
+            log.warning(
+                "%s: %d file(s) no longer of their size (e.g. %s); unmarked it and "
+                "downloading them again", source.label, len(damaged), damaged[0]
+            )  # fmt: skip
+            return None
+        self.index.record_access(source.name, source.revision)  # leased by fetch()'s check_hit
+        path = str(self.layout.revision_dir(source.name, source.revision))
+        return FetchResult(path, True, 0, time.monotonic() - start)
+
+    def _check_same_content(self, source: Source, marker: Marker) -> None:
+        """Prove with one small GET that `source` has the manifest the revision was
+        fetched with from `marker.source`; raise UsageError naming both otherwise."""
+        data = self.origin.get_bytes(source.bucket, source.key(MANIFEST_NAME))
+        if hashlib.sha256(data).hexdigest() == marker.manifest_sha256:
+            log.info("%s was fetched from %s; %s has the same %s, serving it", source.label,
+                     marker.source, source.url, MANIFEST_NAME)  # fmt: skip
+            return
+        root = self.layout.revision_dir(source.name, source.revision)
+        raise UsageError(
+            f"{source.label} in the cache was fetched from {marker.source}, and {source.url} "
+            f"has a different {MANIFEST_NAME}; one name/revision holds one content: fetch it "
+            f"under another --name or --revision, or remove the cached one first "
+            f"(rm -rf {root})"
+        )
+
+    def read_manifest(self, source: Source) -> Manifest:
+        """SHA256SUMS of the revision, validated, with each file's size from the listing."""
+        where = f"s3://{source.bucket}/{source.key(MANIFEST_NAME)}"
+        sizes = self.origin.list_sizes(source.bucket, source.prefix)
+        if MANIFEST_NAME not in sizes:
+            raise SourceError(
+                f"no {MANIFEST_NAME} at {where}; publish the model with `weightcache publish` "
+                "(or write the manifest with sha256sum) so that downloads can be verified"
+            )
+        manifest = parse(self.origin.get_bytes(source.bucket, source.key(MANIFEST_NAME)), where)
+        missing = [e.path for e in manifest.entries if e.path not in sizes]
+        if missing:
+            raise SourceError(
+                f"{where} lists {len(missing)} file(s) missing under {source.url}/, e.g. "
+                f"{missing[0]!r}; upload them or fix the manifest"
+            )
+        return manifest.with_sizes(sizes, where)
+
+    def _assemble(self, source: Source, marker: Marker, manifest: Manifest) -> str:
+        try:
+            return str(self.cache.assemble(marker, manifest))
+        except FileNotFoundError:
+            # A blob was evicted between our check and our link: fetch it again, once.
+            log.warning(
+                "a blob of %s vanished while assembling it; fetching it again", source.label
+            )
+            self.blobs.bring(source, manifest)
+            return str(self.cache.assemble(marker, manifest))
+
+
+def _nothing() -> None:
+    pass

@@ -1,0 +1,163 @@
+"""Ranged GETs over HTTP for blob sources: the origin's presigned URLs, a peer's blob URLs.
+
+Why plain `http.client` rather than aiohttp or boto3 `get_object`: a worker `recv_into`s its
+fixed buffer and the downloader `pwrite`s it, both releasing the GIL, so memory stays at
+workers x buffer whatever the model size and no per-request botocore machinery runs
+(benchmarks/cold_fetch.py measures the result against s5cmd). boto3 still signs: every GET
+of the origin uses a presigned URL from `Origin.presign_get`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from weightcache.errors import IntegrityError, SourceError
+from weightcache.transfer.sources import RangeReader, RetryRange
+
+if TYPE_CHECKING:
+    from weightcache.transfer.s3 import Origin
+
+
+class _Response(http.client.HTTPResponse):
+    """An HTTP response that can read what one recv brings, into a caller's buffer."""
+
+    def recv_into(self, b: memoryview) -> int:
+        """Up to len(b) bytes with at most one socket read (HTTPResponse.readinto waits
+        for the whole buffer, however slowly it fills)."""
+        if self.fp is None or self.chunked or self.length is None:
+            data = self.read1(len(b))  # odd servers: a copy, but rare
+            b[: len(data)] = data
+            return len(data)
+        n = self.fp.readinto1(b[: self.length])
+        if not n and b:
+            self._close_conn()  # type: ignore[attr-defined]
+        else:
+            self.length -= n
+            if not self.length:
+                self._close_conn()  # type: ignore[attr-defined]
+        return n
+
+
+class _HttpRange:
+    def __init__(self, resp: _Response) -> None:
+        self._resp = resp
+
+    def readinto(self, buf: memoryview) -> int:
+        try:
+            return self._resp.recv_into(buf)
+        except (OSError, http.client.HTTPException) as e:
+            raise RetryRange(f"{type(e).__name__}: {e}") from e
+
+
+class HttpRanges:
+    """Ranged GETs over keep-alive connections: one per worker thread (http.client
+    connections are not thread-safe), reused while that thread asks the same host."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def get(
+        self, location: str, headers: dict[str, str], start: int, end: int, size: int,
+        timeout: float, where: str,
+    ) -> Iterator[RangeReader]:  # fmt: skip
+        """GET bytes [start, end) of the `size`-byte object at `location` (the
+        `BlobSource.open_range` contract; `where` names the object in messages)."""
+        url = urllib.parse.urlsplit(location)
+        target = f"{url.path}?{url.query}" if url.query else url.path
+        conn = self._connection(url, timeout)
+        try:
+            try:
+                conn.request(
+                    "GET", target, headers={**headers, "Range": f"bytes={start}-{end - 1}"}
+                )
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                raise RetryRange(f"{type(e).__name__}: {e}") from e
+            assert isinstance(resp, _Response)
+            check_status(resp, start, end, size, where)
+            yield _HttpRange(resp)
+        except BaseException:
+            self._drop_connection()  # its state is unknown: a fresh one for the next range
+            raise
+
+    def _connection(
+        self, url: urllib.parse.SplitResult, timeout: float
+    ) -> http.client.HTTPConnection:
+        key = (url.scheme, url.netloc, timeout)
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and getattr(self._local, "conn_key", None) == key:
+            return conn
+        self._drop_connection()
+        if url.scheme == "https":
+            context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+            conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
+        conn.response_class = _Response
+        self._local.conn, self._local.conn_key = conn, key
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+
+def check_status(
+    resp: http.client.HTTPResponse, start: int, end: int, size: int, where: str
+) -> None:
+    """Accept a 206 of the right object (or a 200 for a whole-object read); raise
+    RetryRange for what a retry may fix (throttle=True for 429/503 SlowDown), IntegrityError
+    for an object whose size changed, SourceError for the rest."""
+    if resp.status == 206:
+        total = resp.getheader("Content-Range", "").rpartition("/")[2]
+        if total.isdigit() and int(total) != size:
+            raise IntegrityError(
+                f"{where} is {total} bytes now but was {size} when listed; the object changed "
+                "during the fetch, run it again"
+            )
+        return
+    if resp.status == 200 and start == 0 and end == size:
+        return  # a server that ignores Range for a whole-object read
+    body = resp.read(4096)
+    if resp.status in (429, 503) or b"SlowDown" in body:
+        raise RetryRange(f"HTTP {resp.status} SlowDown", throttle=True)
+    if resp.status >= 500 or resp.status == 408:
+        raise RetryRange(f"HTTP {resp.status}")
+    if resp.status == 403:
+        raise SourceError(f"GET {where}: access denied (403); check the credentials")
+    if resp.status in (404, 416):
+        raise SourceError(f"GET {where}: HTTP {resp.status}; the object changed or vanished")
+    raise SourceError(f"GET {where}: unexpected HTTP {resp.status}")
+
+
+class OriginBlob:
+    """The blob as an object of the origin store (a BlobSource), read with presigned GETs.
+    The store's 429/503 SlowDown lowers the concurrency (AIMD)."""
+
+    kind = "origin"
+    attempts: int | None = None
+    throttles = True
+
+    def __init__(self, http: HttpRanges, origin: Origin, bucket: str, key: str) -> None:
+        self._http, self._origin = http, origin
+        self.bucket, self.key = bucket, key
+
+    @property
+    def where(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+    def open_range(
+        self, start: int, end: int, size: int, timeout: float
+    ) -> contextlib.AbstractContextManager[RangeReader]:
+        url = self._origin.presign_get(self.bucket, self.key)
+        return self._http.get(url, {}, start, end, size, timeout, self.where)

@@ -1,0 +1,200 @@
+"""One partial blob being downloaded: the preallocated file, its part state, its sha256.
+
+Parts are written at their offsets in any order; sha256 is computed while the download
+runs, over the contiguous prefix of completed parts (read back from the page cache by
+whichever worker extends it), so there is no second pass after the last byte and the
+digest is ready when the last part lands. The part state is saved at most every
+SAVE_INTERVAL and when a download stops short (parts.py says what a kill can lose).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from weightcache.errors import NoSpaceError, WeightcacheError
+from weightcache.transfer.parts import PartState
+
+log = logging.getLogger(__name__)
+#: How often a file's part state is written, at most: a kill loses at most the parts that
+#: completed in the last interval (they are fetched again), never correctness.
+SAVE_INTERVAL = 0.25
+
+
+def state_path(partial: Path) -> Path:
+    """Where the part state of `partial` is kept: beside it, `<name>.json`."""
+    return partial.with_name(partial.name + ".json")
+
+
+class PartialFile:
+    """An open partial blob, shared by the download's worker threads (its lock guards
+    the part state and the hash frontier). `open` it, `write` parts, `mark_done` each,
+    `advance_hash` after each, `close` it; `digest` is set once every byte is hashed and
+    the file is fsynced."""
+
+    def __init__(self, path: Path, label: str, fd: int, state: PartState) -> None:
+        self.path, self.label, self.fd, self.state = path, label, fd, state
+        self.size = state.size
+        self.hasher = hashlib.sha256()
+        self.hashed = 0
+        self.digest: str | None = None
+        self.lock = threading.Lock()
+        self._hashing = False
+        self._saved_at = 0.0  # when the part state was last written
+
+    @classmethod
+    def open(cls, path: Path, label: str, size: int, part_size: int) -> PartialFile:
+        """Open (or create and preallocate) `path` for a `size`-byte blob, resuming the
+        parts its saved state records. Raises NoSpaceError when the disk cannot hold it."""
+        state = PartState.load(state_path(path), size, part_size)
+        _make_writable(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not any(state.done) or os.fstat(fd).st_size != size:
+                state = PartState(size, part_size)
+                os.ftruncate(fd, 0)
+                _preallocate(fd, size, label)
+                state.save(state_path(path))
+            elif state.bytes_done():
+                log.info("resuming %s: %d of %d bytes already on disk", label,
+                         state.bytes_done(), size)  # fmt: skip
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, label, fd, state)
+
+    def close(self) -> None:
+        """Persist the parts finished since the last periodic save if the download
+        stopped short (SIGTERM, a failure), so that the next one resumes after every one
+        of them; then close the file."""
+        with self.lock:
+            snapshot = list(self.state.done)
+        if not all(snapshot):
+            with contextlib.suppress(OSError):  # the error that stopped us matters more
+                self.state.save(state_path(self.path), snapshot)
+        os.close(self.fd)
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Write `data` at `offset`; raises NoSpaceError on ENOSPC, OSError otherwise."""
+        try:
+            while data:
+                n = os.pwrite(self.fd, data, offset)
+                data, offset = data[n:], offset + n
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise NoSpaceError(
+                    f"no space left on the cache disk while writing {self.label}; free "
+                    "space or lower --capacity"
+                ) from e
+            raise
+
+    def mark_done(self, index: int) -> None:
+        """Record a finished part and start its writeback; persist the state at most every
+        SAVE_INTERVAL, outside the lock (profiled: saving under the lock stalled workers)."""
+        start, end = self.state.parts[index]
+        _start_writeback(self.fd, start, end - start)
+        now = time.monotonic()
+        with self.lock:
+            self.state.done[index] = True
+            snapshot = list(self.state.done) if now - self._saved_at >= SAVE_INTERVAL else None
+            if snapshot is not None:
+                self._saved_at = now
+        if snapshot is not None:
+            self.state.save(state_path(self.path), snapshot)
+
+    def advance_hash(self, buf: bytearray) -> None:
+        """Hash the newly contiguous prefix, reading it back through `buf`; only one
+        thread hashes a file at a time (the others return at once)."""
+        with self.lock:
+            if self._hashing:
+                return
+            self._hashing = True
+        try:
+            while True:
+                with self.lock:
+                    end = self.state.contiguous_end()
+                    if end <= self.hashed:
+                        if self.hashed == self.size and self.digest is None:
+                            os.fsync(self.fd)  # here, in a worker, while others download
+                            self.digest = self.hasher.hexdigest()
+                        self._hashing = False
+                        return
+                self._hash_to(end, memoryview(buf))
+        except BaseException:
+            with self.lock:
+                self._hashing = False
+            raise
+
+    def _hash_to(self, end: int, view: memoryview) -> None:
+        while self.hashed < end:
+            n = os.preadv(self.fd, [view[: min(len(view), end - self.hashed)]], self.hashed)
+            if not n:
+                raise WeightcacheError(f"internal error: {self.path} is short")
+            self.hasher.update(view[:n])
+            self.hashed += n
+
+    def finish(self, buf: bytearray) -> str:
+        """The sha256 of the complete file (every part must be done)."""
+        self.advance_hash(buf)
+        if self.digest is None:  # every part done, so only a bug can get here
+            raise WeightcacheError(f"internal error: {self.label} hashed {self.hashed} bytes")
+        return self.digest
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # libc, already loaded
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_sync_file_range = _load_sync_file_range() if os.uname().sysname == "Linux" else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing a finished part to disk now (async), so that the fsync before the
+    blob is published finds little left to do. Best effort: a no-op off Linux."""
+    if _sync_file_range is not None and length > 0:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def _make_writable(partial: Path) -> None:
+    """A kill between publishing's chmod 0444 of a verified partial and its rename leaves
+    it read-only: as the non-root uid that wrote it, O_RDWR would fail with EACCES until
+    tmp/ is cleaned a day later. It is ours to write again."""
+    try:
+        mode = partial.stat().st_mode
+    except FileNotFoundError:
+        return
+    if not mode & stat.S_IWUSR:
+        os.chmod(partial, mode | stat.S_IWUSR)
+
+
+def _preallocate(fd: int, size: int, label: str) -> None:
+    """Reserve the blob's space now, so a full disk fails before the download, not after."""
+    if size == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise NoSpaceError(
+                f"no space left on the cache disk for {label} ({size} bytes); free "
+                "space or lower --capacity"
+            ) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)

@@ -1,0 +1,129 @@
+"""Blob sources: where the downloader reads a blob's bytes from (design §4, Blob sources).
+
+A `BlobSource` is one blob at one place: the object in the origin store, the same blob
+on a peer, a file on a mounted volume. The downloader (ranged.py) asks it for byte ranges
+and knows nothing else of it: it writes what a `RangeReader` yields at its offsets, hashes
+it, and applies one retry policy to every source, told by the source only how patient to
+be (`attempts`) and whether its refusals mean "slow down" (`throttles`).
+
+A range read is a `RangeReader` that fills a caller's buffer with at most one blocking read
+per call, so that the downloader's stall clock and stop switch are checked between reads
+whatever the source: a socket `recv_into` for HTTP sources (httprange.py), a `preadv` for
+a local file (`FileBlob`, below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+from weightcache.errors import IntegrityError, SourceError
+
+#: Seconds one read from a source may block before the range is cut and retried (an HTTP
+#: source's socket timeout, capped by --timeout). A peer serving a partial that does not grow
+#: cuts its response sooner (weightcache/node/peerserver.py PARTIAL_WAIT), so that its
+#: receiver sees a cut body and moves on rather than a timeout.
+READ_TIMEOUT = 30.0
+
+
+class RetryRange(Exception):
+    """A retryable failure of one range read (reset, 5xx, truncated body, timeout, a
+    trickle); `throttle` if the source asked to slow down. The downloader resumes the
+    range at the byte where it broke."""
+
+    def __init__(self, reason: str, throttle: bool = False) -> None:
+        super().__init__(reason)
+        self.throttle = throttle
+
+
+class RangeReader(Protocol):
+    def readinto(self, buf: memoryview) -> int:
+        """Read the range's next bytes into `buf` with at most one blocking read; return
+        how many (0: the source has no more, which is a truncation if the range is not
+        done). Raises RetryRange, or a WeightcacheError for a failure retrying cannot fix."""
+
+
+class BlobSource(Protocol):
+    """One blob at one place, readable by byte ranges. Thread-safe: the downloader reads
+    several ranges of it at once, from several threads."""
+
+    @property
+    def kind(self) -> str:
+        """The metrics label of the bytes it sends: "origin" or "peer"."""
+
+    @property
+    def where(self) -> str:
+        """Where the blob is, for messages: "s3://bucket/key", a peer's URL, a path."""
+
+    @property
+    def attempts(self) -> int | None:
+        """Failures without progress tolerated for one part before the download fails,
+        so that a caller can fall back to another source; None: `--max-attempts`."""
+
+    @property
+    def throttles(self) -> bool:
+        """Whether a refusal to serve (HTTP 429/503) means "slow down": it then halves the
+        download's concurrency (AIMD). A peer's 503 only means "busy, ask someone else"."""
+
+    def open_range(
+        self, start: int, end: int, size: int, timeout: float
+    ) -> contextlib.AbstractContextManager[RangeReader]:
+        """Read bytes [start, end) of the blob, expected to be `size` bytes long; each
+        read blocks at most `timeout` seconds. The context releases what the read holds
+        (a connection is kept for reuse only after a clean, complete read). Raises
+        RetryRange; IntegrityError if the blob's size is no longer `size`; SourceError if
+        it is gone or access is denied."""
+
+
+class FileBlob:
+    """A blob in a regular file (a mounted volume or a local directory): ranges read with
+    `preadv` at their offsets, no network stack. Reads are never throttled; a missing
+    file is SourceError, any other OSError is retried."""
+
+    kind = "origin"
+    attempts: int | None = None
+    throttles = False
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    @contextlib.contextmanager
+    def open_range(self, start: int, end: int, size: int, timeout: float) -> Iterator[RangeReader]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise SourceError(f"{self.where}: no such file; it changed or vanished") from e
+        except OSError as e:
+            raise RetryRange(f"{type(e).__name__}: {e}") from e
+        try:
+            if os.fstat(fd).st_size != size:
+                raise IntegrityError(
+                    f"{self.where} is {os.fstat(fd).st_size} bytes now but was {size} when "
+                    "listed; the file changed during the fetch, run it again"
+                )
+            yield _FileRange(fd, start, end)
+        finally:
+            os.close(fd)
+
+
+class _FileRange:
+    def __init__(self, fd: int, pos: int, end: int) -> None:
+        self._fd, self._pos, self._end = fd, pos, end
+
+    def readinto(self, buf: memoryview) -> int:
+        want = min(len(buf), self._end - self._pos)
+        if want <= 0:
+            return 0
+        try:
+            n = os.preadv(self._fd, [buf[:want]], self._pos)
+        except OSError as e:
+            raise RetryRange(f"{type(e).__name__}: {e}") from e
+        self._pos += n
+        return n
