@@ -65,11 +65,11 @@ RULES: list[tuple[str, str | None, str | None]] = [
     ("part-state files", r"PartState\.(save|load)$", None),
     (
         "waiting for a file's lock (held over its part-state save)",
-        r"^RangedDownloader\.",
-        r"with f\.lock",
+        r"^PartialFile\.",
+        r"with self\.lock",
     ),
     ("allocate 1 MiB buffers", r"RangedDownloader\._buffer$", None),
-    ("open, preallocate partials", r"(RangedDownloader\._open|_preallocate)$", None),
+    ("open, preallocate partials", r"(PartialFile\.open|_preallocate)$", None),
     ("publish blobs (chmod, rename)", r"Cache\.publish_blob$", None),
     ("assembly (links, marker)", r"Cache\.assemble$", None),
     ("index (sqlite)", r"^Index\.", None),
@@ -77,7 +77,7 @@ RULES: list[tuple[str, str | None, str | None]] = [
     ("main: waiting for the workers", r"RangedDownloader\._download$", None),
     ("start worker threads", r"Thread\.start$", None),
     ("concurrency gate", r"AIMDGate\.", None),
-    ("presign", r"(presign_get|BlobJob\.request)$", None),
+    ("presign", r"(presign_get|OriginBlob\.open_range)$", None),
     (
         "listing + manifest (boto3 calls)",
         r"(Origin\.(list_sizes|get_bytes)|read_manifest)$",

@@ -18,11 +18,12 @@ import pytest
 
 from weightcache.config import OriginSettings
 from weightcache.errors import IntegrityError, SourceError, TransientError
+from weightcache.node.peerserver import PARTIAL_WAIT
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import state_path
 from weightcache.transfer.parts import PartState, plan_parts
 from weightcache.transfer.ranged import BlobJob, RangedDownloader
-from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader, RetryRange
+from weightcache.transfer.sources import READ_TIMEOUT, BlobSource, FileBlob, RangeReader, RetryRange
 
 KiB = 1 << 10
 PART = 256 * KiB  # the smallest part size the settings accept
@@ -78,6 +79,7 @@ class Wrapped:
         self.attempts = attempts
         self.opened: list[tuple[int, int]] = []
         self.threads: set[int] = set()
+        self.timeouts: set[float] = set()
         self._on_open, self._on_read, self._chunk = on_open, on_read, chunk
         self._lock = threading.Lock()
 
@@ -89,6 +91,7 @@ class Wrapped:
     def open_range(self, start: int, end: int, size: int, timeout: float) -> Iterator[RangeReader]:
         with self._lock:
             self.opened.append((start, end))
+            self.timeouts.add(timeout)
             self.threads.add(threading.get_ident())
         if self._on_open is not None:
             self._on_open(start, end)
@@ -242,3 +245,13 @@ def test_a_file_source_refuses_a_file_of_another_size(tmp_path: Path) -> None:
         FileBlob(path).open_range(0, 100, 100, 1.0),
     ):
         pass
+
+
+@pytest.mark.parametrize(("timeout", "read"), [(300.0, READ_TIMEOUT), (5.0, 5.0)])
+def test_reads_block_at_most_the_read_timeout_which_a_serving_peer_undercuts(
+    one_part: Path, tmp_path: Path, timeout: float, read: float
+) -> None:
+    source = Wrapped(one_part)
+    downloader(timeout=timeout).download([job(source, PART, tmp_path)])
+    assert source.timeouts == {read}
+    assert PARTIAL_WAIT < READ_TIMEOUT  # a peer cuts a stalled partial before we time out

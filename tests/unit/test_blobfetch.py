@@ -1,0 +1,152 @@
+"""The fetch's blob half in-process, with blob sources that are local files: blobs from the
+origin, a peer tried first (a peer is one more BlobSource), a lying peer found out and
+avoided, an origin that serves wrong bytes twice (exit 4, nothing published)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from weightcache.cache.layout import Layout
+from weightcache.cache.manifest import Manifest, ManifestEntry
+from weightcache.cache.store import Cache
+from weightcache.config import OriginSettings, Source
+from weightcache.errors import IntegrityError
+from weightcache.fetch.blobs import BlobFetch, NodePeers
+from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.ranged import RangedDownloader
+from weightcache.transfer.sources import BlobSource, FileBlob
+
+KiB = 1 << 10
+SOURCE = Source.parse("s3://bucket/models/m/r1")
+
+
+class FilePeer(FileBlob):
+    """A blob on a "peer" that is a local file."""
+
+    kind = "peer"
+    attempts = 3
+
+    def __init__(self, path: Path, peer: str) -> None:
+        super().__init__(path)
+        self.peer = peer
+
+
+class FakePeers:
+    """The node's peers: each blob is held by the given peers, in that order."""
+
+    def __init__(self, holders: dict[str, list[FilePeer]]) -> None:
+        self.holders = holders
+        self.bad: list[str] = []
+        self.claimed: list[str] = []
+        self.released: list[str] = []
+
+    def claim(self, sha256: str, partial: Path, size: int) -> str:
+        self.claimed.append(sha256)
+        return f"claim-{sha256[:8]}"
+
+    def release(self, sha256: str, claim: str) -> None:
+        self.released.append(sha256)
+
+    def sources(self, sha256: str, size: int, own: str | None) -> Sequence[FilePeer]:
+        return self.holders.get(sha256, [])
+
+    def mark_bad(self, peer: str, why: str) -> None:
+        self.bad.append(peer)
+
+
+class Origin:
+    """The files of one revision in a local directory, and its manifest."""
+
+    def __init__(self, root: Path, sizes: dict[str, int]) -> None:
+        self.root = root
+        root.mkdir(parents=True)
+        rng = random.Random(3)
+        entries = []
+        for name, size in sizes.items():
+            data = rng.randbytes(size)
+            (root / name).write_bytes(data)
+            entries.append(ManifestEntry(name, hashlib.sha256(data).hexdigest(), size))
+        self.manifest = Manifest(tuple(entries), "0" * 64)
+        self.serving: dict[str, Path] = {}  # path -> the file served instead
+
+    def blob(self, source: Source, entry: ManifestEntry) -> BlobSource:
+        return FileBlob(self.serving.get(entry.path, self.root / entry.path))
+
+    def corrupt(self, name: str, at: int = 1000) -> Path:
+        """A corrupt copy of `name`, beside the origin."""
+        data = bytearray((self.root / name).read_bytes())
+        data[at] ^= 0xFF
+        path = self.root.parent / f"corrupt-{name}"
+        path.write_bytes(data)
+        return path
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> Origin:
+    return Origin(tmp_path / "origin", {"a.bin": 600 * KiB, "b.bin": 300 * KiB})
+
+
+def blob_fetch(
+    layout: Layout, origin: Origin, peers: NodePeers[str] | None = None
+) -> tuple[BlobFetch, list[int]]:
+    """A BlobFetch on local files, and the list its verify failures are counted in."""
+    downloader = RangedDownloader(
+        OriginSettings(part_size=256 * KiB, max_concurrency=4, timeout=60),
+        backoff=Backoff(base=0.0, cap=0.0),
+    )
+    failures: list[int] = []
+    fetch = BlobFetch(layout, Cache(layout), 60.0, lambda: downloader, origin.blob,
+                      lambda: failures.append(1), peers=peers)  # fmt: skip
+    return fetch, failures
+
+
+def test_blobs_come_from_the_origin_once(layout: Layout, origin: Origin) -> None:
+    fetch, failures = blob_fetch(layout, origin)
+    assert fetch.bring(SOURCE, origin.manifest) == 900 * KiB
+    for e in origin.manifest.entries:
+        assert layout.blob(e.sha256).read_bytes() == (origin.root / e.path).read_bytes()
+    assert fetch.bring(SOURCE, origin.manifest) == 0  # all in the cache now
+    assert failures == []
+
+
+def test_a_peer_is_tried_before_the_origin(layout: Layout, origin: Origin) -> None:
+    a = origin.manifest.entries[0]
+    peers = FakePeers({a.sha256: [FilePeer(origin.root / "a.bin", "http://good")]})
+    fetch, _ = blob_fetch(layout, origin, peers)
+    assert fetch.bring(SOURCE, origin.manifest) == 300 * KiB  # only b.bin from the origin
+    assert Cache(layout).has_blob(a.sha256, a.size)
+    assert (
+        sorted(peers.claimed)
+        == sorted(peers.released)
+        == sorted(e.sha256 for e in origin.manifest.entries)
+    )
+
+
+def test_a_lying_peer_is_avoided_and_the_origin_serves_the_blob(
+    layout: Layout, origin: Origin
+) -> None:
+    a = origin.manifest.entries[0]
+    liar = FilePeer(origin.corrupt("a.bin"), "http://liar")
+    peers = FakePeers({a.sha256: [liar]})
+    fetch, failures = blob_fetch(layout, origin, peers)
+    assert fetch.bring(SOURCE, origin.manifest) == 900 * KiB
+    assert peers.bad == ["http://liar"]
+    assert failures == [1]
+    assert layout.blob(a.sha256).read_bytes() == (origin.root / "a.bin").read_bytes()
+
+
+def test_an_origin_serving_wrong_bytes_twice_is_an_integrity_error(
+    layout: Layout, origin: Origin
+) -> None:
+    b = origin.manifest.entries[1]
+    origin.serving["b.bin"] = origin.corrupt("b.bin")
+    fetch, failures = blob_fetch(layout, origin)
+    with pytest.raises(IntegrityError, match=r"sha256 mismatch for b\.bin .*checked twice"):
+        fetch.bring(SOURCE, origin.manifest)
+    assert failures == [1, 1]
+    assert not Cache(layout).has_blob(b.sha256, b.size)
