@@ -1,5 +1,6 @@
-"""Fetcher.downloader: the daemon's lazily built downloader is built
-once, whatever the number of threads asking at once, and interrupt() reaches it."""
+"""Fetcher.downloader and Fetcher.origin: the daemon's lazily built downloader and origin
+client are built once, whatever the number of threads asking at once, and interrupt()
+reaches the downloader."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ THREADS = 16
 
 @pytest.fixture
 def fine_switching() -> Iterator[None]:
-    """Switch threads every microsecond: the boto3 client build inside the property
-    (tens of ms) then interleaves with every other thread's check."""
+    """Switch threads every microsecond: a build inside the property (the boto3 client's
+    takes tens of ms) then interleaves with every other thread's check."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
@@ -29,14 +30,14 @@ def fine_switching() -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
-def _race(fetcher: Fetcher) -> list[object]:
+def _race(fetcher: Fetcher, attribute: str = "downloader") -> list[object]:
     barrier = threading.Barrier(THREADS)
     got: list[object] = []
     lock = threading.Lock()
 
     def ask() -> None:
         barrier.wait()
-        d = fetcher.downloader
+        d = getattr(fetcher, attribute)
         with lock:
             got.append(d)
 
@@ -63,3 +64,12 @@ def test_a_downloader_built_after_interrupt_is_interrupted(layout: Layout) -> No
     fetcher.interrupt()  # SIGTERM before any fetch built the downloader
     with pytest.raises(Interrupted):
         fetcher.downloader.download([])
+
+
+@pytest.mark.usefixtures("fine_switching")
+def test_threads_racing_for_the_origin_share_one_client(layout: Layout) -> None:
+    fetcher = Fetcher(layout, OriginSettings(endpoint_url="http://127.0.0.1:9"))
+    got = _race(fetcher, "origin")
+    assert len(got) == THREADS
+    assert len({id(o) for o in got}) == 1, "several boto3 clients built by racing threads"
+    assert all(o is fetcher.origin for o in got)
