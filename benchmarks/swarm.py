@@ -135,6 +135,7 @@ class Run:
     store_payload_bytes: float  # wire bytes / the sanity check's overhead
     daemon_cpu_s: float
     host_cpu_busy: float  # share of all cores busy during the run, from /proc/stat
+    harness_cpu_s: float  # this process (the pollers), during the run
     daemon_counters: list[dict[str, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -209,7 +210,7 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
         (home / "models.yaml").write_text(f"models:\n  - source: {model.source}\n    pin: true\n")
         argvs.append(daemon_argv(args.exe, node, home, store.endpoint_url, peers, args.wc_arg))
     os.sync()
-    sent0, cpu0 = lab.store.sent_bytes(), cpu_times()
+    sent0, cpu0, self0 = lab.store.sent_bytes(), cpu_times(), time.process_time()
     halt = threading.Event()
     procs: list[subprocess.Popen[bytes]] = []
     t0 = time.perf_counter()
@@ -227,6 +228,7 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
             p.join(max(0.0, deadline - time.monotonic()))
         halt.set()
         sent, cpu1 = lab.store.sent_bytes() - sent0, cpu_times()
+        harness_cpu = time.process_time() - self0
         counters = [scrape(h) for h in nodes]
     finally:
         halt.set()
@@ -236,7 +238,7 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
     busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
     return Run(*where, [p.ready for p in pollers],
                [p.up for p in pollers], sent, sent / overhead, daemon_cpu, busy,
-               counters, failures)  # fmt: skip
+               harness_cpu, counters, failures)  # fmt: skip
 
 
 def _tail(path: Path) -> str:
