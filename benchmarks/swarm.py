@@ -383,6 +383,10 @@ def main() -> None:
         with nl.Lab(max(max(args.n_values), 2)) as lab:
             bl.log(f"lab {lab.tag}: bridge {lab.bridge}, store + {lab.nodes} nodes")
             model, overheads, line_s = run_all(lab, args, workdir, runs)
+    except KeyboardInterrupt:
+        raise SystemExit(
+            "interrupted; the lab (namespaces, links, processes) and the workdir are removed"
+        ) from None
     finally:
         if not args.keep:
             bl.drop_dir(workdir)
