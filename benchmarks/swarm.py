@@ -37,6 +37,7 @@ finally block, on SIGTERM too.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import secrets
@@ -48,6 +49,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import benchlib as bl
 import measure as ms
@@ -85,16 +87,18 @@ class Summary:
     p50_s: float
     last_x_line: float
     p50_x_line: float
-    store_x_model: float
+    store_x_model: float  # payload: wire bytes over the measured overhead
+    wire_x_model: float  # tc's bytes as they are, headers included
 
 
 def summarize(ready_s: list[float | None], line_s: float, store_payload: float,
-              model_bytes: int) -> Summary:  # fmt: skip
+              model_bytes: int, store_wire: float = float("nan")) -> Summary:  # fmt: skip
     """A node that never got ready makes *last* NaN (the run did not finish)."""
     done = sorted(t for t in ready_s if t is not None)
     last = done[-1] if done and len(done) == len(ready_s) else float("nan")
     p50 = ms.median(done) if len(done) * 2 >= len(ready_s) else float("nan")
-    return Summary(len(done), last, p50, last / line_s, p50 / line_s, store_payload / model_bytes)
+    return Summary(len(done), last, p50, last / line_s, p50 / line_s,
+                   store_payload / model_bytes, store_wire / model_bytes)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the sanity check
@@ -135,7 +139,7 @@ class Run:
     store_payload_bytes: float  # wire bytes / the sanity check's overhead
     daemon_cpu_s: float
     host_cpu_busy: float  # share of all cores busy during the run, from /proc/stat
-    harness_cpu_s: float  # this process (the pollers), during the run
+    harness_cpu_s: float = float("nan")  # this process (the pollers), during the run
     daemon_counters: list[dict[str, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -258,8 +262,8 @@ def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
             mine = [r for r in runs if r.regime == regime and r.n == n and r.mode == mode]
             if not mine:
                 continue
-            sums = [summarize(r.ready_s, line_s, r.store_payload_bytes, model_bytes)
-                    for r in mine]  # fmt: skip
+            sums = [summarize(r.ready_s, line_s, r.store_payload_bytes, model_bytes,
+                              r.store_wire_bytes) for r in mine]  # fmt: skip
 
             def med(values: list[float]) -> float:
                 return ms.median([v for v in values if v == v]) if values else float("nan")
@@ -274,14 +278,15 @@ def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
                 ms.fmt_num(med([s.p50_s for s in sums]), 1),
                 ms.fmt_num(med([s.p50_x_line for s in sums]), 1) + "x",
                 ms.fmt_num(med([s.store_x_model for s in sums])) + "x",
+                ms.fmt_num(med([s.wire_x_model for s in sums])) + "x",
                 ms.fmt_num(last_up, 1),
                 ms.fmt_num(med([r.daemon_cpu_s for r in mine]), 0),
                 ms.fmt_num(100 * med([r.host_cpu_busy for r in mine]), 0) + "%",
             ])  # fmt: skip
         rows.append([str(n), "line rate", "-", ms.fmt_num(line_s, 1), "1.0x",
-                     ms.fmt_num(line_s, 1), "1.0x", "-", "-", "-", "-"])  # fmt: skip
+                     ms.fmt_num(line_s, 1), "1.0x", *["n/a"] * 5])  # fmt: skip
     headers = ["N", "mode", "ready", "last ready s", "last / line", "p50 ready s",
-               "p50 / line", "store sent / model", "last up s", "daemon CPU s",
+               "p50 / line", "store sent / model", "wire / model", "last up s", "daemon CPU s",
                "host CPU busy"]  # fmt: skip
     return ms.md_table(headers, rows)
 
@@ -344,6 +349,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the workdir (logs, caches)")
     p.add_argument("--json", type=Path, help="write every run here")
     p.add_argument("--plot", type=Path, help="write a PNG: ready time against N")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="print the tables (and --plot) of a saved --json again, run nothing",
+    )
     p.add_argument("--cleanup", action="store_true",
                    help=f"remove every namespace and link named {nl.PREFIX}* and exit")  # fmt: skip
     args = p.parse_args()
@@ -369,6 +380,10 @@ def main() -> None:
     if args.cleanup:
         print("\n".join(nl.cleanup()) or "nothing to remove")
         return
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print_results(saved, [Run(**r) for r in saved["runs"]], args.plot)
+        return
     if os.geteuid() != 0:
         raise SystemExit("swarm.py needs root: network namespaces and tc")
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -390,50 +405,59 @@ def main() -> None:
     finally:
         if not args.keep:
             bl.drop_dir(workdir)
+    model_files = len(model.listed)
+    output = {"benchmark": "swarm", "machine": info,
+              "params": {k: v for k, v in vars(args).items() if k != "token"},
+              "model_bytes": model.total_bytes, "model_files": model_files,
+              "line_rate_s": line_s, "wire_overhead": overheads,
+              "runs": [asdict(r) for r in runs]}  # fmt: skip
+    if args.json:
+        ms.write_json(args.json, output)
+    print_results(output, runs, args.plot)
+
+
+def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | None) -> None:
+    """The tables (and the plot) of one invocation, from what `--json` saves."""
+    p, line_s, overheads = output["params"], output["line_rate_s"], output["wire_overhead"]
     header = (
-        f"swarm of {bl.fmt_size(model.total_bytes)} ({len(model.listed)} files): N = "
-        f"{args.nodes} nodes started together, links {args.link} up and down, line rate "
-        f"{line_s:.1f} s, {args.rounds} round(s), medians; {bl.machine_line(info)}"
+        f"swarm of {bl.fmt_size(output['model_bytes'])} ({output.get('model_files', 6)} files): "
+        f"N = {p['nodes']} nodes started together, links {p['link']} up and down, line rate "
+        f"{line_s:.1f} s, {p['rounds']} round(s), medians; {bl.machine_line(output['machine'])}"
     )
     print(f"\n{header}")
-    for regime in args.regime_values:
-        print(f"\nstore egress = {regime} x {args.link} "
-              f"({nl.fmt_rate(regime * args.link_bits)}); wire overhead "
-              f"{overheads[regime]:.3f}\n")  # fmt: skip
-        print(report(runs, regime, args.n_values, line_s, model.total_bytes))
+    for regime in p["regime_values"]:
+        print(f"\nstore egress = {regime} x {p['link']} "
+              f"({nl.fmt_rate(regime * p['link_bits'])}); wire overhead "
+              f"{overheads[str(regime)]:.3f}\n")  # fmt: skip
+        print(report(runs, regime, p["n_values"], line_s, output["model_bytes"]))
     for r in runs:
         if r.failures:
             print(f"\nregime {r.regime} N={r.n} {r.mode}: {len(r.failures)} not ready; "
                   f"first: {r.failures[0]}")  # fmt: skip
-    if args.plot:
-        plot(runs, args.regime_values, args.n_values, line_s, args.plot, header)
-    if args.json:
-        params = {k: v for k, v in vars(args).items() if k != "token"}
-        ms.write_json(args.json, {"benchmark": "swarm", "machine": info, "params": params,
-                                  "model_bytes": model.total_bytes, "line_rate_s": line_s,
-                                  "wire_overhead": overheads,
-                                  "runs": [asdict(r) for r in runs]})  # fmt: skip
+    if plot_path:
+        plot(runs, p["regime_values"], p["n_values"], line_s, plot_path, header)
 
 
 def run_all(lab: nl.Lab, args: argparse.Namespace, workdir: Path,
-            runs: list[Run]) -> tuple[bl.Model, dict[int, float], float]:  # fmt: skip
+            runs: list[Run]) -> tuple[bl.Model, dict[str, float], float]:  # fmt: skip
     """The store, the model, then every regime x N x round x mode; appends to `runs`."""
     model = bl.make_model(workdir / "model", args.size_bytes, name=f"swarm-{args.size.lower()}")
     line_s = line_rate_s(model.total_bytes, args.link_bits)
-    overheads: dict[int, float] = {}
+    overheads: dict[str, float] = {}  # by regime, as a JSON key
     for k in range(1, lab.nodes + 1):
         lab.node(k).shape(args.link_bits, args.link_bits)
     with nl.NetnsStore(workdir / "store", host=lab.store) as store:
         bl.upload_model(model, store.endpoint_url, store.env)
         for regime in args.regime_values:
             lab.store.shape(regime * args.link_bits, None)
-            overheads[regime] = sanity_check(lab, model, regime * args.link_bits, args.link_bits)
+            overhead = sanity_check(lab, model, regime * args.link_bits, args.link_bits)
+            overheads[str(regime)] = overhead
             for n in args.n_values:
                 for rnd in range(1, args.rounds + 1):
                     for mode in args.mode_values:
                         root = workdir / "runs" / f"x{regime}-n{n}-{mode}-r{rnd}"
                         where = (regime, n, mode, rnd)
-                        r = swarm_run(lab, where, model, store, args, root, overheads[regime])
+                        r = swarm_run(lab, where, model, store, args, root, overhead)
                         runs.append(r)
                         ready = sorted(round(t, 1) for t in r.ready_s if t is not None)
                         bl.log(f"x{regime} N={n} {mode} round {rnd}: ready s {ready}, "

@@ -62,9 +62,10 @@ def test_pinned_ready_needs_every_pinned_revision_at_one() -> None:
 
 
 def test_summarize_in_line_rates_and_model_copies() -> None:
-    s = swarm.summarize([6.0, 12.0, 9.0, 3.0], line_s=3.0, store_payload=200.0, model_bytes=100)
+    s = swarm.summarize([6.0, 12.0, 9.0, 3.0], 3.0, store_payload=200.0, model_bytes=100,
+                        store_wire=209.0)  # fmt: skip
     assert (s.nodes_ready, s.last_s, s.p50_s) == (4, 12.0, 7.5)
-    assert (s.last_x_line, s.p50_x_line, s.store_x_model) == (4.0, 2.5, 2.0)
+    assert (s.last_x_line, s.p50_x_line, s.store_x_model, s.wire_x_model) == (4, 2.5, 2, 2.09)
     # A node that never got ready: no "last" (the run did not finish), p50 still known.
     s = swarm.summarize([6.0, None, 9.0], line_s=3.0, store_payload=0.0, model_bytes=100)
     assert s.nodes_ready == 2 and math.isnan(s.last_s) and s.p50_s == 7.5
