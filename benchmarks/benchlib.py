@@ -339,6 +339,24 @@ def ready_dir(tool: str, model: Model, dest: Path) -> Path:
     return dest / model.name / model.revision if tool == "weightcache" else dest
 
 
+# --------------------------------------------------------------------------- daemon metrics
+
+#: The daemon counters the scale-out benchmarks read, by key: (metric, labels) as exposed.
+DAEMON_COUNTERS = {
+    "origin_bytes": 'weightcache_bytes_total{source="origin"}',
+    "peer_bytes": 'weightcache_bytes_total{source="peer"}',
+    "peer_upload_bytes": "weightcache_peer_upload_bytes_total",
+    "verify_failures": "weightcache_verify_failures_total",
+}
+
+
+def metric_value(text: str, series: str) -> float:
+    """The value of one series (`name{labels}` exactly as exposed) in a /metrics page;
+    NaN when it is absent."""
+    m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(m[1]) if m else float("nan")
+
+
 # --------------------------------------------------------------------------- model
 
 

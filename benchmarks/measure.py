@@ -164,6 +164,29 @@ def run_measured(
     return Child(tool, argv, env, logs, cwd=cwd, gnu_time=gnu_time).result(timeout)
 
 
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace: float = 30) -> float:
+    """SIGTERM every process, reap each (SIGKILL after `grace` seconds); return their CPU
+    seconds (user+sys, from `wait4`), all together. Long-running children such as daemons."""
+    for p in procs:
+        if p.returncode is None:
+            p.terminate()
+    cpu = 0.0
+    for p in procs:
+        if p.returncode is not None:
+            continue
+        deadline = time.monotonic() + grace
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                p.returncode = os.waitstatus_to_exitcode(status)
+                cpu += ru.ru_utime + ru.ru_stime
+                break
+            if time.monotonic() > deadline:
+                p.kill()
+            time.sleep(0.05)
+    return cpu
+
+
 # --------------------------------------------------------------------------- statistics
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import secrets
 import subprocess
 import tempfile
@@ -84,15 +83,6 @@ class Strategy:
 
     def ready(self, model: bl.Model, dest: Path) -> Path:
         return bl.ready_dir(self.tool, model, dest)
-
-
-#: The daemon counters `DaemonNodes.scrape` reads, by key: (metric, labels) as exposed.
-DAEMON_COUNTERS = {
-    "origin_bytes": 'weightcache_bytes_total{source="origin"}',
-    "peer_bytes": 'weightcache_bytes_total{source="peer"}',
-    "peer_upload_bytes": "weightcache_peer_upload_bytes_total",
-    "verify_failures": "weightcache_verify_failures_total",
-}
 
 
 class DaemonNodes:
@@ -147,8 +137,8 @@ class DaemonNodes:
                 bl.log(f"warning: no daemon socket at {sock} after 30 s")
 
     def scrape(self) -> dict[str, float]:
-        """The `DAEMON_COUNTERS` summed over every daemon's /metrics (call before `stop`)."""
-        totals = dict.fromkeys(DAEMON_COUNTERS, 0.0)
+        """`benchlib.DAEMON_COUNTERS` summed over every daemon's /metrics (before `stop`)."""
+        totals = dict.fromkeys(bl.DAEMON_COUNTERS, 0.0)
         for port in self.metrics_ports:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
@@ -157,28 +147,13 @@ class DaemonNodes:
                 bl.log(f"warning: no /metrics from the daemon on port {port}: {e}")
                 totals = {k: float("nan") for k in totals}
                 continue
-            for key, series in DAEMON_COUNTERS.items():
-                m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
-                totals[key] += float(m[1]) if m else float("nan")
+            for key, series in bl.DAEMON_COUNTERS.items():
+                totals[key] += bl.metric_value(text, series)
         return totals
 
     def stop(self) -> float:
         """SIGTERM every daemon, reap it; return their CPU seconds (user+sys), all together."""
-        for p in self.procs:
-            p.terminate()
-        cpu = 0.0
-        for p in self.procs:
-            deadline = time.monotonic() + 30
-            while True:
-                pid, status, ru = os.wait4(p.pid, os.WNOHANG)
-                if pid:
-                    p.returncode = os.waitstatus_to_exitcode(status)
-                    cpu += ru.ru_utime + ru.ru_stime
-                    break
-                if time.monotonic() > deadline:
-                    p.kill()
-                time.sleep(0.05)
-        return cpu
+        return ms.stop_processes(self.procs)
 
 
 def parse_args() -> argparse.Namespace:
@@ -247,7 +222,7 @@ class Measured:
     counts: Counters
     t0: float  # perf_counter when the replicas started
     daemon_cpu_s: float
-    daemon_counters: dict[str, float]  # DAEMON_COUNTERS summed over the nodes ({} without)
+    daemon_counters: dict[str, float]  # bl.DAEMON_COUNTERS summed over the nodes ({} without)
 
 
 @dataclass

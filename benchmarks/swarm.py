@@ -1,0 +1,473 @@
+"""Swarm: N cold nodes start together, each behind its own shaped link; how soon is the last
+one ready, and how much did the store send? Peers on against peers off and the line rate.
+
+    sudo python benchmarks/swarm.py [--nodes 8,16] [--size 256M] [--link 400mbit]
+                                    [--regimes 1,4] [--rounds 1] [--modes p2p,off]
+                                    [--json out.json] [--plot out.png]
+    sudo python benchmarks/swarm.py --cleanup     # remove leftovers of a crashed run
+
+Needs root (network namespaces, tc). `netlab.Lab` builds a bridge with one namespace per
+host: the store (`weed mini`, 198.18.0.1) and N nodes (198.18.1.k). tc tbf shapes each node's
+upload and download to `--link`, and the store's egress to a multiple of it (`--regimes`:
+1 = the store is as fast as one node, the store-bound regime; 4 = four times as fast).
+A quick GET of one shard, store -> node1 and node1 -> node2, prints the achieved rates next
+to the configured ones, and calibrates the wire overhead (Ethernet/IP/TCP/HTTP headers).
+
+Per regime, N and round, each mode in turn (`p2p`: `--peer-addr` and `--peers` listing every
+node, one shared `WEIGHTCACHE_PEER_TOKEN`; `off`: no peer flags): every node gets an empty
+cache dir and a models file pinning the model, and all N `weightcache daemon`s are spawned
+back to back in their namespaces. Measured from outside the daemons:
+
+- a node's *ready* time: from the first spawn until its /metrics shows
+  `weightcache_revision_ready{...,pinned="true"} 1`, polled every `--poll` s (0.1) from the
+  host. Not /readyz: in this daemon /readyz means "serving" (models file loaded, socket and
+  HTTP up), whatever it is still downloading; pinned progress is that gauge (design §5).
+  *up* is when /metrics first answered (the daemon's start-up, Python and imports, included
+  in *ready*);
+- *store sent*: the bytes tc's tbf on the store's uplink sent during the run (wire bytes),
+  divided by the overhead measured in the sanity check, in model sizes. Not self-reported;
+- the daemons' own counters (origin, peer bytes) and CPU, and the host's CPU busy share, in
+  the JSON, to tell a CPU-bound run from a link-bound one.
+
+The line rate is the model's bytes over one node's link: no node can be ready sooner.
+Everything the run created (namespaces, veths, bridge, processes, workdir) is removed in a
+finally block, on SIGTERM too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import benchlib as bl
+import measure as ms
+import netlab as nl
+
+MODES = ("p2p", "off")
+PEER_PORT, METRICS_PORT = 9401, 9402
+#: No HTTP proxy of the host's environment for the lab's addresses.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+_PINNED = re.compile(r'^weightcache_revision_ready\{[^}]*pinned="true"[^}]*\} (\S+)$', re.M)
+
+
+def pinned_ready(metrics_text: str) -> bool:
+    """True when the page lists at least one pinned revision and every one is ready."""
+    values = [float(v) for v in _PINNED.findall(metrics_text)]
+    return bool(values) and all(v == 1 for v in values)
+
+
+def line_rate_s(model_bytes: int, link_bits: int) -> float:
+    """The fastest any node can have the model: its bytes over its own link."""
+    return model_bytes * 8 / link_bits
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One run as the tables print it; ready times in seconds, NaN when not ready."""
+
+    nodes_ready: int
+    last_s: float
+    p50_s: float
+    last_x_line: float
+    p50_x_line: float
+    store_x_model: float  # payload: wire bytes over the measured overhead
+    wire_x_model: float  # tc's bytes as they are, headers included
+
+
+def summarize(ready_s: list[float | None], line_s: float, store_payload: float,
+              model_bytes: int, store_wire: float = float("nan")) -> Summary:  # fmt: skip
+    """A node that never got ready makes *last* NaN (the run did not finish)."""
+    done = sorted(t for t in ready_s if t is not None)
+    last = done[-1] if done and len(done) == len(ready_s) else float("nan")
+    p50 = ms.median(done) if len(done) * 2 >= len(ready_s) else float("nan")
+    return Summary(len(done), last, p50, last / line_s, p50 / line_s,
+                   store_payload / model_bytes, store_wire / model_bytes)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the sanity check
+
+
+def sanity_check(lab: nl.Lab, model: bl.Model, store_bits: int, link_bits: int) -> float:
+    """Print achieved against configured rates; return the wire overhead factor of the
+    store's link (tc bytes / HTTP body bytes) for a plain GET."""
+    shard = max(model.listed, key=lambda rel: model.listed[rel])
+    before = lab.store.sent_bytes()
+    size, rate = nl.http_get(lab.store, lab.node(1), model.local_dir, shard)
+    overhead = (lab.store.sent_bytes() - before) / size
+    expect = min(store_bits, link_bits)
+    print(f"sanity: store -> node1, {bl.fmt_size(size)} at {rate / 1e6:.0f} Mbit/s "
+          f"(configured {expect / 1e6:.0f}: store {nl.fmt_rate(store_bits)}, node download "
+          f"{nl.fmt_rate(link_bits)}); wire bytes / body bytes {overhead:.3f}")  # fmt: skip
+    if lab.nodes >= 2:
+        size, rate = nl.http_get(lab.node(1), lab.node(2), model.local_dir, shard)
+        print(f"sanity: node1 -> node2, {bl.fmt_size(size)} at {rate / 1e6:.0f} Mbit/s "
+              f"(configured {link_bits / 1e6:.0f})")  # fmt: skip
+    return overhead
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class Run:
+    """One swarm start: `n` nodes in one mode."""
+
+    regime: int
+    n: int
+    mode: str
+    round: int
+    ready_s: list[float | None]  # per node, since the first spawn
+    up_s: list[float | None]  # when its /metrics first answered
+    store_wire_bytes: int
+    store_payload_bytes: float  # wire bytes / the sanity check's overhead
+    daemon_cpu_s: float
+    host_cpu_busy: float  # share of all cores busy during the run, from /proc/stat
+    harness_cpu_s: float = float("nan")  # this process (the pollers), during the run
+    daemon_counters: list[dict[str, float]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+class Poller(threading.Thread):
+    """Polls one node's /metrics until its pinned revision is ready (or `stop` is set)."""
+
+    def __init__(self, url: str, t0: float, period: float, stop: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.url, self.t0, self.period, self.halt = url, t0, period, stop
+        self.up: float | None = None
+        self.ready: float | None = None
+
+    def run(self) -> None:
+        while self.ready is None and not self.halt.is_set():
+            try:
+                with _DIRECT.open(self.url, timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                text = None
+            now = time.perf_counter() - self.t0
+            if text is not None:
+                self.up = now if self.up is None else self.up
+                if pinned_ready(text):
+                    self.ready = now
+                    return
+            self.halt.wait(self.period)
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies over all cores, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def daemon_argv(exe: list[str], node: nl.Host, root: Path, store_url: str,
+                peers: str | None, wc_args: list[str]) -> list[str]:  # fmt: skip
+    argv = [
+        *node.exec_prefix(), *exe, "daemon", "--cache-dir", str(root / "cache"),
+        "--models", str(root / "models.yaml"), "--capacity", "90%",
+        "--endpoint-url", store_url, "--metrics-addr", f"{node.addr}:{METRICS_PORT}",
+        "--kubelet-pods-dir", str(root / "kubelet-pods"), *wc_args,
+    ]  # fmt: skip
+    if peers is not None:
+        argv += ["--peer-addr", f"{node.addr}:{PEER_PORT}", "--peers", peers]
+    return argv
+
+
+def scrape(node: nl.Host) -> dict[str, float]:
+    try:
+        with _DIRECT.open(f"http://{node.addr}:{METRICS_PORT}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {k: bl.metric_value(text, series) for k, series in bl.DAEMON_COUNTERS.items()}
+
+
+def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
+              store: nl.NetnsStore, args: argparse.Namespace, root: Path,
+              overhead: float) -> Run:  # fmt: skip
+    """Start n daemons at once on empty caches, wait until all are ready (or the timeout);
+    `where` is (regime, n, mode, round)."""
+    n, mode = where[1], where[2]
+    nodes = [lab.node(k) for k in range(1, n + 1)]
+    peers = ",".join(f"{h.addr}:{PEER_PORT}" for h in nodes) if mode == "p2p" else None
+    env = {**bl.peer_env(store.endpoint_url, store.env), "WEIGHTCACHE_PEER_TOKEN": args.token}
+    argvs = []
+    for node in nodes:
+        home = root / node.name
+        (home / "kubelet-pods").mkdir(parents=True)
+        (home / "models.yaml").write_text(f"models:\n  - source: {model.source}\n    pin: true\n")
+        argvs.append(daemon_argv(args.exe, node, home, store.endpoint_url, peers, args.wc_arg))
+    os.sync()
+    sent0, cpu0, self0 = lab.store.sent_bytes(), cpu_times(), time.process_time()
+    halt = threading.Event()
+    procs: list[subprocess.Popen[bytes]] = []
+    t0 = time.perf_counter()
+    try:
+        for node, argv in zip(nodes, argvs, strict=True):
+            with open(root / f"{node.name}.log", "wb") as out:
+                procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                             stdout=out, stderr=out, start_new_session=True))  # fmt: skip
+        pollers = [Poller(f"http://{h.addr}:{METRICS_PORT}/metrics", t0, args.poll, halt)
+                   for h in nodes]  # fmt: skip
+        for p in pollers:
+            p.start()
+        deadline = time.monotonic() + args.timeout
+        for p in pollers:
+            p.join(max(0.0, deadline - time.monotonic()))
+        halt.set()
+        sent, cpu1 = lab.store.sent_bytes() - sent0, cpu_times()
+        harness_cpu = time.process_time() - self0
+        counters = [scrape(h) for h in nodes]
+    finally:
+        halt.set()
+        daemon_cpu = ms.stop_processes(procs)
+    failures = [f"{h.name}: {_tail(root / f'{h.name}.log')}"
+                for h, p in zip(nodes, pollers, strict=True) if p.ready is None]  # fmt: skip
+    busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
+    return Run(*where, [p.ready for p in pollers],
+               [p.up for p in pollers], sent, sent / overhead, daemon_cpu, busy,
+               harness_cpu, counters, failures)  # fmt: skip
+
+
+def _tail(path: Path) -> str:
+    lines = path.read_text(errors="replace").strip().splitlines()
+    return lines[-1][-300:] if lines else "(no output)"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
+           model_bytes: int) -> str:  # fmt: skip
+    """One regime's table: per N, each mode (medians over rounds) and the line rate."""
+    rows: list[list[str]] = []
+    for n in n_values:
+        for mode in dict.fromkeys(r.mode for r in runs):
+            mine = [r for r in runs if r.regime == regime and r.n == n and r.mode == mode]
+            if not mine:
+                continue
+            sums = [summarize(r.ready_s, line_s, r.store_payload_bytes, model_bytes,
+                              r.store_wire_bytes) for r in mine]  # fmt: skip
+
+            def med(values: list[float]) -> float:
+                return ms.median([v for v in values if v == v]) if values else float("nan")
+
+            last_up = med([max((u for u in r.up_s if u is not None), default=float("nan"))
+                           for r in mine])  # fmt: skip
+            rows.append([
+                str(n), "peers on" if mode == "p2p" else "peers off",
+                f"{sum(s.nodes_ready for s in sums)}/{n * len(mine)}",
+                ms.fmt_num(med([s.last_s for s in sums]), 1),
+                ms.fmt_num(med([s.last_x_line for s in sums]), 1) + "x",
+                ms.fmt_num(med([s.p50_s for s in sums]), 1),
+                ms.fmt_num(med([s.p50_x_line for s in sums]), 1) + "x",
+                ms.fmt_num(med([s.store_x_model for s in sums])) + "x",
+                ms.fmt_num(med([s.wire_x_model for s in sums])) + "x",
+                ms.fmt_num(last_up, 1),
+                ms.fmt_num(med([r.daemon_cpu_s for r in mine]), 0),
+                ms.fmt_num(100 * med([r.host_cpu_busy for r in mine]), 0) + "%",
+            ])  # fmt: skip
+        rows.append([str(n), "line rate", "-", ms.fmt_num(line_s, 1), "1.0x",
+                     ms.fmt_num(line_s, 1), "1.0x", *["n/a"] * 5])  # fmt: skip
+    headers = ["N", "mode", "ready", "last ready s", "last / line", "p50 ready s",
+               "p50 / line", "store sent / model", "wire / model", "last up s", "daemon CPU s",
+               "host CPU busy"]  # fmt: skip
+    return ms.md_table(headers, rows)
+
+
+def plot(runs: list[Run], regimes: list[int], n_values: list[int], line_s: float,
+         path: Path, title: str) -> None:  # fmt: skip
+    """Last-node ready time (solid) and p50 (dashed) against N, one panel per regime."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(regimes), figsize=(5.5 * len(regimes), 4.2), squeeze=False)
+    for ax, regime in zip(axes[0], regimes, strict=True):
+        for mode, color in (("p2p", "tab:blue"), ("off", "tab:orange")):
+            for stat, style, marker in (("last", "-", "o"), ("p50", "--", "s")):
+                ys = []
+                for n in n_values:
+                    mine = [r for r in runs if (r.regime, r.n, r.mode) == (regime, n, mode)]
+                    vals = [getattr(summarize(r.ready_s, line_s, 0, 1), f"{stat}_s")
+                            for r in mine]  # fmt: skip
+                    ys.append(ms.median(vals))
+                label = f"peers {'on' if mode == 'p2p' else 'off'}, {stat}"
+                ax.plot(n_values, ys, style, marker=marker, color=color, label=label,
+                        fillstyle="full" if stat == "last" else "none")  # fmt: skip
+        ax.axhline(line_s, color="tab:gray", linestyle=":", label="line rate")
+        ax.set_xlabel("nodes started together (N)")
+        ax.set_ylabel("ready s, from the start")
+        ax.set_xticks(n_values)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"store egress = {regime} x a node's link")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 130), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    bl.log(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nodes", default="8", help="comma-separated N values (default 8)")
+    p.add_argument("--size", default="256M", help="model shard bytes (default 256M)")
+    p.add_argument("--link", default="400mbit", help="each node's upload and download rate")
+    p.add_argument("--regimes", default="1,4", help="store egress as multiples of --link")
+    p.add_argument("--modes", default="p2p,off", help=f"comma-separated from {MODES}")
+    p.add_argument("--rounds", type=int, default=1, help="repeat each run; medians reported")
+    p.add_argument("--poll", type=float, default=0.1, help="seconds between /metrics polls")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--wc-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every daemon, repeatable")  # fmt: skip
+    bl.add_rev_option(p)
+    p.add_argument("--workdir", type=Path, help="scratch directory (default: a new temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the workdir (logs, caches)")
+    p.add_argument("--json", type=Path, help="write every run here")
+    p.add_argument("--plot", type=Path, help="write a PNG: ready time against N")
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="print the tables (and --plot) of a saved --json again, run nothing",
+    )
+    p.add_argument("--cleanup", action="store_true",
+                   help=f"remove every namespace and link named {nl.PREFIX}* and exit")  # fmt: skip
+    args = p.parse_args()
+    try:
+        args.n_values = sorted({int(x) for x in args.nodes.split(",")})
+        args.regime_values = [int(x) for x in args.regimes.split(",")]
+        args.link_bits = nl.parse_rate(args.link)
+        args.size_bytes = bl.parse_size(args.size)
+    except ValueError as e:
+        p.error(str(e))
+    args.mode_values = [m for m in args.modes.split(",") if m]
+    if set(args.mode_values) - set(MODES) or not 1 <= min(args.n_values) <= 250:
+        p.error(f"modes from {MODES}; 1 <= N <= 250")
+    return args
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks that clean up
+
+
+def main() -> None:
+    args = parse_args()
+    if args.cleanup:
+        print("\n".join(nl.cleanup()) or "nothing to remove")
+        return
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print_results(saved, [Run(**r) for r in saved["runs"]], args.plot)
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("swarm.py needs root: network namespaces and tc")
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    bl.use_rev(args.weightcache_rev)
+    tools, _ = bl.available_tools(["weightcache"], required=True)
+    args.exe, args.token = tools["weightcache"], secrets.token_hex(16)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-swarm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    info = bl.machine_info(workdir)
+    runs: list[Run] = []
+    try:
+        with nl.Lab(max(max(args.n_values), 2)) as lab:
+            bl.log(f"lab {lab.tag}: bridge {lab.bridge}, store + {lab.nodes} nodes")
+            model, overheads, line_s = run_all(lab, args, workdir, runs)
+    except KeyboardInterrupt:
+        raise SystemExit(
+            "interrupted; the lab (namespaces, links, processes) and the workdir are removed"
+        ) from None
+    finally:
+        if not args.keep:
+            bl.drop_dir(workdir)
+    model_files = len(model.listed)
+    output = {"benchmark": "swarm", "machine": info,
+              "params": {k: v for k, v in vars(args).items() if k != "token"},
+              "model_bytes": model.total_bytes, "model_files": model_files,
+              "line_rate_s": line_s, "wire_overhead": overheads,
+              "runs": [asdict(r) for r in runs]}  # fmt: skip
+    if args.json:
+        ms.write_json(args.json, output)
+    print_results(output, runs, args.plot)
+
+
+def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | None) -> None:
+    """The tables (and the plot) of one invocation, from what `--json` saves."""
+    p, line_s, overheads = output["params"], output["line_rate_s"], output["wire_overhead"]
+    header = (
+        f"swarm of {bl.fmt_size(output['model_bytes'])} ({output.get('model_files', 6)} files): "
+        f"N = {p['nodes']} nodes started together, links {p['link']} up and down, line rate "
+        f"{line_s:.1f} s, {p['rounds']} round(s), medians; {bl.machine_line(output['machine'])}"
+    )
+    print(f"\n{header}")
+    for regime in p["regime_values"]:
+        print(f"\nstore egress = {regime} x {p['link']} "
+              f"({nl.fmt_rate(regime * p['link_bits'])}); wire overhead "
+              f"{overheads[str(regime)]:.3f}\n")  # fmt: skip
+        print(report(runs, regime, p["n_values"], line_s, output["model_bytes"]))
+    for r in runs:
+        if r.failures:
+            print(f"\nregime {r.regime} N={r.n} {r.mode}: {len(r.failures)} not ready; "
+                  f"first: {r.failures[0]}")  # fmt: skip
+    if plot_path:
+        plot(runs, p["regime_values"], p["n_values"], line_s, plot_path, header)
+
+
+def run_all(lab: nl.Lab, args: argparse.Namespace, workdir: Path,
+            runs: list[Run]) -> tuple[bl.Model, dict[str, float], float]:  # fmt: skip
+    """The store, the model, then every regime x N x round x mode; appends to `runs`."""
+    model = bl.make_model(workdir / "model", args.size_bytes, name=f"swarm-{args.size.lower()}")
+    line_s = line_rate_s(model.total_bytes, args.link_bits)
+    overheads: dict[str, float] = {}  # by regime, as a JSON key
+    for k in range(1, lab.nodes + 1):
+        lab.node(k).shape(args.link_bits, args.link_bits)
+    with nl.NetnsStore(workdir / "store", host=lab.store) as store:
+        bl.upload_model(model, store.endpoint_url, store.env)
+        for regime in args.regime_values:
+            lab.store.shape(regime * args.link_bits, None)
+            overhead = sanity_check(lab, model, regime * args.link_bits, args.link_bits)
+            overheads[str(regime)] = overhead
+            for n in args.n_values:
+                for rnd in range(1, args.rounds + 1):
+                    for mode in args.mode_values:
+                        root = workdir / "runs" / f"x{regime}-n{n}-{mode}-r{rnd}"
+                        where = (regime, n, mode, rnd)
+                        r = swarm_run(lab, where, model, store, args, root, overhead)
+                        runs.append(r)
+                        ready = sorted(round(t, 1) for t in r.ready_s if t is not None)
+                        bl.log(f"x{regime} N={n} {mode} round {rnd}: ready s {ready}, "
+                               f"store sent {r.store_payload_bytes / model.total_bytes:.2f} x "
+                               f"model, daemon CPU {r.daemon_cpu_s:.0f} s, host busy "
+                               f"{100 * r.host_cpu_busy:.0f}%")  # fmt: skip
+                        if not args.keep:
+                            bl.drop_dir(root)
+    return model, overheads, line_s
+
+
+if __name__ == "__main__":
+    main()
