@@ -37,7 +37,7 @@ from pathlib import Path
 
 from measure import stop_processes
 
-from weightcache.ops.devstore import _PORT_FLAGS, ACCESS_KEY, SECRET_KEY, LocalStore
+from weightcache.ops.devstore import _PORT_FLAGS, ACCESS_KEY, SECRET_KEY, DevStore
 
 PREFIX = "wcsw"
 STORE_ADDR = "198.18.0.1"
@@ -221,8 +221,8 @@ def _links_by_kind(prefix: str) -> Iterator[str]:
 
 
 @dataclass
-class NetnsStore(LocalStore):
-    """`weed mini` in the store's namespace, bound to its lab address. `LocalStore` binds
+class NetnsStore(DevStore):
+    """`weed mini` in the store's namespace, bound to its lab address. `DevStore` binds
     127.0.0.1 only, so its start is redone here with the namespace's address; ports are
     fixed (a fresh namespace has every port free)."""
 
