@@ -1,23 +1,28 @@
-"""The node agent (design §5): converge to the models file, bound the cache, coordinate fetches.
+"""The node agent (design §5): its lifecycle, and the composition of its roles.
 
-One `Fetcher` (so one token bucket for `--bwlimit` and one AIMD gate) serves both the
-prefetch loop and the Pods' `fetch` requests arriving on the Unix socket; requests for the
-same revision share one download (single-flight). Revisions are prefetched one at a time.
-Capacity is enforced after every change and before every download. SIGTERM stops new
-work, interrupts downloads (partials stay resumable) and exits within the grace period.
+Each role is a class of its own module, testable alone:
 
-Peers (design §8, `--peer-addr`): the daemon serves its blobs to the other nodes' daemons
-and, for the fetches it runs, asks them before the origin (weightcache/node/peers.py).
+- converger.py `Converger`: follow the models file, prefetch its revisions one at a time,
+  pin the pinned ones; the one definition of a listed revision being ready;
+- coordinator.py `Coordinator`: one download per revision for every caller
+  (single-flight), and `FetchSocketHandler`, the daemon's side of the fetch socket;
+- capacity.py `CapacityGuard`: evict under --capacity and --min-free, collect orphan blobs;
+- leases.py `LeaseReaper`: end the leases of Pods that are gone;
+- peers.py: serve blobs to the other nodes' daemons and fetch from them (design §8).
+
+The daemon holds `daemon.lock`, runs the listeners (the fetch socket, /metrics /healthz
+/readyz, the peer port) on one event loop (serve.py), and the two loops (converging;
+ending leases and bounding capacity) as supervised workers (worker.py): a failing step is
+logged and retried, and one that keeps failing, or dies, fails /healthz. One `Fetcher`
+(so one token bucket for `--bwlimit` and one AIMD gate) serves both the prefetch and the
+Pods' requests. SIGTERM stops new work, interrupts downloads (partials stay resumable)
+and exits within the grace period.
 
 Who holds credentials: the daemon downloads with its own (DaemonSet Secret or IRSA) for
 every fetch it coordinates; a Pod's `fetch` uses its own only when it falls back to
 fetching alone (no daemon, a daemon that does not answer, or one that refuses a source
 outside its `--allow-source` prefixes: any Pod on the node can reach the socket, so the
 daemon's credentials must not read whatever a Pod names).
-
-Its loops (converging to the models file; ending leases and bounding capacity) run as
-supervised workers (weightcache/node/worker.py): a failing step is logged and retried, and
-one that keeps failing, or dies, fails /healthz.
 """
 
 from __future__ import annotations
