@@ -1,4 +1,5 @@
-"""Node coordination: `fetch` asks the node daemon over a Unix socket in the cache dir.
+"""The fetch socket's protocol and its client: `fetch` asks the node daemon over a Unix
+socket in the cache dir (the daemon's side: weightcache/node/coordinator.py).
 
 Protocol: the client sends one JSON line (at most 64 KiB, within 5 s of connecting)
 `{"op": "fetch", "source": ..., "name": ..., "revision": ..., "pod_uid": ...}` (or

@@ -1,0 +1,114 @@
+"""CapacityGuard in-process: the daemon's capacity role on a tmp cache dir, disk numbers
+given (design §5, Capacity and Free-space floor)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.cached import add_revision
+from weightcache.cache.eviction import Watermarks
+from weightcache.cache.index import Index, for_cache
+from weightcache.cache.layout import Layout
+from weightcache.cache.store import Cache
+from weightcache.config import Capacity
+from weightcache.errors import NoSpaceError
+from weightcache.node.capacity import CapacityGuard
+from weightcache.node.metrics import Metrics
+
+POD = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
+BIG_DISK = (10**12, 10**12)  # (size, free): only --capacity binds
+
+
+@pytest.fixture
+def cache(layout: Layout) -> Cache:
+    """Revisions old (used at t=1), mid (t=2) and new (t=3), 100 bytes each."""
+    cache = Cache(layout)
+    for name, used_at in (("new", 3.0), ("old", 1.0), ("mid", 2.0)):
+        add_revision(cache, name, "r1", 100, used_at=used_at)
+    return cache
+
+
+def guard(
+    cache: Cache,
+    capacity: int | None = 300,
+    min_free: int = 0,
+    disk: tuple[int, int] = BIG_DISK,
+    pinned: frozenset[tuple[str, str]] = frozenset(),
+) -> CapacityGuard:
+    return CapacityGuard(
+        cache,
+        for_cache(cache.layout),
+        Metrics(),
+        capacity=None if capacity is None else Capacity(bytes=capacity),
+        min_free=Capacity(bytes=min_free),
+        watermarks=Watermarks(),
+        pinned=lambda: pinned,
+        disk_space=lambda: disk,
+    )
+
+
+def present(cache: Cache) -> set[str]:
+    return {name for name, _ in cache.layout.revisions() if cache.ready(name, "r1")}
+
+
+def test_make_room_evicts_the_least_recently_used_revision_only(cache: Cache) -> None:
+    g = guard(cache)
+    g.make_room(100)
+    assert present(cache) == {"mid", "new"}
+    assert g.metrics.registry.get_sample_value("weightcache_evictions_total") == 1
+    assert g.metrics.registry.get_sample_value("weightcache_cache_bytes") == 200
+
+
+def test_make_room_never_evicts_a_pinned_revision(cache: Cache) -> None:
+    guard(cache, pinned=frozenset({("old", "r1")})).make_room(100)
+    assert present(cache) == {"old", "new"}
+
+
+def test_make_room_never_evicts_a_leased_revision(cache: Cache) -> None:
+    index: Index = for_cache(cache.layout)
+    index.lease("old", "r1", POD)
+    guard(cache).make_room(200)
+    assert present(cache) == {"old"}
+
+
+def test_make_room_that_cannot_be_made_is_exit_5_and_evicts_nothing(cache: Cache) -> None:
+    for name in ("old", "mid", "new"):
+        for_cache(cache.layout).lease(name, "r1", POD)
+    with pytest.raises(NoSpaceError, match="raise --capacity") as e:
+        guard(cache).make_room(100)
+    assert e.value.exit_code == 5
+    assert present(cache) == {"old", "mid", "new"}
+
+
+def test_make_room_keeps_the_free_space_floor_without_a_capacity(cache: Cache) -> None:
+    # 1000-byte disk, 150 free, 200 kept free: 100 more bytes need 150 evicted (2 revisions).
+    guard(cache, capacity=None, min_free=200, disk=(1000, 150)).make_room(100)
+    assert present(cache) == {"new"}
+
+
+def test_enforce_evicts_from_above_the_high_watermark_down_to_the_low_one(cache: Cache) -> None:
+    # 300 of 310 is above 95%: down to 85% (263), one revision.
+    g = guard(cache, capacity=310)
+    g.enforce()
+    assert present(cache) == {"mid", "new"}
+    assert g.metrics.registry.get_sample_value("weightcache_cache_capacity_bytes") == 310
+
+
+def test_enforce_below_the_high_watermark_evicts_nothing(cache: Cache) -> None:
+    guard(cache, capacity=400).enforce()
+    assert present(cache) == {"old", "mid", "new"}
+
+
+def test_enforce_restores_the_free_space_floor_when_other_files_grew(cache: Cache) -> None:
+    guard(cache, capacity=None, min_free=200, disk=(1000, 150)).enforce()  # 50 short
+    assert present(cache) == {"mid", "new"}
+
+
+def test_orphan_blobs_are_collected_first(cache: Cache, layout: Layout) -> None:
+    orphan = layout.blob("0" * 64)
+    orphan.write_bytes(b"x" * 50)
+    g = guard(cache, capacity=None)
+    g.enforce()
+    assert not orphan.exists()
+    assert present(cache) == {"old", "mid", "new"}
+    assert g.metrics.registry.get_sample_value("weightcache_cache_bytes") == 300

@@ -1,0 +1,53 @@
+"""LeaseReaper in-process: which leases end, with a tmp kubelet pods dir (design §5)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from weightcache.cache.index import Index, for_cache
+from weightcache.cache.layout import Layout
+from weightcache.node.leases import LeaseReaper
+
+LIVE = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
+GONE = "1f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
+HOUR = 3600.0
+
+
+@pytest.fixture
+def index(layout: Layout) -> Index:
+    index = for_cache(layout)
+    now = time.time()
+    index.lease("m", "r1", LIVE, now=now)
+    index.lease("m", "r1", GONE, now=now - 2 * HOUR)
+    index.lease("m", "r1", "by-hand", now=now)
+    return index
+
+
+def test_a_lease_ends_when_its_pod_directory_is_gone(index: Index, tmp_path: Path) -> None:
+    pods = tmp_path / "pods"
+    (pods / LIVE).mkdir(parents=True)
+    LeaseReaper(index, pods, max_age=24 * HOUR).reap()
+    assert index.lease_holders() == {LIVE}
+
+
+def test_without_a_pods_directory_a_lease_ends_after_max_age(index: Index, tmp_path: Path) -> None:
+    LeaseReaper(index, tmp_path / "absent", max_age=HOUR).reap()
+    assert index.lease_holders() == {LIVE}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
+def test_a_pods_directory_it_cannot_search_keeps_every_pod_lease(
+    index: Index, tmp_path: Path
+) -> None:
+    pods = tmp_path / "pods"
+    pods.mkdir()
+    pods.chmod(0o600)  # readable, not searchable: stat() of an entry is EACCES
+    try:
+        LeaseReaper(index, pods, max_age=HOUR).reap()
+    finally:
+        pods.chmod(0o755)
+    assert index.lease_holders() == {LIVE, GONE}  # only the malformed holder ends
