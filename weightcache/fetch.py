@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
+from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
-from weightcache.cache.store import Cache, FileLock, Marker
+from weightcache.cache.marker import Marker
+from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, PeerSettings, Source
 from weightcache.errors import (
     IntegrityError,

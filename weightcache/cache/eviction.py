@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.cache.index import Index
-from weightcache.cache.store import Cache, FileLock
+from weightcache.cache.locks import FileLock
+from weightcache.cache.store import Cache
 from weightcache.errors import UsageError
 
 log = logging.getLogger(__name__)

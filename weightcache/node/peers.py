@@ -431,7 +431,7 @@ class PeerServer:
         d = self.peers.downloading(sha256)
         if d is None:
             return None
-        state = d.partial.with_name(d.partial.name + ".json")
+        state = Layout.part_state(d.partial)
         return d.partial, d.size, partial_prefix(state, d.size), d.claim
 
     async def _send(self, resp: web.StreamResponse, sha256: str, start: int, end: int) -> None:
