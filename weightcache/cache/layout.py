@@ -48,6 +48,12 @@ def check_segment(value: str, what: str) -> str:
     return value
 
 
+def check_revision(name: str, revision: str) -> None:
+    """A model name and revision that can name DIR/<name>/<revision>; UsageError if not."""
+    check_segment(name, "model name")
+    check_segment(revision, "revision")
+
+
 @dataclass(frozen=True)
 class Layout:
     """The paths of one cache directory. Creating it makes the internal folders."""
@@ -150,8 +156,7 @@ class Layout:
 
     def revision_dir(self, name: str, revision: str) -> Path:
         """DIR/<name>/<revision>, refusing anything that would resolve outside DIR."""
-        check_segment(name, "model name")
-        check_segment(revision, "revision")
+        check_revision(name, revision)
         path = self.root / name / revision
         self.check_inside(path)
         return path

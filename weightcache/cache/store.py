@@ -100,14 +100,7 @@ class Cache:
         marker = self.read_marker(name, revision)
         if marker is None or (marker.name, marker.revision) != (name, revision):
             return None
-        root = self.layout.revision_dir(name, revision)
-        for path, (_, size) in marker.files.items():
-            try:
-                if os.stat(root / path).st_size != size:
-                    return None
-            except OSError:
-                return None
-        return marker
+        return None if self.damaged_files(marker) else marker
 
     def has_blob(self, sha256: str, size: int | None = None) -> bool:
         """The blob is in the store (with `size` bytes, when given: a blob of another size
