@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from weightcache.cache.layout import Layout
-from weightcache.config import PeerSettings
+from weightcache.config import PeerSettings, format_hostport
 from weightcache.errors import UsageError
 from weightcache.node.serve import HttpServer, Limits
 from weightcache.transfer.pacing import TokenBucket
@@ -151,7 +151,7 @@ def partial_prefix(state_path: Path, size: int) -> int:
 
 
 def peer_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return "http://" + format_hostport(host, port)
 
 
 # -- discovery and the client -----------------------------------------------------------------
