@@ -129,6 +129,10 @@ MIN_FREE = Capacity(percent=20.0)
 KUBELET_PODS_DIR = Path("/var/lib/kubelet/pods")
 #: Seconds between looks at the models file, leases and capacity (--interval).
 INTERVAL = 2.0
+#: Evict when usage passes HIGH_WATERMARK x capacity, down to LOW_WATERMARK x capacity: the
+#: gap makes eviction run in batches rather than at every download.
+HIGH_WATERMARK = 0.95
+LOW_WATERMARK = 0.85
 
 
 @dataclass(frozen=True)

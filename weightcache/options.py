@@ -2,7 +2,7 @@
 
 Design §2: every option also reads WEIGHTCACHE_<OPTION> from the environment; sizes, rates,
 durations and addresses are parsed (and rejected with a clear message, exit 2) here, once.
-A default is stated once, by the settings it feeds (weightcache/config.py, Watermarks), and
+A default is stated once, in weightcache/config.py, by the settings it feeds, and
 shown in --help from there. Each settings object has one builder here (`origin_settings`,
 `peer_settings`, `daemon_settings`) that pops its options out of a command's keyword
 arguments: the commands build settings only through them.
@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import click
 
-from weightcache.cache.eviction import Watermarks
 from weightcache.config import (
     DEFAULT_PEER_UPLOAD_LIMIT,
+    HIGH_WATERMARK,
     INTERVAL,
     KUBELET_PODS_DIR,
+    LOW_WATERMARK,
     MIN_FREE,
     Capacity,
     OriginSettings,
@@ -35,6 +36,7 @@ from weightcache.config import (
 from weightcache.errors import UsageError
 
 if TYPE_CHECKING:
+    from weightcache.cache.eviction import Watermarks
     from weightcache.node.daemon import DaemonSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -146,9 +148,9 @@ def node_options(fn: F) -> F:
                type=click.Path(dir_okay=False, path_type=Path),
                help="The models file (YAML: models: [{source, name, revision, pin}]), usually "
                "a mounted ConfigMap."),
-        option("--high-watermark", type=float, default=Watermarks.high,
+        option("--high-watermark", type=float, default=HIGH_WATERMARK,
                help="Evict when usage passes this fraction of --capacity..."),
-        option("--low-watermark", type=float, default=Watermarks.low,
+        option("--low-watermark", type=float, default=LOW_WATERMARK,
                help="...down to this fraction."),
         # Search permission is all the lease check needs (and all the node preparation
         # grants, docs/deploy.md): click's default readable check would refuse it.
@@ -190,6 +192,8 @@ def capacity_option(required: bool, help: str) -> Option:
 
 
 def watermarks(high: float, low: float) -> Watermarks:
+    from weightcache.cache.eviction import Watermarks  # sqlite3 and the store: not on a hit
+
     try:
         return Watermarks(high, low)
     except ValueError as e:
