@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from weightcache.errors import UsageError
 
@@ -61,6 +62,22 @@ def parse_duration(text: str, what: str = "duration") -> float:
     return float(m.group(1)) * _DURATIONS[m.group(2)]
 
 
+def format_size(n: int) -> str:
+    """Bytes as `parse_size` reads them back: `16MiB`, `1GiB`, or plain bytes."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as `parse_duration` reads them back: `5m`, `2s`, `250ms`."""
+    for unit, factor in (("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= factor and seconds % factor == 0:
+            return f"{int(seconds // factor)}{unit}"
+    return f"{seconds * 1000:g}ms"
+
+
 @dataclass(frozen=True)
 class Capacity:
     """A cache bound: absolute bytes, or a percentage of the cache filesystem."""
@@ -90,12 +107,32 @@ class Capacity:
             raise UsageError(f"invalid {what} {text!r}: it must be more than zero")
         return cls(bytes=size)
 
+    def __str__(self) -> str:
+        """As `parse` reads it back: `85%` or `500GiB`."""
+        return f"{self.percent:g}%" if self.percent is not None else format_size(self.bytes or 0)
+
     def resolve(self, filesystem_bytes: int) -> int:
         """The bound in bytes, given the size of the cache filesystem."""
         if self.bytes is not None:
             return self.bytes
         assert self.percent is not None
         return int(filesystem_bytes * self.percent / 100)
+
+
+# -- the node daemon's defaults: its options and DaemonSettings read them from here ------------
+
+#: The free space the cache never takes from its disk (--min-free), counting every file on
+#: it. The kubelet garbage-collects images above 85% disk usage and evicts Pods below 10-15%
+#: free (its defaults) on the same disk: 20% keeps the cache clear of both.
+MIN_FREE = Capacity(percent=20.0)
+#: The kubelet's pod directories (read-only hostPath): a lease ends when its Pod's is gone.
+KUBELET_PODS_DIR = Path("/var/lib/kubelet/pods")
+#: Seconds between looks at the models file, leases and capacity (--interval).
+INTERVAL = 2.0
+#: Evict when usage passes HIGH_WATERMARK x capacity, down to LOW_WATERMARK x capacity: the
+#: gap makes eviction run in batches rather than at every download.
+HIGH_WATERMARK = 0.95
+LOW_WATERMARK = 0.85
 
 
 @dataclass(frozen=True)
@@ -219,14 +256,30 @@ def parse_allow_sources(
     return tuple(sorted({SourcePrefix.parse(v, what) for v in values}))
 
 
-def parse_hostport(text: str, what: str, allow_zero: bool = False) -> tuple[str, int]:
-    """`host:port` or `[v6]:port` -> (host, port). Raises UsageError naming `what`."""
-    host, _, port = text.strip().rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    low = 0 if allow_zero else 1
-    if not port.isdigit() or not low <= int(port) <= 65535 or (not host and not allow_zero):
-        raise UsageError(f"invalid {what} {text!r}: use HOST:PORT, such as 10.0.0.7:9401")
+def parse_hostport(text: str, what: str, listen: bool = False) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` -> (host, port), the host without brackets. An IPv6 address
+    needs its brackets (in `fd00::1:9401` the port is ambiguous). A `listen` address may
+    have port 0 (any free port) and an empty host (`:9402`, every interface). Raises
+    UsageError naming `what`."""
+    text = text.strip()
+    if text.startswith("["):
+        host, close, port = text[1:].partition("]:")
+        ok = bool(close) and ":" in host
+    else:
+        host, _, port = text.rpartition(":")
+        ok = ":" not in host
+    low = 0 if listen else 1
+    if not (ok and port.isdigit() and low <= int(port) <= 65535 and (host or listen)):
+        raise UsageError(
+            f"invalid {what} {text!r}: use HOST:PORT, such as 10.0.0.7:9401 or [fd00::7]:9401"
+        )
     return host, int(port)
+
+
+def format_hostport(host: str, port: int | str) -> str:
+    """`host:port`, an IPv6 host in brackets: the inverse of `parse_hostport`, for
+    messages and URLs (`"http://" + format_hostport(...)`)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 #: A Kubernetes object UID (RFC 4122 form, as the downward API gives metadata.uid).
@@ -278,33 +331,3 @@ class PeerSettings:
             raise UsageError("use either --peers or --peer-service to find peers, not both")
         if self.upload_limit is not None and self.upload_limit <= 0:
             raise UsageError("invalid --peer-upload-limit: it must be more than zero")
-
-    @classmethod
-    def from_options(
-        cls,
-        addr: str | None,
-        token: str | None,
-        upload_limit: int | None,
-        peers: str | None,
-        service: str | None,
-    ) -> PeerSettings | None:
-        """The settings from the daemon's options; None when --peer-addr is not given."""
-        if addr is None:
-            if peers or service:
-                raise UsageError("--peers and --peer-service need --peer-addr to be set")
-            return None
-        if not token:
-            raise UsageError(
-                "--peer-addr needs --peer-token (set WEIGHTCACHE_PEER_TOKEN from a Secret): "
-                "without it anyone who reaches the port could read the cache"
-            )
-        static = tuple(
-            parse_hostport(p, "--peers entry") for p in (peers or "").split(",") if p.strip()
-        )
-        return cls(
-            listen=parse_hostport(addr, "--peer-addr", allow_zero=True),
-            token=token.strip(),
-            upload_limit=upload_limit,
-            static=static,
-            service=parse_hostport(service, "--peer-service") if service else None,
-        )

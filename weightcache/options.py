@@ -1,27 +1,51 @@
-"""Every command-line option shared by several commands, with its WEIGHTCACHE_* variable.
+"""Every command-line option shared by several commands, and the settings built from them.
 
-Design §2: every option also reads WEIGHTCACHE_<OPTION> from the environment; sizes,
-rates and durations are parsed (and rejected with a clear message, exit 2) here, once.
+Design §2: every option also reads WEIGHTCACHE_<OPTION> from the environment; sizes, rates,
+durations and addresses are parsed (and rejected with a clear message, exit 2) here, once.
+A default is stated once, in weightcache/config.py, by the settings it feeds, and
+shown in --help from there. Each settings object has one builder here (`origin_settings`,
+`peer_settings`, `daemon_settings`) that pops its options out of a command's keyword
+arguments: the commands build settings only through them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import click
 
 from weightcache.config import (
+    DEFAULT_PEER_UPLOAD_LIMIT,
+    HIGH_WATERMARK,
+    INTERVAL,
+    KUBELET_PODS_DIR,
+    LOW_WATERMARK,
+    MIN_FREE,
     Capacity,
     OriginSettings,
+    PeerSettings,
+    format_duration,
+    format_size,
     parse_duration,
+    parse_hostport,
     parse_rate,
     parse_size,
 )
 from weightcache.errors import UsageError
 
+if TYPE_CHECKING:
+    from weightcache.cache.eviction import Watermarks
+    from weightcache.node.daemon import DaemonSettings
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Option(Protocol):
+    """A click option decorator: it keeps the decorated function's type."""
+
+    def __call__(self, fn: F, /) -> F: ...
 
 
 def env(option: str) -> str:
@@ -40,61 +64,65 @@ def converter(parse: Callable[[Any, str], Any], what: str) -> Callable[..., Any]
     return convert
 
 
-def store_options(fn: F) -> F:
-    """The object-store options every store-facing command shares."""
-    options = [
-        click.option(
-            "--endpoint-url",
-            envvar=[env("endpoint-url"), "AWS_ENDPOINT_URL"],
-            help="S3-compatible endpoint (default: the AWS chain's).",
-        ),
-        click.option(
-            "--bwlimit",
-            envvar=env("bwlimit"),
-            callback=converter(parse_rate, "--bwlimit"),
-            help="Bytes per second over all connections, e.g. 2G (default: none).",
-        ),
-        click.option(
-            "--max-concurrency",
-            envvar=env("max-concurrency"),
-            type=int,
-            default=OriginSettings.max_concurrency,
-            show_default=True,
-            help="Ranged GETs in flight at most.",
-        ),
-        click.option(
-            "--part-size",
-            envvar=env("part-size"),
-            default="16MiB",
-            show_default=True,
-            callback=converter(parse_size, "--part-size"),
-            help="Size of each ranged GET.",
-        ),
-        click.option(
-            "--timeout",
-            envvar=env("timeout"),
-            default="5m",
-            show_default=True,
-            callback=converter(parse_duration, "--timeout"),
-            help="Give up (exit 6) after this long without a byte from the store.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
+def option(name: str, *decls: str, parse: Callable[[Any, str], Any] | None = None,
+           default: Any = None, **kw: Any) -> Option:  # fmt: skip
+    """`--name`, also read from WEIGHTCACHE_NAME; `parse(text, "--name")` converts the value
+    (UsageError: exit 2); a `default` is shown in --help."""
+    if parse is not None:
+        kw["callback"] = converter(parse, name)
+    if default is not None:
+        kw["default"] = default
+        kw.setdefault("show_default", True)
+    kw.setdefault("envvar", env(name.lstrip("-")))
+    decorator: Option = click.option(name, *decls, **kw)
+    return decorator
+
+
+def _all(fn: F, options: list[Option]) -> F:
+    for opt in reversed(options):
+        fn = opt(fn)
     return fn
 
 
-def cache_dir_option(fn: F) -> F:
-    return click.option(
-        "--cache-dir",
-        envvar=env("cache-dir"),
-        required=True,
-        type=click.Path(file_okay=False, path_type=Path),
-        help="The node's cache directory.",
-    )(fn)
+def _listen_address(text: str, what: str) -> tuple[str, int]:
+    """A HOST:PORT to listen on: port 0 is any free one, no host every interface."""
+    return parse_hostport(text, what, listen=True)
 
 
-def settings_from(kw: dict[str, Any]) -> OriginSettings:
+def _metrics_address(text: str, what: str) -> tuple[str, int]:
+    """As `_listen_address`; no host is every IPv4 interface, as 0.0.0.0."""
+    host, port = _listen_address(text, what)
+    return host or "0.0.0.0", port
+
+
+def _peer_list(text: str, what: str) -> tuple[tuple[str, int], ...]:
+    return tuple(parse_hostport(p, f"{what} entry") for p in text.split(",") if p.strip())
+
+
+def _parse_min_free(text: str, what: str) -> Capacity:
+    return Capacity.parse(text, what, zero_ok=True)
+
+
+# -- the object store: OriginSettings ---------------------------------------------------------
+
+
+def store_options(fn: F) -> F:
+    """The object-store options every store-facing command shares (`origin_settings`)."""
+    return _all(fn, [
+        option("--endpoint-url", envvar=[env("endpoint-url"), "AWS_ENDPOINT_URL"],
+               help="S3-compatible endpoint (default: the AWS chain's)."),
+        option("--bwlimit", parse=parse_rate,
+               help="Bytes per second over all connections, e.g. 2G (default: none)."),
+        option("--max-concurrency", type=int, default=OriginSettings.max_concurrency,
+               help="Ranged GETs in flight at most."),
+        option("--part-size", parse=parse_size, default=format_size(OriginSettings.part_size),
+               help="Size of each ranged GET."),
+        option("--timeout", parse=parse_duration, default=format_duration(OriginSettings.timeout),
+               help="Give up (exit 6) after this long without a byte from the store."),
+    ])  # fmt: skip
+
+
+def origin_settings(kw: dict[str, Any]) -> OriginSettings:
     """Pop the store options out of a command's keyword arguments into settings."""
     return OriginSettings(
         endpoint_url=kw.pop("endpoint_url") or None,
@@ -105,116 +133,131 @@ def settings_from(kw: dict[str, Any]) -> OriginSettings:
     )
 
 
+# -- the node agent: DaemonSettings -----------------------------------------------------------
+
+
+def cache_dir_option(fn: F) -> F:
+    return option("--cache-dir", required=True, help="The node's cache directory.",
+                  type=click.Path(file_okay=False, path_type=Path))(fn)  # fmt: skip
+
+
 def node_options(fn: F) -> F:
-    """Options shared by `daemon` and `prefetch`."""
-    options = [
-        click.option(
-            "--models",
-            "models_file",
-            envvar=env("models"),
-            required=True,
-            type=click.Path(dir_okay=False, path_type=Path),
-            help="The models file (YAML: models: [{source, name, revision, pin}]), usually "
-            "a mounted ConfigMap.",
-        ),
-        click.option(
-            "--high-watermark",
-            envvar=env("high-watermark"),
-            type=float,
-            default=0.95,
-            show_default=True,
-            help="Evict when usage passes this fraction of --capacity...",
-        ),
-        click.option(
-            "--low-watermark",
-            envvar=env("low-watermark"),
-            type=float,
-            default=0.85,
-            show_default=True,
-            help="...down to this fraction.",
-        ),
-        click.option(
-            "--kubelet-pods-dir",
-            envvar=env("kubelet-pods-dir"),
-            default="/var/lib/kubelet/pods",
-            show_default=True,
-            # Search permission is all the lease check needs (and all the node preparation
-            # grants, docs/deploy.md): click's default readable check would refuse it.
-            type=click.Path(file_okay=False, readable=False, path_type=Path),
-            help="Read-only kubelet pod directories: a lease ends when its Pod's "
-            "directory is gone.",
-        ),
+    """Options shared by `daemon` and `prefetch` (`daemon_settings`)."""
+    return _all(fn, [
+        option("--models", "models_file", required=True,
+               type=click.Path(dir_okay=False, path_type=Path),
+               help="The models file (YAML: models: [{source, name, revision, pin}]), usually "
+               "a mounted ConfigMap."),
+        option("--high-watermark", type=float, default=HIGH_WATERMARK,
+               help="Evict when usage passes this fraction of --capacity..."),
+        option("--low-watermark", type=float, default=LOW_WATERMARK,
+               help="...down to this fraction."),
+        # Search permission is all the lease check needs (and all the node preparation
+        # grants, docs/deploy.md): click's default readable check would refuse it.
+        option("--kubelet-pods-dir", default=str(KUBELET_PODS_DIR),
+               type=click.Path(file_okay=False, readable=False, path_type=Path),
+               help="Read-only kubelet pod directories: a lease ends when its Pod's "
+               "directory is gone."),
         min_free_option,
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+    ])  # fmt: skip
 
 
-def peer_options(fn: F) -> F:
-    """Peer-to-peer between node daemons (design §8); off unless --peer-addr is given."""
-    options = [
-        click.option(
-            "--peer-addr",
-            envvar=env("peer-addr"),
-            help="HOST:PORT to serve blobs to the other nodes' daemons, and fetch from them.",
-        ),
-        click.option(
-            "--peer-token",
-            envvar=env("peer-token"),
-            help="Secret every peer request must carry (required with --peer-addr); set "
-            "WEIGHTCACHE_PEER_TOKEN from a Secret rather than putting it on the command line.",
-        ),
-        click.option(
-            "--peer-upload-limit",
-            envvar=env("peer-upload-limit"),
-            default="1G",
-            show_default=True,
-            callback=converter(parse_rate, "--peer-upload-limit"),
-            help="Bytes per second served to peers, all together.",
-        ),
-        click.option(
-            "--peers",
-            "peer_list",
-            envvar=env("peers"),
-            help="Static peers HOST:PORT,... (tests, small clusters); this node's own is skipped.",
-        ),
-        click.option(
-            "--peer-service",
-            envvar=env("peer-service"),
-            help="NAME:PORT of the headless Service whose DNS addresses are the peers.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def _parse_min_free(text: str, what: str) -> Capacity:
-    return Capacity.parse(text, what, zero_ok=True)
+def serving_options(fn: F) -> F:
+    """What only the long-running `daemon` takes besides `node_options` and `peer_options`."""
+    return _all(fn, [
+        option("--metrics-addr", parse=_metrics_address, default="0.0.0.0:9402",
+               help="HOST:PORT for /metrics, /healthz and /readyz ([::]:9402 for IPv6)."),
+        option("--node-name",
+               help="Label this node weightcache.io/<name>=<revision> when ready (needs RBAC)."),
+        option("--interval", parse=parse_duration, default=format_duration(INTERVAL),
+               help="How often to check the models file, leases and capacity."),
+    ])  # fmt: skip
 
 
 def min_free_option(fn: F) -> F:
     """--min-free: the floor of free disk space the cache never takes (daemon, prefetch, gc)."""
-    return click.option(
-        "--min-free",
-        envvar=env("min-free"),
-        default="20%",
-        show_default=True,
-        callback=converter(_parse_min_free, "--min-free"),
+    return option(
+        "--min-free", parse=_parse_min_free, default=str(MIN_FREE),
         help="Free space to keep on the cache's disk, counting every file on it: bytes "
         "(100G) or percent of the filesystem; the cache evicts to keep it, and a download "
         "that cannot is exit 5. The default stays above the kubelet's image garbage "
         "collection (85% used) and Pod eviction (10-15% free) on a shared disk. 0 turns "
         "it off.",
-    )(fn)
+    )(fn)  # fmt: skip
 
 
-def capacity_option(required: bool, help: str) -> Callable[[F], F]:
-    return click.option(
-        "--capacity",
-        envvar=env("capacity"),
-        required=required,
-        callback=converter(lambda text, _: Capacity.parse(text), "--capacity"),
-        help=help,
+def capacity_option(required: bool, help: str) -> Option:
+    return option("--capacity", parse=lambda text, _: Capacity.parse(text), required=required,
+                  help=help)  # fmt: skip
+
+
+def watermarks(high: float, low: float) -> Watermarks:
+    from weightcache.cache.eviction import Watermarks  # sqlite3 and the store: not on a hit
+
+    try:
+        return Watermarks(high, low)
+    except ValueError as e:
+        raise UsageError(f"invalid watermarks: {e}") from e
+
+
+def daemon_settings(kw: dict[str, Any]) -> DaemonSettings:
+    """Pop the node options (`node_options`, `--capacity`; for `daemon` also
+    `serving_options`, `--allow-source` and `peer_options`) out of a command's keyword
+    arguments into settings; what `prefetch` does not take keeps its default."""
+    from weightcache.node.daemon import DaemonSettings  # the daemon's imports: not on a hit
+
+    return DaemonSettings(
+        models_file=kw.pop("models_file"),
+        capacity=kw.pop("capacity"),
+        min_free=kw.pop("min_free"),
+        watermarks=watermarks(kw.pop("high_watermark"), kw.pop("low_watermark")),
+        kubelet_pods_dir=kw.pop("kubelet_pods_dir"),
+        metrics_addr=kw.pop("metrics_addr", None),
+        interval=kw.pop("interval", INTERVAL),
+        node_name=kw.pop("node_name", None),
+        allow_sources=kw.pop("allow_sources", None),
+        peer=peer_settings(kw),
     )
+
+
+# -- peers: PeerSettings ----------------------------------------------------------------------
+
+
+def peer_options(fn: F) -> F:
+    """Peer-to-peer between node daemons (design §8); off unless --peer-addr is given."""
+    return _all(fn, [
+        option("--peer-addr", parse=_listen_address,
+               help="HOST:PORT to serve blobs to the other nodes' daemons, and fetch from "
+               "them ([::]:9401 for IPv6)."),
+        option("--peer-token",
+               help="Secret every peer request must carry (required with --peer-addr); set "
+               "WEIGHTCACHE_PEER_TOKEN from a Secret rather than putting it on the command "
+               "line."),
+        option("--peer-upload-limit", parse=parse_rate,
+               default=format_size(DEFAULT_PEER_UPLOAD_LIMIT),
+               help="Bytes per second served to peers, all together."),
+        option("--peers", "peer_list", parse=_peer_list,
+               help="Static peers HOST:PORT,... (tests, small clusters); this node's own is "
+               "skipped."),
+        option("--peer-service", parse=parse_hostport,
+               help="NAME:PORT of the headless Service whose DNS addresses are the peers."),
+    ])  # fmt: skip
+
+
+def peer_settings(kw: dict[str, Any]) -> PeerSettings | None:
+    """Pop the peer options out of a command's keyword arguments into settings; None when
+    --peer-addr is not given (or the command has no peer options)."""
+    addr, token = kw.pop("peer_addr", None), kw.pop("peer_token", None)
+    limit, static, service = (kw.pop(k, None) for k in (
+        "peer_upload_limit", "peer_list", "peer_service"))  # fmt: skip
+    if addr is None:
+        if static or service:
+            raise UsageError("--peers and --peer-service need --peer-addr to be set")
+        return None
+    if not token:
+        raise UsageError(
+            "--peer-addr needs --peer-token (set WEIGHTCACHE_PEER_TOKEN from a Secret): "
+            "without it anyone who reaches the port could read the cache"
+        )
+    return PeerSettings(listen=addr, token=token.strip(), upload_limit=limit,
+                        static=static or (), service=service)  # fmt: skip

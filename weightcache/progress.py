@@ -9,6 +9,10 @@ import time
 from typing import TextIO
 
 log = logging.getLogger("weightcache.progress")
+#: Seconds between reports by default: a bar redrawn twice a second on a TTY; a log line
+#: every 10 s otherwise, few enough for a Pod's log.
+TTY_INTERVAL = 0.5
+LOG_INTERVAL = 10.0
 
 
 def human(n: float) -> str:
@@ -36,7 +40,9 @@ class Progress:
         self.total = total
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
-        self.interval = interval if interval is not None else (0.5 if self.tty else 10.0)
+        self.interval = (
+            interval if interval is not None else (TTY_INTERVAL if self.tty else LOG_INTERVAL)
+        )
         self.received_bytes = 0
         self.inflight = 0
         self.throttles = 0

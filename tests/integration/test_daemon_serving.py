@@ -11,6 +11,7 @@ import os
 import resource
 import socket
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -271,3 +272,27 @@ def test_the_metrics_port_in_use_is_one_line_and_exit_2(
     message = assert_fails(proc, 2)
     assert f"127.0.0.1:{port}" in message and "--metrics-addr" in message, message
     assert not sock_path(cache_dir).exists()
+
+
+@pytest.mark.timeout(90)
+def test_metrics_serve_on_a_bracketed_ipv6_address(
+    store: Any, cache_dir: Path, tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """--metrics-addr takes [v6]:port as --peer-addr and --peers do (one parser)."""
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    models = write_models(tmp_path / "models.yaml", [])
+    daemon = daemons.start(cache_dir, models, endpoint=store.endpoint_url, wait=False,
+                           extra=["--metrics-addr", f"[::1]:{port}"])  # fmt: skip
+    daemon_v6 = f"http://[::1]:{port}"
+
+    def healthy() -> bool:
+        assert daemon.alive(), daemon.log()
+        try:
+            with urllib.request.urlopen(daemon_v6 + "/healthz", timeout=1.0) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    wait_for("/healthz on [::1]", healthy, timeout=30)

@@ -182,3 +182,26 @@ def test_revisions_lists_real_directories_only(layout: Layout, tmp_path: Path) -
     (layout.root / "linked").symlink_to(layout.root / "b")
     (layout.root / "stray").write_text("x")
     assert layout.revisions() == [("a", "r"), ("b", "r1"), ("b", "r2")]
+
+
+def test_every_name_under_tmp_comes_from_the_layout(layout: Layout) -> None:
+    digest = "ab" * 32
+    shared, private = layout.partial(digest), layout.partial(digest, private=True)
+    assert Layout.part_state(shared) == layout.tmp / f"{digest}.part.json"
+    assert Layout.part_state(private).name == f"{private.name}.json"
+    assert not Layout.is_private_partial(shared.name)
+    assert not Layout.is_private_partial(Layout.part_state(shared).name)
+    assert Layout.is_private_partial(private.name)
+    assert Layout.is_private_partial(Layout.part_state(private).name)
+    trash = layout.trash()
+    assert trash.parent == layout.tmp and trash.name.startswith("trash-")
+    assert trash != layout.trash()  # fresh every time
+    staging = layout.staging("m", "r")
+    assert staging.parent == layout.tmp and not Layout.is_private_partial(staging.name)
+
+
+def test_the_cache_and_the_downloader_name_a_part_state_alike(tmp_path: Path) -> None:
+    from weightcache.transfer.partial import state_path
+
+    partial = tmp_path / ("ab" * 32 + ".part")
+    assert Layout.part_state(partial) == state_path(partial)

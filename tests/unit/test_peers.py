@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from weightcache.config import PeerSettings, parse_hostport
+from weightcache import cli
+from weightcache.config import PeerSettings, format_hostport, parse_hostport
 from weightcache.errors import UsageError
 from weightcache.node.peers import (
     BAD_PEER_SECONDS,
@@ -23,6 +24,7 @@ from weightcache.node.peers import (
     rank,
 )
 from weightcache.node.peerserver import parse_range, partial_prefix, refusal
+from weightcache.options import env, peer_settings
 from weightcache.transfer.parts import PartState
 
 if TYPE_CHECKING:
@@ -41,24 +43,39 @@ def settings(**kw: Any) -> PeerSettings:
 # -- settings ---------------------------------------------------------------------------------
 
 
+def from_options(*args: str, token: str | None = TOKEN) -> PeerSettings | None:
+    """The peer settings of `weightcache daemon ARGS`, parsed as the command line does."""
+    base = ["--cache-dir", "/tmp/c", "--models", "/tmp/m.yaml", "--capacity", "1G"]
+    if token is not None:
+        base += ["--peer-token", token]
+    with cli.daemon.make_context("daemon", [*base, *args]) as ctx:
+        return peer_settings(dict(ctx.params))
+
+
+@pytest.fixture(autouse=True)
+def _no_peer_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for option in ("peer-addr", "peer-token", "peer-upload-limit", "peers", "peer-service"):
+        monkeypatch.delenv(env(option), raising=False)
+
+
 def test_from_options_builds_the_settings() -> None:
-    s = PeerSettings.from_options(
-        "0.0.0.0:9401", f" {TOKEN}\n", 2 << 30, "10.0.0.1:9401, [fd00::2]:9401", None
-    )
+    s = from_options("--peer-addr", "0.0.0.0:9401", "--peer-upload-limit", "2G",
+                     "--peers", "10.0.0.1:9401, [fd00::2]:9401", token=f" {TOKEN}\n")  # fmt: skip
     assert s is not None
     assert s.listen == ("0.0.0.0", 9401)
     assert s.token == TOKEN  # a trailing newline from a Secret file is not part of it
     assert s.upload_limit == 2 << 30
     assert s.static == (("10.0.0.1", 9401), ("fd00::2", 9401))
     assert TOKEN not in repr(s)
-    s = PeerSettings.from_options("0.0.0.0:9401", TOKEN, None, None, "weightcache.ns.svc:9401")
-    assert s is not None and s.service == ("weightcache.ns.svc", 9401) and s.upload_limit is None
+    s = from_options("--peer-addr", "[::]:9401", "--peer-service", "weightcache.ns.svc:9401")
+    assert s is not None and s.service == ("weightcache.ns.svc", 9401)
+    assert s.listen == ("::", 9401) and s.upload_limit == 1 << 30
 
 
 def test_peers_are_off_without_an_address() -> None:
-    assert PeerSettings.from_options(None, TOKEN, 1 << 30, None, None) is None
+    assert from_options() is None
     with pytest.raises(UsageError, match="need --peer-addr"):
-        PeerSettings.from_options(None, TOKEN, 1 << 30, "10.0.0.1:9401", None)
+        from_options("--peers", "10.0.0.1:9401")
 
 
 @pytest.mark.parametrize(
@@ -73,18 +90,34 @@ def test_peers_are_off_without_an_address() -> None:
 )
 def test_a_missing_or_weak_token_is_refused(token: str | None, match: str) -> None:
     with pytest.raises(UsageError, match=match):
-        PeerSettings.from_options("0.0.0.0:9401", token, None, None, None)
+        from_options("--peer-addr", "0.0.0.0:9401", token=token)
 
 
-@pytest.mark.parametrize("text", ["9401", "host:", "host:port", "host:70000", ":9401", "h:0"])
+@pytest.mark.parametrize(
+    "text",
+    ["9401", "host:", "host:port", "host:70000", ":9401", "h:0", "[::1]", "[::1]:", "::1:9401",
+     "fd00::1", "[::1]9401", "[host]:9401", "[::1]:x"],
+)  # fmt: skip
 def test_bad_host_port_is_a_usage_error(text: str) -> None:
     with pytest.raises(UsageError, match="HOST:PORT"):
         parse_hostport(text, "--peers entry")
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("10.0.0.7:9401", ("10.0.0.7", 9401)), ("node-a.svc:1", ("node-a.svc", 1)),
+     ("[fd00::7]:9401", ("fd00::7", 9401)), ("[::1]:65535", ("::1", 65535)),
+     (" [fe80::1%eth0]:9401 ", ("fe80::1%eth0", 9401))],
+)  # fmt: skip
+def test_host_port_with_and_without_ipv6(text: str, expected: tuple[str, int]) -> None:
+    assert parse_hostport(text, "--peers entry") == expected
+    assert parse_hostport(format_hostport(*expected), "again") == expected
+
+
 def test_listen_may_use_port_zero_and_v6() -> None:
-    assert parse_hostport("127.0.0.1:0", "--peer-addr", allow_zero=True) == ("127.0.0.1", 0)
+    assert parse_hostport("127.0.0.1:0", "--peer-addr", listen=True) == ("127.0.0.1", 0)
     assert parse_hostport("[::]:9401", "--peer-addr") == ("::", 9401)
+    assert parse_hostport(":0", "--peer-addr", listen=True) == ("", 0)
 
 
 def test_static_list_and_service_together_are_refused() -> None:

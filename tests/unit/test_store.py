@@ -12,8 +12,10 @@ import pytest
 
 from weightcache.cache import manifest
 from weightcache.cache.layout import MARKER, Layout
+from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
-from weightcache.cache.store import Cache, FileLock, Marker
+from weightcache.cache.marker import Marker
+from weightcache.cache.store import Cache
 
 PutBlob = Callable[[bytes], str]
 

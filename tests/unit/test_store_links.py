@@ -14,7 +14,8 @@ import pytest
 
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
-from weightcache.cache.store import Cache, Marker
+from weightcache.cache.marker import Marker
+from weightcache.cache.store import Cache
 
 EXT4_LINK_MAX = 65000
 FILES = EXT4_LINK_MAX + 50

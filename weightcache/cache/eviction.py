@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.cache.index import Index
-from weightcache.cache.store import Cache, FileLock
+from weightcache.cache.locks import FileLock
+from weightcache.cache.store import Cache
+from weightcache.config import HIGH_WATERMARK, LOW_WATERMARK
 from weightcache.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -113,8 +115,8 @@ def floor_target(usage: int, need: int, free: int, min_free: int) -> int:
 class Watermarks:
     """Evict when usage passes `high` x capacity, down to `low` x capacity."""
 
-    high: float = 0.95
-    low: float = 0.85
+    high: float = HIGH_WATERMARK
+    low: float = LOW_WATERMARK
 
     def __post_init__(self) -> None:
         if not 0 < self.low <= self.high <= 1:

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from weightcache.cache.layout import Layout
-from weightcache.cache.store import Cache, FileLock
+from weightcache.cache.locks import FileLock
+from weightcache.cache.store import Cache
 from weightcache.errors import UsageError
 
 log = logging.getLogger(__name__)

@@ -48,6 +48,12 @@ def check_segment(value: str, what: str) -> str:
     return value
 
 
+def check_revision(name: str, revision: str) -> None:
+    """A model name and revision that can name DIR/<name>/<revision>; UsageError if not."""
+    check_segment(name, "model name")
+    check_segment(revision, "revision")
+
+
 @dataclass(frozen=True)
 class Layout:
     """The paths of one cache directory. Creating it makes the internal folders."""
@@ -138,10 +144,19 @@ class Layout:
         self.blob(sha256)  # validates the digest
         return self.tmp / (f"{sha256}.{os.getpid()}.part" if private else f"{sha256}.part")
 
+    @staticmethod
+    def part_state(partial: Path) -> Path:
+        """`<partial>.json`: which parts of the partial are written (transfer/parts.py)."""
+        return partial.with_name(partial.name + ".json")
+
+    @staticmethod
+    def is_private_partial(filename: str) -> bool:
+        """`<hex>.<pid>.part[.json]`: a partial private to one process (see `partial`)."""
+        return filename.split(".")[1].isdigit() if filename.count(".") >= 2 else False
+
     def revision_dir(self, name: str, revision: str) -> Path:
         """DIR/<name>/<revision>, refusing anything that would resolve outside DIR."""
-        check_segment(name, "model name")
-        check_segment(revision, "revision")
+        check_revision(name, revision)
         path = self.root / name / revision
         self.check_inside(path)
         return path
@@ -167,6 +182,11 @@ class Layout:
     def staging(self, name: str, revision: str) -> Path:
         """A fresh name under tmp/ to assemble a revision in before its rename."""
         return self.tmp / fit_name(f"rev-{name}@{revision}", f"-{os.urandom(8).hex()}")
+
+    def trash(self) -> Path:
+        """A fresh name under tmp/ to rename a revision to, so that it vanishes at once and
+        its files are deleted after."""
+        return self.tmp / f"trash-{os.urandom(8).hex()}"
 
     def revisions(self) -> list[tuple[str, str]]:
         """Every (name, revision) directory present, with or without a marker."""

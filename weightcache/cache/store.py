@@ -1,4 +1,4 @@
-"""The on-disk cache: blobs, atomic publish, revision assembly, markers, removal.
+"""The on-disk cache: blobs, atomic publish, revision assembly, removal.
 
 Correctness comes from renames, never from locks (design §3, invariants 1 and 2): a blob is
 published by renaming a verified, fsynced partial; a revision by renaming a directory
@@ -9,88 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import json
 import logging
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
-from weightcache.cache.layout import MARKER, SHA256_HEX, Layout
-from weightcache.cache.manifest import Manifest, check_path
-from weightcache.errors import SourceError
+from weightcache.cache.layout import MARKER, Layout
+from weightcache.cache.locks import FileLock
+from weightcache.cache.manifest import Manifest
+from weightcache.cache.marker import Marker
 
 log = logging.getLogger(__name__)
-MARKER_VERSION = 1
 _HEX_LINE = re.compile(r"^[0-9a-f]{64}$", re.M)
-
-
-@dataclass(frozen=True)
-class Marker:
-    """The completion marker of a revision: what it holds, as verified."""
-
-    name: str
-    revision: str
-    source: str
-    manifest_sha256: str
-    files: dict[str, tuple[str, int]]  # path -> (sha256, size)
-    created: float
-
-    @property
-    def size(self) -> int:
-        return sum(size for _, size in self.files.values())
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "version": MARKER_VERSION,
-                "name": self.name,
-                "revision": self.revision,
-                "source": self.source,
-                "manifest_sha256": self.manifest_sha256,
-                "created": self.created,
-                "files": {p: {"sha256": h, "size": s} for p, (h, s) in sorted(self.files.items())},
-            },
-            indent=1,
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> Marker:
-        """Parse a marker; raises ValueError naming what is wrong.
-
-        Every file path is validated as a manifest path and every digest as 64 hex
-        digits: a marker is read back from disk, where anyone who can write the cache
-        can plant one, and its paths are hashed and removed by `verify` (design §3, the marker).
-        """
-        try:
-            d = json.loads(text)
-            if d.get("version") != MARKER_VERSION:
-                raise ValueError(f"unknown marker version {d.get('version')!r}")
-            files = {_checked_path(p): _checked_file(p, f) for p, f in d["files"].items()}
-            return cls(
-                d["name"], d["revision"], d["source"], d["manifest_sha256"], files,
-                float(d["created"]),
-            )  # fmt: skip
-        except (KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"malformed marker ({type(e).__name__}: {e})") from e
-
-
-def _checked_path(raw: str) -> str:
-    try:
-        return check_path(raw, "the marker")
-    except SourceError as e:
-        raise ValueError(str(e)) from e
-
-
-def _checked_file(path: str, entry: dict[str, object]) -> tuple[str, int]:
-    sha256, size = entry["sha256"], int(entry["size"])  # type: ignore[call-overload]
-    if not isinstance(sha256, str) or not SHA256_HEX.fullmatch(sha256) or size < 0:
-        raise ValueError(f"the marker lists {path!r} with sha256 {sha256!r} and size {size}")
-    return sha256, size
 
 
 class FileOps:
@@ -167,14 +100,7 @@ class Cache:
         marker = self.read_marker(name, revision)
         if marker is None or (marker.name, marker.revision) != (name, revision):
             return None
-        root = self.layout.revision_dir(name, revision)
-        for path, (_, size) in marker.files.items():
-            try:
-                if os.stat(root / path).st_size != size:
-                    return None
-            except OSError:
-                return None
-        return marker
+        return None if self.damaged_files(marker) else marker
 
     def has_blob(self, sha256: str, size: int | None = None) -> bool:
         """The blob is in the store (with `size` bytes, when given: a blob of another size
@@ -225,7 +151,7 @@ class Cache:
         self.ops.chmod(partial, 0o444)
         self.ops.replace(partial, blob)
         with contextlib.suppress(FileNotFoundError):
-            self.ops.unlink(partial.with_name(partial.name + ".json"))
+            self.ops.unlink(Layout.part_state(partial))
         return blob
 
     def sync_blobs(self) -> None:
@@ -233,7 +159,7 @@ class Cache:
         _fsync_dir(self.layout.blobs)
 
     def discard_partial(self, partial: Path) -> None:
-        for p in (partial, partial.with_name(partial.name + ".json")):
+        for p in (partial, Layout.part_state(partial)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
@@ -420,7 +346,7 @@ class Cache:
     def _move_aside(self, path: Path, delete: bool = True) -> Path | None:
         if not path.exists() and not path.is_symlink():
             return None
-        trash = self.layout.tmp / f"trash-{os.urandom(8).hex()}"
+        trash = self.layout.trash()
         self.ops.rename(path, trash)
         self.ops.fsync_dir(path.parent)
         if delete:
@@ -431,14 +357,14 @@ class Cache:
         """Remove what killed processes left in tmp/: staging and trash directories and
         private partials after `older_than`, shared (resumable) partials after
         `partials_older_than` seconds without a write."""
-        now = time.time()
+        now, private = time.time(), Layout.is_private_partial
         for entry in self.layout.tmp.iterdir():
             with contextlib.suppress(FileNotFoundError):
                 age = now - entry.lstat().st_mtime
                 if entry.is_dir():
                     if age > older_than:
                         shutil.rmtree(entry, ignore_errors=True)
-                elif age > (older_than if _is_private(entry.name) else partials_older_than):
+                elif age > (older_than if private(entry.name) else partials_older_than):
                     entry.unlink()
 
 
@@ -462,79 +388,9 @@ def _link_or_copy(blob: Path, dest: Path) -> bool:
     return True
 
 
-def _is_private(filename: str) -> bool:
-    """`<hex>.<pid>.part[.json]`: a partial private to one process."""
-    return filename.split(".")[1].isdigit() if filename.count(".") >= 2 else False
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class FileLock:
-    """flock on a lock file, waiting politely. Avoids duplicate work, guarantees nothing.
-
-    Released by the kernel when the holder dies (kill -9 included). On filesystems where
-    flock silently does nothing, two fetches both download and the renames keep the
-    cache correct (design §3 invariant 2).
-    """
-
-    def __init__(self, path: Path, what: str) -> None:
-        self.path = path
-        self.what = what
-        self._fd: int | None = None
-
-    def try_acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._fd = fd
-        return True
-
-    def acquire(
-        self,
-        give_up: Callable[[], bool] | None = None,
-        poll: float = 0.05,
-        log_every: float = 30.0,
-    ) -> bool:
-        """Wait for the lock; False if `give_up()` turned true first (a stalled holder)."""
-        if self.try_acquire():
-            return True
-        log.info("waiting for another fetch of %s on this node", self.what)
-        start = last_log = time.monotonic()
-        while not self.try_acquire():
-            if give_up is not None and give_up():
-                return False
-            time.sleep(poll)
-            poll = min(poll * 1.5, 0.5)
-            if time.monotonic() - last_log >= log_every:
-                last_log = time.monotonic()
-                log.info(
-                    "still waiting for another fetch of %s (%.0fs)", self.what, last_log - start
-                )
-        return True
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def note(self, text: str) -> None:
-        """Replace the lock file's content with `text` (one write), while held: what the
-        holder is doing, for others to read (`Cache.wanted_by_running_fetches`)."""
-        assert self._fd is not None, "note() needs the lock held"
-        data = text.encode()
-        os.pwrite(self._fd, data, 0)  # then truncate: a reader never sees it emptied
-        os.ftruncate(self._fd, len(data))
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None

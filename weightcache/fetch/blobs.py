@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightcache.cache.layout import Layout
+from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry
-from weightcache.cache.store import Cache, FileLock
+from weightcache.cache.store import Cache
 from weightcache.config import Source
 from weightcache.errors import IntegrityError, Interrupted, NoSpaceError, WeightcacheError
 from weightcache.progress import human

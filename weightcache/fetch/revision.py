@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
+from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
-from weightcache.cache.store import Cache, FileLock, Marker
+from weightcache.cache.marker import Marker
+from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import SourceError, UsageError
 from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled

@@ -39,7 +39,17 @@ from weightcache.cache.eviction import Watermarks
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
-from weightcache.config import Capacity, OriginSettings, PeerSettings, Source, SourcePrefix
+from weightcache.config import (
+    INTERVAL,
+    KUBELET_PODS_DIR,
+    MIN_FREE,
+    Capacity,
+    OriginSettings,
+    PeerSettings,
+    Source,
+    SourcePrefix,
+    format_hostport,
+)
 from weightcache.errors import UsageError, WeightcacheError
 from weightcache.fetch import Fetcher, FetchResult
 from weightcache.node import serve
@@ -64,26 +74,19 @@ HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0)
 TEXT = "text/plain; charset=utf-8"
 
 
-#: The default --min-free (see DaemonSettings.min_free).
-MIN_FREE = Capacity(percent=20.0)
-
-
 @dataclass(frozen=True)
 class DaemonSettings:
     models_file: Path
     capacity: Capacity | None = None  # None: only the disk bounds the cache (prefetch)
-    #: Free space the cache never takes from its disk, counting every file on it. The
-    #: kubelet garbage-collects images above 85% disk usage and evicts Pods below 10-15%
-    #: free (its defaults) on the same disk: 20% keeps the cache clear of both.
-    min_free: Capacity = MIN_FREE
+    min_free: Capacity = MIN_FREE  # free space the cache never takes (config.MIN_FREE)
     watermarks: Watermarks = field(default_factory=Watermarks)
     metrics_addr: tuple[str, int] | None = None
     #: The kubelet's pod directories (read-only hostPath): a lease ends when its Pod's
     #: directory is gone. Without it, leases end after `lease_max_age`.
-    kubelet_pods_dir: Path = Path("/var/lib/kubelet/pods")
+    kubelet_pods_dir: Path = KUBELET_PODS_DIR
     lease_max_age: float = 24 * 3600.0
     #: How often to look at the models file, leases and capacity.
-    interval: float = 2.0
+    interval: float = INTERVAL
     node_name: str | None = None  # set to label the node (needs RBAC, see daemonset/)
     grace: float = 25.0  # seconds to wind down after SIGTERM, within the Pod's grace period
     peer: PeerSettings | None = None  # serve and fetch blobs between nodes (design §8)
@@ -209,10 +212,11 @@ class Daemon:
             try:
                 bound = await http.start(host, port)
             except OSError as e:
-                raise UsageError(f"cannot serve metrics on {host}:{port} ({e.strerror}); "
+                where = format_hostport(host, port)
+                raise UsageError(f"cannot serve metrics on {where} ({e.strerror}); "
                                  "choose a free --metrics-addr") from e  # fmt: skip
             self._http.append(http)
-            log.info("metrics on http://%s:%d/metrics", *bound)
+            log.info("metrics on http://%s/metrics", format_hostport(*bound))
 
     def stop(self) -> None:
         """Ask `run()` to return (safe from a signal handler): no new work, downloads

@@ -15,6 +15,8 @@ import ssl
 import urllib.request
 from collections.abc import Iterable
 
+from weightcache.config import format_hostport
+
 PREFIX = "weightcache.io/"
 _SA = "/var/run/secrets/kubernetes.io/serviceaccount"
 _BAD = re.compile(r"[^A-Za-z0-9._-]")
@@ -51,7 +53,7 @@ def patch_node(node: str, wanted: dict[str, str], previous: dict[str, str]) -> N
     with open(f"{_SA}/token") as fh:
         token = fh.read().strip()
     req = urllib.request.Request(
-        f"https://{host}:{port}/api/v1/nodes/{node}",
+        f"https://{format_hostport(host, port)}/api/v1/nodes/{node}",
         data=json.dumps(merge_patch(wanted, previous)).encode(),
         method="PATCH",
         headers={

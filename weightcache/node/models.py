@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightcache.cache.layout import check_segment
+from weightcache.cache.layout import check_revision
 from weightcache.config import Source
 from weightcache.errors import UsageError
 
@@ -89,6 +89,5 @@ def parse_entry(raw: Any) -> ModelSpec:
         None if name is None else str(name),
         None if revision is None else str(revision),
     )
-    check_segment(source.name, "model name")
-    check_segment(source.revision, "revision")
+    check_revision(source.name, source.revision)
     return ModelSpec(source, pin)

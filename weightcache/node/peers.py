@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightcache.config import PeerSettings
+from weightcache.config import PeerSettings, format_hostport
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.sources import RangeReader
 
@@ -96,7 +96,7 @@ def rank(holdings: Sequence[Holding], own: Claim | None, rng: random.Random) -> 
 
 
 def peer_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return "http://" + format_hostport(host, port)
 
 
 # -- discovery and the client -----------------------------------------------------------------

@@ -28,12 +28,11 @@ from typing import Protocol
 from aiohttp import web
 
 from weightcache.cache.layout import Layout
-from weightcache.config import PeerSettings
+from weightcache.config import PeerSettings, format_hostport
 from weightcache.errors import UsageError
 from weightcache.node.peers import BLOB_PATH, Claim, Peers
 from weightcache.node.serve import HttpServer, Limits
 from weightcache.transfer.pacing import TokenBucket
-from weightcache.transfer.partial import state_path
 from weightcache.transfer.parts import PartState
 from weightcache.transfer.sources import READ_TIMEOUT
 
@@ -136,9 +135,10 @@ class PeerServer:
         except OSError as e:
             host, port = self.settings.listen
             raise UsageError(
-                f"cannot serve peers on {host}:{port} ({e.strerror}); choose a free --peer-addr"
+                f"cannot serve peers on {format_hostport(host, port)} ({e.strerror}); "
+                "choose a free --peer-addr"
             ) from e
-        log.info("serving blobs to peers on %s:%d", *self.address)
+        log.info("serving blobs to peers on %s", format_hostport(*self.address))
 
     # -- one request ---------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class PeerServer:
         d = self.peers.downloading(sha256)
         if d is None:
             return None
-        return d.partial, d.size, partial_prefix(state_path(d.partial), d.size), d.claim
+        return d.partial, d.size, partial_prefix(Layout.part_state(d.partial), d.size), d.claim
 
     async def _send(self, resp: web.StreamResponse, sha256: str, start: int, end: int) -> None:
         """Send [start, end), waiting for a partial's prefix to grow; raises _Abort."""

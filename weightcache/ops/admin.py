@@ -10,7 +10,8 @@ from typing import Any
 from weightcache.cache import eviction
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
-from weightcache.cache.store import Cache, Marker
+from weightcache.cache.marker import Marker
+from weightcache.cache.store import Cache
 from weightcache.config import Capacity
 from weightcache.errors import IntegrityError, UsageError
 from weightcache.ops.publish import sha256_file

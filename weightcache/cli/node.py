@@ -1,0 +1,88 @@
+"""The node agent's commands: `prefetch` (converge once) and `daemon` (run)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from weightcache.cli.reporting import reports_errors
+from weightcache.config import parse_allow_sources
+from weightcache.errors import UsageError, WeightcacheError
+from weightcache.options import (
+    cache_dir_option,
+    capacity_option,
+    daemon_settings,
+    node_options,
+    option,
+    origin_settings,
+    peer_options,
+    serving_options,
+    store_options,
+)
+
+if TYPE_CHECKING:
+    from weightcache.node.daemon import Daemon
+
+log = logging.getLogger("weightcache")
+
+
+def _daemon(cache_dir: Path, kw: dict[str, Any]) -> Daemon:
+    """The daemon of the cache at `cache_dir`, its settings built from the options `kw`."""
+    from weightcache.cache.layout import Layout
+    from weightcache.node.daemon import Daemon
+
+    origin, settings = origin_settings(kw), daemon_settings(kw)
+    return Daemon(Layout.open(cache_dir), origin, settings)
+
+
+@click.command()
+@cache_dir_option
+@node_options
+@capacity_option(False, "Optional bound while prefetching: bytes (500G) or percent (85%).")
+@store_options
+@reports_errors
+def prefetch(cache_dir: Path, **kw: Any) -> None:
+    """Converge once to the models file, then exit 0 when every listed revision is ready."""
+    daemon = _daemon(cache_dir, kw)
+    daemon.load_models()  # missing or invalid: exit 2
+    if not daemon.desired.models and not daemon.desired.problems:
+        log.warning("the models file %s lists no models", daemon.settings.models_file)
+    daemon.converge_once()
+    errors: list[WeightcacheError] = [UsageError(p) for p in daemon.desired.problems]
+    errors += list(daemon.failures.values())
+    for spec in daemon.desired.models:  # stdout: the path of every ready revision
+        key = (spec.source.name, spec.source.revision)
+        if key not in daemon.failures:
+            click.echo(daemon.layout.revision_dir(*key))
+    if errors:
+        raise errors[0]
+
+
+@click.command()
+@cache_dir_option
+@node_options
+@capacity_option(True, "Cache bound: bytes (500G) or percent of the filesystem (85%).")
+@serving_options
+@option(
+    "--allow-source",
+    "allow_sources",
+    multiple=True,
+    parse=parse_allow_sources,
+    help="Fetch for Pods only sources under this s3://bucket[/prefix] (repeatable; the "
+    "variable takes several, space-separated). Default: the parent of each source of the "
+    "models file. Other Pods fetch alone, with their own credentials.",
+)
+@peer_options
+@store_options
+@reports_errors
+def daemon(cache_dir: Path, **kw: Any) -> None:
+    """Run the node agent: prefetch, evict, coordinate fetches, serve metrics and peers."""
+    import signal
+
+    agent = _daemon(cache_dir, kw)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop())
+    agent.run()

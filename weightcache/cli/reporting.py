@@ -1,0 +1,104 @@
+"""How the command line fails: one `weightcache: error:` line on stderr and the exit code of
+design §2.2, never a traceback, for weightcache errors, the environment's OSErrors and
+click's usage errors alike."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reports_errors(fn: F) -> F:
+    """Turn weightcache errors into one stderr sentence and its exit code (design §2.2)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except WeightcacheError as e:
+            fail(e)
+        except OSError as e:
+            error = os_error(e)
+            if error is None:
+                raise
+            fail(error)
+        except KeyboardInterrupt:
+            click.echo("weightcache: interrupted; partial files are kept for resume", err=True)
+            sys.exit(130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+#: OSErrors that are the environment's doing, not a bug: what to say and do (exit 2).
+_OS_HINTS = {
+    errno.EROFS: "the cache is on a read-only filesystem; a read-only cache can only serve "
+    "revisions already in it: fetch on a read-write mount (or through the node daemon)",
+    errno.EACCES: "permission denied; run as a user who may write the cache directory",
+    errno.EPERM: "operation not permitted; run as a user who may write the cache directory",
+    errno.ENAMETOOLONG: "a file name is longer than the filesystem allows; use shorter "
+    "names or a shorter --cache-dir",
+    errno.ENOTDIR: "a component of the path is a file, not a directory; fix --cache-dir",
+    errno.EMFILE: "too many open files; raise the limit (ulimit -n)",
+    errno.ENFILE: "too many open files on the system; raise fs.file-max",
+}
+
+
+def os_error(e: OSError) -> WeightcacheError | None:
+    """The weightcache error for an OSError of the environment (None: a bug, re-raise)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpaceError(
+            f"no space left on the cache disk ({e}); free space or lower --capacity"
+        )
+    hint = _OS_HINTS.get(e.errno or 0)
+    if hint is None:
+        return None
+    where = f" ({e.filename})" if e.filename else ""
+    return UsageError(f"{e.strerror or e}{where}: {hint}")
+
+
+def fail(error: WeightcacheError) -> None:
+    click.echo(f"weightcache: error: {error}", err=True)
+    sys.exit(error.exit_code)
+
+
+class Group(click.Group):
+    """Usage errors too are one `weightcache: error:` line with exit code 2."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)  # set on UsageError and its subclasses
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            source = _environment_source(e, sys.argv[1:])
+            message = e.format_message().rstrip(".") if source else e.format_message()
+            click.echo(f"weightcache: error: {message}{source}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("weightcache: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _environment_source(error: click.ClickException, argv: list[str]) -> str:
+    """The suffix "; it came from WEIGHTCACHE_X" when the rejected option was not on the
+    command line `argv` but set in the environment, where the user does not see it."""
+    param = getattr(error, "param", None)
+    if not isinstance(param, click.Option):
+        return ""
+    if any(a == opt or a.startswith(opt + "=") for a in argv for opt in param.opts):
+        return ""
+    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+    name = next((n for n in names if os.environ.get(n)), None)  # click takes the first set
+    return f"; it came from the environment variable {name}" if name else ""
