@@ -18,6 +18,7 @@ does before its first GET is what separates it from another.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import urllib.parse
 from pathlib import Path
@@ -105,7 +106,21 @@ def run_rounds(
                 f"{_secs(first[1])} s  {status}"
             )
             bl.drop_dir(dest)
+        runs.append(_floor(env, workdir, rnd))
     return runs
+
+
+FLOOR = "python -c pass"
+
+
+def _floor(env: dict[str, str], workdir: Path, rnd: int) -> ms.Run:
+    """The interpreter's start alone, once a round: what every Python tool pays before its
+    first line, and how loaded the machine was (read the first-GET times against it)."""
+    run = ms.run_measured(FLOOR, [sys.executable, "-c", "pass"], env,
+                          workdir / "logs" / f"floor-r{rnd}", gnu_time=False)  # fmt: skip
+    run.round = rnd
+    bl.log(f"round {rnd} {FLOOR:20s} {run.wall_s:7.3f} s wall {run.cpu_s:7.3f} s cpu")
+    return run
 
 
 def _secs(x: object) -> str:
@@ -234,6 +249,12 @@ def main() -> None:
         f"{args.rounds} interleaved rounds, "
         + (f"store behind a veth shaped to {args.link} (tc tbf)" if args.link else "loopback")
         + f"; {bl.machine_line(info)}"
+    )
+    floor = [r.wall_s for r in runs if r.tool == FLOOR]
+    worst = max(floor, default=float("nan"))
+    text += (
+        f"\n\n`{FLOOR}` with the same interpreter and environment, once a round: median "
+        f"{ms.fmt_num(ms.median(floor), 3)} s wall, max {ms.fmt_num(worst, 3)} s"
     )
     print(f"{header}\n\n{text}")
     if missing:
