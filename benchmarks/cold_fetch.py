@@ -221,10 +221,10 @@ def main() -> None:
     for tool, exe in tools.items():
         if tool.startswith("weightcache"):
             bl.precompile(exe)
+    versions = {t: bl.tool_version(t, exe) for t, exe in tools.items()}
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-cold-"))
     workdir.mkdir(parents=True, exist_ok=True)
     info = bl.machine_info(workdir)
-    versions = {t: bl.tool_version(t, exe) for t, exe in tools.items()}
     bl.log(f"workdir {workdir}; tools {versions}")
     try:
         model = bl.make_model(workdir / "model", size, name=f"cold-{args.size.lower()}")
