@@ -98,12 +98,15 @@ def run_rounds(
             run.round = rnd
             first = capture.first_data(run.started_at, run.started_at + run.wall_s, files)
             run.extra["first_get_s"], run.extra["first_byte_s"] = first
+            last = capture.last_data(run.started_at, run.started_at + run.wall_s)
+            run.extra["tail_s"] = run.wall_s - last if last is not None else None
             runs.append(run)
             status = "ok" if run.ok else f"FAILED ({run.problem})"
             bl.log(
                 f"round {rnd} {tool:20s} {run.wall_s:7.2f} s wall {run.cpu_s:7.2f} s cpu "
                 f"{run.maxrss_mib:7.1f} MiB rss, first GET {_secs(first[0])} s, first byte "
-                f"{_secs(first[1])} s  {status}"
+                f"{_secs(first[1])} s, after the last byte {_secs(run.extra['tail_s'])} s  "
+                f"{status}"
             )
             bl.drop_dir(dest)
         runs.append(_floor(env, workdir, rnd))
@@ -151,6 +154,7 @@ def summarize(
             "throughput_mib_s": size / (1 << 20) / ms.median(walls) if walls else float("nan"),
             "first_get_s": _first(mine, "first_get_s"),
             "first_byte_s": _first(mine, "first_byte_s"),
+            "tail_s": _first(mine, "tail_s"),
         }
         per_tool[tool] = stats
         rows.append([
@@ -158,11 +162,11 @@ def summarize(
             ms.fmt_num(stats["wall_s"]), ms.fmt_num(stats["wall_p90_s"]),
             ms.fmt_num(stats["throughput_mib_s"], 0), ms.fmt_num(stats["cpu_s"]),
             ms.fmt_num(stats["maxrss_mib"], 1), ms.fmt_num(stats["first_get_s"], 3),
-            ms.fmt_num(stats["first_byte_s"], 3),
+            ms.fmt_num(stats["first_byte_s"], 3), ms.fmt_num(stats["tail_s"], 3),
         ])  # fmt: skip
     text = ms.md_table(
         ["tool", "ok", "wall s (median)", "wall s (p90)", "MiB/s", "CPU s", "peak RSS MiB",
-         "first GET s", "first byte s"], rows,
+         "first GET s", "first byte s", "after last byte s"], rows,
     )  # fmt: skip
     ratios: dict[str, dict[str, float]] = {}
     if baseline in tools:

@@ -12,7 +12,9 @@ the veth's host end), keeping only packets whose TCP payload starts with `GET ` 
 store) or `HTTP` (from it): the kernel filters, so a 1 GiB download costs the capture a few
 hundred packets. For a run started at wall-clock time T, `first_data(...)` gives the time
 from T to the first GET of a file of the model (not the listing, not SHA256SUMS) and to
-the first response on that connection: time to first byte, measured outside the process.
+the first response on that connection: time to first byte, measured outside the process;
+`last_data(...)` gives the time to the store's last data packet of the run (a second
+tcpdump, headers only, of packets of 200 bytes or more from the store).
 Needs root, `ip`, `tc` and `tcpdump`.
 """
 
@@ -128,32 +130,58 @@ class ShapedStore(DevStore):
         run("ip", "link", "del", self.host_dev, check=False)
 
 
+def _tcpdump(device: str, args: list[str], out: Path) -> subprocess.Popen[bytes]:
+    tcpdump = shutil.which("tcpdump")
+    if tcpdump is None:
+        raise RuntimeError("`tcpdump` not found: apt-get install tcpdump (benchmarks/setup.sh)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "wb") as f:
+        return subprocess.Popen(
+            [tcpdump, "-i", device, "-n", "-tt", "-l", *args], stdout=f,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+
 #: tcpdump filter: TCP payload starting with "GET " or "HTTP" (offsets per the TCP header length).
 _PAYLOAD4 = "tcp[((tcp[12:1] & 0xf0) >> 2):4]"
 _LINE = re.compile(r"^(\d+\.\d+) IP6? (\S+)\.(\d+) > (\S+)\.(\d+): ")
 
 
 class Capture:
-    """tcpdump on `device` for requests to and responses from `port`, into `out`."""
+    """tcpdump on `device` for requests to and responses from `port`, into `out`; and a
+    second one for the store's data packets (headers only), into `out` + `.data`."""
 
     def __init__(self, device: str, port: int, out: Path) -> None:
-        self.port, self.out = port, out
-        filt = f"tcp port {port} and ({_PAYLOAD4} = 0x47455420 or {_PAYLOAD4} = 0x48545450)"
-        tcpdump = shutil.which("tcpdump")
-        if tcpdump is None:
-            raise RuntimeError("`tcpdump` not found: apt-get install tcpdump (benchmarks/setup.sh)")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "wb") as f:
-            self.proc = subprocess.Popen(
-                [tcpdump, "-i", device, "-n", "-tt", "-l", "-A", "-s", "512", filt],
-                stdout=f, stderr=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+        self.port, self.out, self.data_out = port, out, out.with_name(out.name + ".data")
+        self._data_offset = 0
+        heads = f"tcp port {port} and ({_PAYLOAD4} = 0x47455420 or {_PAYLOAD4} = 0x48545450)"
+        self.procs = [
+            _tcpdump(device, ["-A", "-s", "512", heads], out),
+            # Packets of 200 bytes or more from the store: data, not acknowledgements.
+            _tcpdump(device, ["-q", "-s", "96", f"tcp src port {port} and greater 200"],
+                     self.data_out),
+        ]  # fmt: skip
         time.sleep(1.0)  # tcpdump attaches its filter before the first run
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(10)
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(10)
+
+    def last_data(self, since: float, until: float) -> float | None:
+        """Seconds from `since` to the last data packet the store sent up to `until`; call
+        once per run, in order (it reads on from where the previous call stopped)."""
+        with open(self.data_out, "rb") as f:
+            f.seek(self._data_offset)
+            chunk = f.read()
+        self._data_offset += chunk.rfind(b"\n") + 1
+        last = None
+        for line in chunk.decode(errors="replace").splitlines():
+            stamp = float(line.split(" ", 1)[0]) if line[:1].isdigit() else 0.0
+            if since <= stamp <= until:
+                last = stamp - since
+        return last
 
     def first_data(
         self, since: float, until: float, files: Iterable[str]
