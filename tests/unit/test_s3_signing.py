@@ -114,3 +114,51 @@ def test_the_signed_path_is_taken_only_where_botocore_would_sign_the_same(
     if config_exists:
         config.write_text("[default]\nregion = ap-south-1\n")
     assert static_signer(endpoint, {**env, "AWS_CONFIG_FILE": str(config)}) == expected
+
+
+class _ClosingStore:
+    """An HTTP server on loopback that answers each request with `body`, keep-alive, and
+    then closes the connection without saying so (as a store does with an idle one)."""
+
+    def __init__(self, body: bytes) -> None:
+        import socket
+        import threading
+
+        self.body, self.requests = body, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                if b"\r\n\r\n" in conn.recv(65536):
+                    self.requests += 1
+                    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.body)}\r\n\r\n"
+                    conn.sendall(head.encode() + self.body)
+
+
+def test_a_keep_alive_connection_the_store_closed_is_replaced_without_an_attempt(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """botocore's pool reconnects silently; so must the signed path: no backoff, no
+    'attempt 1/N failed' warning for a connection the store closed while idle."""
+    from weightcache.config import OriginSettings
+    from weightcache.transfer.s3 import Origin
+
+    store = _ClosingStore(b"sha256  file\n")
+    for name, value in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    origin = Origin(OriginSettings(endpoint_url=store.url))
+    try:
+        for _ in range(3):
+            assert origin.get_bytes("models", "m/r/SHA256SUMS") == b"sha256  file\n"
+    finally:
+        store.sock.close()
+    assert store.requests == 3
+    assert not [r for r in caplog.records if "attempt" in r.getMessage()], caplog.text

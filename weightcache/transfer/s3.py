@@ -210,18 +210,29 @@ class Origin:
         assert self._signer is not None
         url = self._signer.presign(self._object_url(bucket, key), query, datetime.now(UTC))
         parts = urllib.parse.urlsplit(url)
-        conn = self._connection(parts)
+        reused = getattr(self._local, "conn", None) is not None
         try:
-            conn.request("GET", f"{parts.path}?{parts.query}")
+            status, body = self._send(parts)
+        except ConnectionError:
+            if not reused:
+                raise
+            # The store closed our idle keep-alive connection: a new one, at once, as
+            # urllib3 does for botocore (not an attempt of call()'s, with its backoff).
+            status, body = self._send(parts)
+        if not 200 <= status < 300:
+            raise StoreError.from_response(status, body)
+        return body
+
+    def _send(self, url: urllib.parse.SplitResult) -> tuple[int, bytes]:
+        conn = self._connection(url)
+        try:
+            conn.request("GET", f"{url.path}?{url.query}")
             resp = conn.getresponse()
-            body = resp.read()
+            return resp.status, resp.read()
         except BaseException:
             self._local.conn = None
             conn.close()
             raise
-        if not 200 <= resp.status < 300:
-            raise StoreError.from_response(resp.status, body)
-        return body
 
     def _signed_list(self, bucket: str, prefix: str) -> dict[str, int]:
         """{path relative to prefix: size}, paging through ListObjectsV2 as botocore does."""
