@@ -188,6 +188,18 @@ def weightcache_snapshot(rev: str) -> Path:
     return launcher
 
 
+def precompile(exe: list[str]) -> None:
+    """Compile the weightcache a launcher runs, as `pip install` does for the image: with
+    PYTHONDONTWRITEBYTECODE set (as here) every run would otherwise compile it again."""
+    launcher = Path(exe[0]).resolve()
+    snapshots = REPO / "benchmarks" / "out" / "snapshots"
+    tree = launcher.parent.parent if launcher.is_relative_to(snapshots) else REPO
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(tree / "weightcache")],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
 def add_rev_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weightcache-rev",
@@ -236,6 +248,8 @@ def tool_works(name: str, exe: list[str]) -> str | None:
 
 
 def tool_version(name: str, exe: list[str]) -> str:
+    if name.startswith("weightcache@"):
+        return f"weightcache (snapshot of {name.split('@', 1)[1]}: {exe[0]})"
     if name == "weightcache" and not os.environ.get("WC_BENCH_WEIGHTCACHE"):
         rev = os.environ.get("WC_BENCH_REV")
         where = f"snapshot of {rev}" if rev else "working tree"
@@ -316,7 +330,9 @@ def fetch_command(
     dest: Path,
     wc_args: Sequence[str] = (),
 ) -> list[str]:
-    """The argv that makes `model` ready under `dest` with `tool` (see `ready_dir`)."""
+    """The argv that makes `model` ready under `dest` with `tool` (see `ready_dir`);
+    `weightcache@REV` is weightcache as of a commit."""
+    tool = tool.split("@")[0]
     if tool == "weightcache":
         return [
             *exe, "fetch", model.source, "--cache-dir", str(dest),
@@ -336,7 +352,8 @@ def fetch_command(
 
 def ready_dir(tool: str, model: Model, dest: Path) -> Path:
     """Where `fetch_command`'s files end up: weightcache nests `<name>/<revision>`."""
-    return dest / model.name / model.revision if tool == "weightcache" else dest
+    weightcache = tool.split("@")[0] == "weightcache"
+    return dest / model.name / model.revision if weightcache else dest
 
 
 # --------------------------------------------------------------------------- daemon metrics

@@ -1,21 +1,31 @@
 """Cold fetch: weightcache vs s5cmd vs `aws s3 sync` vs the rclone recipe, one node, empty disk.
 
     python benchmarks/cold_fetch.py --size 1G [--rounds 5] [--json out.json]
+    python benchmarks/cold_fetch.py --link 800mbit --tools weightcache,s5cmd --also-rev REV
 
 Generates one model (4 random shards + config.json + tokenizer.json + SHA256SUMS), uploads it
 once to a throwaway SeaweedFS on loopback, then runs the tools interleaved, A B C D A B C D ...,
 each run into a fresh empty directory on the same disk, removed (and `sync`ed) afterwards.
 Reports medians per tool and, per pair, the median of the per-round ratios.
+
+Time to first byte, per run, is measured on the wire (wire.Capture, tcpdump): from the fork
+to the first GET of a model file (not the listing, not SHA256SUMS) and to the first response
+on that connection. With `--link RATE` the store runs in a network namespace of its own,
+its egress shaped by tc tbf (wire.ShapedStore): a link-bound download, where what a tool
+does before its first GET is what separates it from another.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 
 import benchlib as bl
 import measure as ms
+import wire
 
 from weightcache.ops.devstore import DevStore
 
@@ -42,6 +52,18 @@ def parse_args() -> argparse.Namespace:
         help="extra argument for `weightcache fetch`, repeatable: --wc-arg=--max-concurrency=8",
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before kill")
+    p.add_argument(
+        "--link",
+        metavar="RATE",
+        help="run the store in a network namespace behind a veth shaped to RATE (tc units: "
+        "800mbit) instead of on loopback; needs root, ip, tc",
+    )
+    p.add_argument(
+        "--also-rev",
+        metavar="REV",
+        help="also run weightcache as of this commit (tool weightcache@REV), right after "
+        "weightcache in each round: before and after a change in one run",
+    )
     bl.add_rev_option(p)
     p.add_argument("--workdir", type=Path, help="scratch directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the workdir (model, store, logs)")
@@ -55,9 +77,13 @@ def run_rounds(
     model: bl.Model,
     store: DevStore,
     workdir: Path,
+    capture: wire.Capture,
 ) -> list[ms.Run]:
     env = bl.peer_env(store.endpoint_url, store.env)
+    host = str(urllib.parse.urlsplit(store.endpoint_url).hostname)
+    env["NO_PROXY"] = env["no_proxy"] = f"{env['NO_PROXY']},{host}"
     runs: list[ms.Run] = []
+    files = [f"{model.prefix}/{rel}" for rel in model.listed]
     for rnd in range(1, args.rounds + 1):
         for tool, exe in tools.items():
             dest = workdir / "dest" / f"{tool}-r{rnd}"
@@ -70,14 +96,43 @@ def run_rounds(
             else:
                 run.problem = bl.check_tree(bl.ready_dir(tool, model, dest), model)
             run.round = rnd
+            first = capture.first_data(run.started_at, run.started_at + run.wall_s, files)
+            run.extra["first_get_s"], run.extra["first_byte_s"] = first
+            last = capture.last_data(run.started_at, run.started_at + run.wall_s)
+            run.extra["tail_s"] = run.wall_s - last if last is not None else None
             runs.append(run)
             status = "ok" if run.ok else f"FAILED ({run.problem})"
             bl.log(
-                f"round {rnd} {tool:12s} {run.wall_s:7.2f} s wall {run.cpu_s:7.2f} s cpu "
-                f"{run.maxrss_mib:7.1f} MiB rss  {status}"
+                f"round {rnd} {tool:20s} {run.wall_s:7.2f} s wall {run.cpu_s:7.2f} s cpu "
+                f"{run.maxrss_mib:7.1f} MiB rss, first GET {_secs(first[0])} s, first byte "
+                f"{_secs(first[1])} s, after the last byte {_secs(run.extra['tail_s'])} s  "
+                f"{status}"
             )
             bl.drop_dir(dest)
+        runs.append(_floor(env, workdir, rnd))
     return runs
+
+
+FLOOR = "python -c pass"
+
+
+def _floor(env: dict[str, str], workdir: Path, rnd: int) -> ms.Run:
+    """The interpreter's start alone, once a round: what every Python tool pays before its
+    first line, and how loaded the machine was (read the first-GET times against it)."""
+    run = ms.run_measured(FLOOR, [sys.executable, "-c", "pass"], env,
+                          workdir / "logs" / f"floor-r{rnd}", gnu_time=False)  # fmt: skip
+    run.round = rnd
+    bl.log(f"round {rnd} {FLOOR:20s} {run.wall_s:7.3f} s wall {run.cpu_s:7.3f} s cpu")
+    return run
+
+
+def _secs(x: object) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else "n/a"
+
+
+def _first(runs: list[ms.Run], key: str) -> float:
+    values = [r.extra[key] for r in runs if isinstance(r.extra.get(key), float)]
+    return ms.median(values)  # type: ignore[arg-type]
 
 
 def summarize(
@@ -97,17 +152,22 @@ def summarize(
             "cpu_s": ms.median([r.cpu_s for r in mine]),
             "maxrss_mib": ms.median([r.maxrss_mib for r in mine]),
             "throughput_mib_s": size / (1 << 20) / ms.median(walls) if walls else float("nan"),
+            "first_get_s": _first(mine, "first_get_s"),
+            "first_byte_s": _first(mine, "first_byte_s"),
+            "tail_s": _first(mine, "tail_s"),
         }
         per_tool[tool] = stats
         rows.append([
             tool, f"{stats['runs_ok']}/{stats['runs_ok'] + stats['runs_failed']}",
             ms.fmt_num(stats["wall_s"]), ms.fmt_num(stats["wall_p90_s"]),
             ms.fmt_num(stats["throughput_mib_s"], 0), ms.fmt_num(stats["cpu_s"]),
-            ms.fmt_num(stats["maxrss_mib"], 1),
+            ms.fmt_num(stats["maxrss_mib"], 1), ms.fmt_num(stats["first_get_s"], 3),
+            ms.fmt_num(stats["first_byte_s"], 3), ms.fmt_num(stats["tail_s"], 3),
         ])  # fmt: skip
     text = ms.md_table(
-        ["tool", "ok", "wall s (median)", "wall s (p90)", "MiB/s", "CPU s", "peak RSS MiB"], rows
-    )
+        ["tool", "ok", "wall s (median)", "wall s (p90)", "MiB/s", "CPU s", "peak RSS MiB",
+         "first GET s", "first byte s", "after last byte s"], rows,
+    )  # fmt: skip
     ratios: dict[str, dict[str, float]] = {}
     if baseline in tools:
         ratio_rows = []
@@ -133,35 +193,72 @@ def summarize(
     return text, {"per_tool": per_tool, "ratios": ratios}
 
 
+def with_rev(tools: dict[str, list[str]], rev: str) -> dict[str, list[str]]:
+    """`tools` with weightcache@REV right after weightcache (or first)."""
+    extra = {f"weightcache@{rev}": [str(bl.weightcache_snapshot(rev))]}
+    if "weightcache" not in tools:
+        return {**extra, **tools}
+    out: dict[str, list[str]] = {}
+    for tool, exe in tools.items():
+        out[tool] = exe
+        if tool == "weightcache":
+            out.update(extra)
+    return out
+
+
+def make_store(args: argparse.Namespace, workdir: Path) -> DevStore:
+    if args.link:
+        return wire.ShapedStore(workdir / "store", rate=args.link)
+    return DevStore(workdir / "store")
+
+
 def main() -> None:
     args = parse_args()
     bl.use_rev(args.weightcache_rev)
     size = bl.parse_size(args.size)
     wanted = [t.strip() for t in args.tools.split(",") if t.strip()]
     tools, missing = bl.available_tools(wanted, required=args.require)
+    if args.also_rev:
+        tools = with_rev(tools, args.also_rev)
     if not tools:
         raise SystemExit("no tool to run")
+    for tool, exe in tools.items():
+        if tool.startswith("weightcache"):
+            bl.precompile(exe)
+    versions = {t: bl.tool_version(t, exe) for t, exe in tools.items()}
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-cold-"))
     workdir.mkdir(parents=True, exist_ok=True)
     info = bl.machine_info(workdir)
-    versions = {t: bl.tool_version(t, exe) for t, exe in tools.items()}
     bl.log(f"workdir {workdir}; tools {versions}")
     try:
         model = bl.make_model(workdir / "model", size, name=f"cold-{args.size.lower()}")
         bl.log(
             f"model {model.prefix}: {bl.fmt_size(model.total_bytes)} in {len(model.files)} files"
         )
-        with DevStore(workdir / "store") as store:
+        with make_store(args, workdir) as store:
             secs = bl.upload_model(model, store.endpoint_url, store.env)
             bl.log(f"uploaded to {store.endpoint_url} in {secs:.1f} s")
-            runs = run_rounds(args, tools, model, store, workdir)
+            device = store.host_dev if isinstance(store, wire.ShapedStore) else "lo"
+            capture = wire.Capture(device, store.ports["s3.port"], workdir / "capture.txt")
+            try:
+                runs = run_rounds(args, tools, model, store, workdir, capture)
+            finally:
+                capture.stop()
     finally:
         if not args.keep:
             bl.drop_dir(workdir)
     text, summary = summarize(runs, list(tools), args.baseline, model.total_bytes)
     header = (
         f"cold fetch of {bl.fmt_size(model.total_bytes)} ({len(model.files)} files), "
-        f"{args.rounds} interleaved rounds; {bl.machine_line(info)}"
+        f"{args.rounds} interleaved rounds, "
+        + (f"store behind a veth shaped to {args.link} (tc tbf)" if args.link else "loopback")
+        + f"; {bl.machine_line(info)}"
+    )
+    floor = [r.wall_s for r in runs if r.tool == FLOOR]
+    worst = max(floor, default=float("nan"))
+    text += (
+        f"\n\n`{FLOOR}` with the same interpreter and environment, once a round: median "
+        f"{ms.fmt_num(ms.median(floor), 3)} s wall, max {ms.fmt_num(worst, 3)} s"
     )
     print(f"{header}\n\n{text}")
     if missing:

@@ -41,6 +41,7 @@ class Run:
     maxrss_kib: int
     returncode: int
     round: int = 0  # the caller's round or repetition number
+    started_at: float = 0.0  # wall clock (time.time()) at fork: for packet timestamps
     stdout_tail: str = ""
     stderr_tail: str = ""
     problem: str | None = None  # set by the caller's own check (missing files, ...)
@@ -105,6 +106,7 @@ class Child:
         if wrapper:  # costs ~1 ms of wall (one more exec); hit_latency times without it
             argv = [wrapper, "-f", "%M", "-o", str(self._time_path), "--", *argv]
         with open(self._out_path, "wb") as out, open(self._err_path, "wb") as err:
+            self.started_at = time.time()
             self.started = time.perf_counter()
             self.proc = subprocess.Popen(
                 argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -141,6 +143,7 @@ class Child:
             tool=self.tool,
             argv=self.argv,
             started=self.started,
+            started_at=self.started_at,
             wall_s=self.finished - self.started,
             user_s=ru.ru_utime,  # type: ignore[attr-defined]
             sys_s=ru.ru_stime,  # type: ignore[attr-defined]

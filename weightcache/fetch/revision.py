@@ -79,6 +79,31 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
     return FetchResult(path, True, 0, time.monotonic() - start)
 
 
+class _Background:
+    """`fn()` run in a daemon thread; `result()` waits and returns or raises what it did.
+    Left unread, it finishes on its own (the control plane's calls are bounded by --timeout)."""
+
+    def __init__(self, fn: Callable[[], bytes]) -> None:
+        self._fn = fn
+        self._value: bytes | None = None
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except Exception as e:  # re-raised in the caller's thread by result()
+            self._error = e
+
+    def result(self) -> bytes:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
 class Fetcher:
     """Brings revisions into one cache directory. Reusable across fetches (the daemon)."""
 
@@ -241,15 +266,20 @@ class Fetcher:
         )
 
     def read_manifest(self, source: Source) -> Manifest:
-        """SHA256SUMS of the revision, validated, with each file's size from the listing."""
+        """SHA256SUMS of the revision, validated, with each file's size from the listing.
+
+        The manifest is requested while the listing is read (both come before the first
+        data GET); the listing's verdict comes first: its error, or no manifest in it."""
         where = f"s3://{source.bucket}/{source.key(MANIFEST_NAME)}"
-        sizes = self.origin.list_sizes(source.bucket, source.prefix)
+        origin = self.origin
+        content = _Background(lambda: origin.get_bytes(source.bucket, source.key(MANIFEST_NAME)))
+        sizes = origin.list_sizes(source.bucket, source.prefix)
         if MANIFEST_NAME not in sizes:
             raise SourceError(
                 f"no {MANIFEST_NAME} at {where}; publish the model with `weightcache publish` "
                 "(or write the manifest with sha256sum) so that downloads can be verified"
             )
-        manifest = parse(self.origin.get_bytes(source.bucket, source.key(MANIFEST_NAME)), where)
+        manifest = parse(content.result(), where)
         missing = [e.path for e in manifest.entries if e.path not in sizes]
         if missing:
             raise SourceError(

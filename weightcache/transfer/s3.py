@@ -1,19 +1,34 @@
-"""The S3 control plane (boto3): listing, small objects, uploads, presigned data-plane URLs.
+"""The S3 control plane: listing, small objects, uploads, presigned data-plane URLs.
 
 boto3 owns credentials (the standard AWS chain: env, shared config, web identity / IRSA,
 instance profile; `AWS_ENDPOINT_URL` works like `--endpoint-url`). Its own retries are
 off: `call()` retries with the same policy as the data plane, bounded by `--timeout`, and
 translates every botocore exception into a weightcache error.
+
+A cold fetch's first GET waits for the control plane, and importing botocore and building
+its S3 client cost more than the rest of the process start (design §4). So when the
+credentials are static ones from the environment and the endpoint is given (an
+S3-compatible store), the three calls a fetch makes (list, small GET, presign) are signed
+here with SigV4 and sent with http.client: exactly what botocore would pick in that case
+(its chain reads the environment first), without loading it. Everything else (uploads,
+other credentials, AWS's own endpoints) goes through boto3 as before, built on first use.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import http.client
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
 from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
@@ -50,19 +65,35 @@ _DENIED_CODES = frozenset(
     }
 )
 PRESIGN_SECONDS = 3600
+_UNRESERVED = "-_.~"  # RFC 3986: never percent-encoded in a SigV4 canonical request
 
 
 class Origin:
     """One S3-compatible endpoint. Thread-safe; create one per process."""
 
     def __init__(self, settings: OriginSettings, backoff: Backoff | None = None) -> None:
+        self.settings = settings
+        self._backoff = backoff or Backoff()
+        self.endpoint_url = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self._signer = static_signer(self.endpoint_url, os.environ)
+        self._client_lock = threading.Lock()
+        self._boto: Any = None
+        self._local = threading.local()  # the signed path's connection, one per thread
+
+    @property
+    def _client(self) -> Any:
+        """The boto3 S3 client, built on first use (tens of ms of imports and models)."""
+        with self._client_lock:
+            if self._boto is None:
+                self._boto = self._build_client()
+            return self._boto
+
+    def _build_client(self) -> Any:
         import boto3
         import botocore.config
 
-        self.settings = settings
-        self._backoff = backoff or Backoff()
+        settings = self.settings
         session = boto3.session.Session()
-        self.endpoint_url = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
         config = botocore.config.Config(
             retries={"total_max_attempts": 1},  # call() retries, with our policy and budget
             connect_timeout=min(settings.timeout, 10.0),
@@ -71,7 +102,7 @@ class Origin:
             signature_version="s3v4",
             s3={"addressing_style": "path"} if self.endpoint_url else {},
         )
-        self._client = session.client(
+        return session.client(
             "s3",
             endpoint_url=self.endpoint_url,
             region_name=session.region_name or "us-east-1",
@@ -116,6 +147,8 @@ class Origin:
         url = f"s3://{bucket}/{key}"
 
         def get() -> bytes:
+            if self._signer is not None:
+                return self._signed_get(bucket, key, {})
             body: bytes = self._client.get_object(Bucket=bucket, Key=key)["Body"].read()
             return body
 
@@ -126,6 +159,8 @@ class Origin:
         prefix = prefix.rstrip("/") + "/"
 
         def list_all() -> dict[str, int]:
+            if self._signer is not None:
+                return self._signed_list(bucket, prefix)
             sizes: dict[str, int] = {}
             paginator = self._client.get_paginator("list_objects_v2")
             for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
@@ -155,39 +190,214 @@ class Origin:
 
     def presign_get(self, bucket: str, key: str) -> str:
         """A URL for plain-HTTP ranged GETs of the data plane (valid for an hour)."""
+        if self._signer is not None:
+            return self._signer.presign(self._object_url(bucket, key), {}, datetime.now(UTC))
         url: str = self._client.generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGN_SECONDS
         )
         return url
 
+    # -- the signed path: static credentials, no botocore ---------------------------------
+
+    def _object_url(self, bucket: str, key: str = "") -> str:
+        """Path-style URL of a bucket, or of an object in it (as botocore's with an endpoint)."""
+        assert self.endpoint_url is not None
+        url = f"{self.endpoint_url.rstrip('/')}/{bucket}"
+        return f"{url}/{urllib.parse.quote(key, safe='/~')}" if key else url
+
+    def _signed_get(self, bucket: str, key: str, query: dict[str, str]) -> bytes:
+        """GET an object (or, without key, the bucket with `query`); StoreError if refused."""
+        assert self._signer is not None
+        url = self._signer.presign(self._object_url(bucket, key), query, datetime.now(UTC))
+        parts = urllib.parse.urlsplit(url)
+        reused = getattr(self._local, "conn", None) is not None
+        try:
+            status, body = self._send(parts)
+        except ConnectionError:
+            if not reused:
+                raise
+            # The store closed our idle keep-alive connection: a new one, at once, as
+            # urllib3 does for botocore (not an attempt of call()'s, with its backoff).
+            status, body = self._send(parts)
+        if not 200 <= status < 300:
+            raise StoreError.from_response(status, body)
+        return body
+
+    def _send(self, url: urllib.parse.SplitResult) -> tuple[int, bytes]:
+        conn = self._connection(url)
+        try:
+            conn.request("GET", f"{url.path}?{url.query}")
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        except BaseException:
+            self._local.conn = None
+            conn.close()
+            raise
+
+    def _signed_list(self, bucket: str, prefix: str) -> dict[str, int]:
+        """{path relative to prefix: size}, paging through ListObjectsV2 as botocore does."""
+        from xml.etree import ElementTree
+
+        sizes: dict[str, int] = {}
+        query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
+        while True:
+            root = ElementTree.fromstring(self._signed_get(bucket, "", query))
+            encoded = root.findtext("{*}EncodingType") == "url"
+            for obj in root.iterfind("{*}Contents"):
+                key = obj.findtext("{*}Key", "")
+                key = urllib.parse.unquote_plus(key) if encoded else key
+                sizes[key[len(prefix) :]] = int(obj.findtext("{*}Size", "0"))
+            token = root.findtext("{*}NextContinuationToken")
+            if root.findtext("{*}IsTruncated") != "true" or not token:
+                return sizes
+            query = {**query, "continuation-token": token}
+
+    def _connection(self, url: urllib.parse.SplitResult) -> http.client.HTTPConnection:
+        """This thread's keep-alive connection to the endpoint (one host per Origin)."""
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
+        timeout = min(self.settings.timeout, 60.0)
+        if url.scheme == "https":
+            import ssl
+
+            context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+            conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
+        self._local.conn = conn
+        return conn
+
+
+class StoreError(Exception):
+    """An error response to a request signed here: the signed path's botocore ClientError."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+    @classmethod
+    def from_response(cls, status: int, body: bytes) -> StoreError:
+        """The S3 error document's Code and Message, if the body is one."""
+        from xml.etree import ElementTree
+
+        try:
+            root = ElementTree.fromstring(body)
+        except ElementTree.ParseError:
+            return cls(status, "", "")
+        return cls(status, root.findtext("{*}Code", ""), root.findtext("{*}Message", ""))
+
+
+@dataclass(frozen=True)
+class SigV4:
+    """AWS Signature Version 4 query signing (presigned URLs) for S3, stdlib only."""
+
+    access_key: str
+    secret_key: str
+    token: str | None
+    region: str
+
+    def presign(self, url: str, query: Mapping[str, str], now: datetime) -> str:
+        """`url` (scheme, host, percent-encoded path) with `query` and the signature
+        parameters, valid PRESIGN_SECONDS from `now`, for a GET."""
+        parts = urllib.parse.urlsplit(url)
+        date, stamp = now.strftime("%Y%m%d"), now.strftime("%Y%m%dT%H%M%SZ")
+        scope = f"{date}/{self.region}/s3/aws4_request"
+        params = {
+            **query,
+            "X-Amz-Algorithm": "AWS4-HMAC-SHA256",
+            "X-Amz-Credential": f"{self.access_key}/{scope}",
+            "X-Amz-Date": stamp,
+            "X-Amz-Expires": str(PRESIGN_SECONDS),
+            "X-Amz-SignedHeaders": "host",
+        }
+        if self.token:
+            params["X-Amz-Security-Token"] = self.token
+        canonical_query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(params.items()))
+        canonical = "\n".join(
+            ["GET", parts.path or "/", canonical_query, f"host:{_host(parts)}", "", "host",
+             "UNSIGNED-PAYLOAD"]
+        )  # fmt: skip
+        digest = hashlib.sha256(canonical.encode()).hexdigest()
+        to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{digest}"
+        signature = hmac.new(self._key(date), to_sign.encode(), hashlib.sha256).hexdigest()
+        query_text = f"{canonical_query}&X-Amz-Signature={signature}"
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, query_text, ""))
+
+    def _key(self, date: str) -> bytes:
+        key = f"AWS4{self.secret_key}".encode()
+        for part in (date, self.region, "s3", "aws4_request"):
+            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+        return key
+
+
+def _quote(text: str) -> str:
+    return urllib.parse.quote(text, safe=_UNRESERVED)
+
+
+def _host(url: urllib.parse.SplitResult) -> str:
+    """The Host header http.client sends: the port only when it is not the scheme's default."""
+    default = {"http": 80, "https": 443}[url.scheme]
+    host = url.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return host if url.port in (None, default) else f"{host}:{url.port}"
+
+
+def static_signer(endpoint_url: str | None, env: Mapping[str, str]) -> SigV4 | None:
+    """The signer for what botocore would use at an explicit endpoint when the environment
+    holds static credentials (its chain reads them first); None where only botocore can
+    decide: no endpoint (AWS's endpoint rules), credentials that expire, no region in the
+    environment while a shared config file (whose profile may name one) exists."""
+    access_key, secret_key = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+    if not endpoint_url or urllib.parse.urlsplit(endpoint_url).scheme not in ("http", "https"):
+        return None
+    if not access_key or not secret_key or env.get("AWS_CREDENTIAL_EXPIRATION"):
+        return None
+    region = env.get("AWS_DEFAULT_REGION")
+    if not region:
+        if Path(env.get("AWS_CONFIG_FILE") or "~/.aws/config").expanduser().exists():
+            return None
+        region = "us-east-1"
+    token = env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN") or None
+    return SigV4(access_key, secret_key, token, region)
+
 
 def translate(e: BaseException, what: str) -> WeightcacheError:
-    """Map a botocore/urllib3 exception to the weightcache error for its exit code."""
-    import botocore.exceptions as bx
-
+    """Map a botocore/urllib3/http.client exception to the weightcache error for its exit
+    code (botocore is imported only for an exception no other branch knows)."""
     if isinstance(e, WeightcacheError):
         return e
+    if isinstance(e, StoreError):
+        return _refused(what, e.code, e.status, e.message)
+    if isinstance(e, OSError | http.client.HTTPException):
+        return TransientError(f"{what}: {type(e).__name__}: {e}")
+    import botocore.exceptions as bx
+
     if isinstance(e, bx.ClientError):
         err = e.response.get("Error", {})
-        code = str(err.get("Code", ""))
         status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
-            return TransientError(f"{what}: {code or status} from the object store")
-        if code in _DENIED_CODES or status == 403:
-            return SourceError(
-                f"{what}: access denied ({code or status}); check the credentials and that "
-                "they may read this bucket"
-            )
-        if code == "NoSuchBucket":
-            return SourceError(f"{what}: the bucket does not exist; check the source URL")
-        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-            return SourceError(f"{what}: no such object; check the source URL")
-        return SourceError(f"{what}: {code or status}: {err.get('Message', '')}".rstrip(": "))
+        return _refused(what, str(err.get("Code", "")), status, str(err.get("Message", "")))
     if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError):
         return UsageError(
             "no usable AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
             "mount a shared config, or use IRSA (web identity)"
         )
-    if isinstance(e, bx.BotoCoreError | OSError):
+    if isinstance(e, bx.BotoCoreError):
         return TransientError(f"{what}: {type(e).__name__}: {e}")
     return WeightcacheError(f"{what}: unexpected {type(e).__name__}: {e}")
+
+
+def _refused(what: str, code: str, status: int, message: str) -> WeightcacheError:
+    """The error for the store's refusal (its S3 error code and HTTP status)."""
+    if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+        return TransientError(f"{what}: {code or status} from the object store")
+    if code in _DENIED_CODES or status == 403:
+        return SourceError(
+            f"{what}: access denied ({code or status}); check the credentials and that "
+            "they may read this bucket"
+        )
+    if code == "NoSuchBucket":
+        return SourceError(f"{what}: the bucket does not exist; check the source URL")
+    if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+        return SourceError(f"{what}: no such object; check the source URL")
+    return SourceError(f"{what}: {code or status}: {message}".rstrip(": "))
