@@ -264,6 +264,12 @@ def test_parse_entry_raises_usage_error(raw: object) -> None:
         parse_entry(raw)
 
 
+def test_an_entry_without_a_source_says_what_to_write() -> None:
+    with pytest.raises(UsageError) as e:
+        parse_entry({"name": "llama"})
+    assert str(e.value) == "each entry needs at least 'source: s3://bucket/prefix/<name>/<rev>'"
+
+
 def test_parse_entry_defaults_to_unpinned_and_the_url_segments() -> None:
     spec = parse_entry({"source": SRC})
     assert (spec.pin, spec.source.name, spec.source.revision) == (False, "llama", "v1")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import socket
 import tempfile
 import threading
@@ -132,12 +133,15 @@ def test_requests_the_daemon_accepts(raw: bytes, expected: dict[str, Any]) -> No
         ),
         pytest.param(line(source="s3://b/m/r", revision=1.5), '"revision" must', id="rev-float"),
         pytest.param(line(source="s3://b/m/r", pod_uid={"a": 1}), '"pod_uid" must', id="uid-map"),
-        pytest.param(line(source="s3://b/m/r", pod_uid=UID[:-1]), "Pod UID", id="uid-short"),
+        pytest.param(
+            line(source="s3://b/m/r", pod_uid=UID[:-1]), "^invalid pod_uid '", id="uid-short"
+        ),
         pytest.param(line(source="s3://b/m/r", pod_uid=UID + "/.."), "Pod UID", id="uid-path"),
         pytest.param(b'"fetch"\n', "not str", id="json-string"),
         pytest.param(b"null\n", "not NoneType", id="json-null"),
         pytest.param(b'{"op": "fetch", "source": "s3://b/m/r"', "not JSON", id="truncated"),
-        pytest.param(b"{" * 100_000, "not JSON|nested too deeply", id="deep-open-braces"),
+        pytest.param(b"{" * 100_000, "^not JSON|^JSON nested too deeply$", id="deep-open-braces"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, "^JSON nested too deeply$", id="deep-lists"),
     ],
 )
 def test_requests_the_daemon_refuses_say_what_is_wrong(raw: bytes, why: str) -> None:
@@ -178,7 +182,7 @@ def test_an_event_line_reads_as_its_object(raw: bytes, event: dict[str, Any]) ->
 @pytest.mark.parametrize(
     ("raw", "why"),
     [
-        pytest.param(b"", "connection closed", id="closed"),
+        pytest.param(b"", "^connection closed$", id="closed"),
         pytest.param(b"not json\n", "Expecting value", id="garbage"),
         pytest.param(b'{"event": "acc', "Unterminated string", id="cut-mid-line"),
         pytest.param(
@@ -423,3 +427,85 @@ def test_a_hit_notification_sends_one_hit_request(daemon: Scripted) -> None:
 
 def test_a_hit_notification_without_a_daemon_is_silent(sock_dir: Path) -> None:
     notify_hit(sock_dir / "daemon.sock", SRC, UID)  # no socket: returns, raises nothing
+
+
+def test_a_socket_nobody_listens_on_is_no_error_for_a_hit(sock_dir: Path) -> None:
+    path = sock_dir / "daemon.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+    notify_hit(path, SRC, UID)  # connection refused: swallowed
+
+
+def test_a_hit_notification_never_blocks_on_a_daemon_that_does_not_accept(sock_dir: Path) -> None:
+    # A listener whose backlog is full (a hung daemon): a blocking connect would wait for it
+    # for ever, the hit's Pod with it.
+    path = sock_dir / "daemon.sock"
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        server.bind(str(path))
+        server.listen(0)
+        for _ in range(3):
+            c = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(str(path))
+        t = threading.Thread(target=notify_hit, args=(path, SRC, UID), daemon=True)
+        t.start()
+        t.join(3.0)
+        assert not t.is_alive(), "notify_hit blocked on a daemon that does not accept"
+
+
+# -- what the Pod's log says when it fetches alone -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "level", "says"),
+    [
+        pytest.param(
+            [ev(event="refused", message="s3://x/m/r is not under --allow-source")],
+            logging.WARNING,
+            "s3://x/m/r is not under --allow-source; fetching alone with this Pod's credentials",
+            id="refused-names-the-reason",
+        ),
+        pytest.param(
+            [ev(event="error", exit_code=2, message="bad request")],
+            logging.WARNING,
+            "node daemon answered {'event': 'error', 'exit_code': 2, 'message': 'bad request'}; "
+            "fetching alone",
+            id="not-accepted-quotes-the-answer",
+        ),
+        pytest.param(
+            [ACCEPTED],
+            logging.WARNING,
+            "node daemon stopped answering (connection closed); fetching alone",
+            id="closed-says-so",
+        ),
+    ],
+)
+def test_falling_back_says_why_in_one_line(
+    daemon: Scripted,
+    caplog: pytest.LogCaptureFixture,
+    script: list[bytes | float],
+    level: int,
+    says: str,
+) -> None:
+    daemon.script = script
+    with caplog.at_level(logging.INFO, logger=coord.__name__):
+        assert ask(daemon) is None
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(level, says)]
+
+
+def test_an_unreachable_daemon_is_named_in_the_log(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = sock_dir / "daemon.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()
+    with caplog.at_level(logging.INFO, logger=coord.__name__):
+        assert ask_daemon(path, SRC, UID) is None
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage().startswith(f"node daemon not reachable at {path} (")
+    assert record.getMessage().endswith("Connection refused); fetching alone")
