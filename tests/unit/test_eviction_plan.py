@@ -67,7 +67,10 @@ def test_a_chain_of_shared_shards_frees_each_blob_with_its_last_link(
 def test_a_protected_revision_keeps_the_shards_it_shares(
     flags: dict[str, str], evicted: tuple[str, ...], freed: int
 ) -> None:
-    revisions = [replace(r, **{flags[label(r)]: True}) if label(r) in flags else r for r in CHAIN]
+    revisions = [
+        replace(r, pinned=flags.get(label(r)) == "pinned", leased=flags.get(label(r)) == "leased")
+        for r in CHAIN
+    ]
     plan = plan_eviction(revisions, CHAIN_SIZES, 15, 0)
     assert plan.evict == keys(*evicted)
     assert plan.freed_bytes == freed
