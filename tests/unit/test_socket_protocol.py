@@ -364,14 +364,6 @@ def test_the_client_falls_back_to_fetching_alone(
     assert time.monotonic() - start < 8.0  # bounded by the 1 s timeouts, never hung
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AttributeError, TypeError),
-    reason="coord._read_event returns any JSON value and ask_daemon calls .get() on it / "
-    "int() on exit_code, catching only OSError, ValueError and KeyError: a daemon line that "
-    "is not a JSON object, or an error event whose exit_code is null or a list, escapes as "
-    "AttributeError/TypeError (a traceback in the Pod) instead of falling back",
-)
 @pytest.mark.parametrize(
     "script",
     [

@@ -118,7 +118,7 @@ def ask_daemon(
                     result: dict[str, Any] = msg["result"]
                     return result
                 if msg.get("event") == "error":
-                    raise DaemonError(str(msg["message"]), int(msg["exit_code"]))
+                    raise DaemonError(str(msg["message"]), _exit_code(msg["exit_code"]))
         except (OSError, ValueError, KeyError) as e:
             log.warning("node daemon stopped answering (%s); fetching alone", e)
             return None
@@ -134,9 +134,19 @@ def notify_hit(socket_path: Path, source: Source, pod_uid: str | None) -> None:
         s.sendall(request(source, pod_uid, op="hit"))
 
 
+def _exit_code(value: Any) -> int:
+    """The daemon's exit code; ValueError (fall back) for anything that is not a number."""
+    try:
+        return int(value)
+    except TypeError:
+        raise ValueError(f"an error event with exit code {value!r}") from None
+
+
 def _read_event(reader: Any) -> dict[str, Any]:
     line = reader.readline(65536)
     if not line:
         raise ValueError("connection closed")
-    msg: dict[str, Any] = json.loads(line)
+    msg = json.loads(line)
+    if not isinstance(msg, dict):
+        raise ValueError(f"not an event: {line[:80]!r}")
     return msg

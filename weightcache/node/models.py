@@ -12,6 +12,7 @@ A bad entry is reported and skipped; the valid ones still converge.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,13 @@ def load(path: Path) -> DesiredState:
         doc = yaml.safe_load(data) or {}
     except yaml.YAMLError as e:
         raise UsageError(f"the models file {path} is not valid YAML: {e}") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("models", []), list):
+    if not isinstance(doc, dict) or not isinstance(doc.get("models") or [], list):
         raise UsageError(f"the models file {path} must be a mapping with a 'models' list")
+    if set(doc) - {"models"}:  # a misspelt `models:` would silently drop every pin
+        raise UsageError(
+            f"the models file {path} has unknown top-level key(s) "
+            f"{sorted(map(str, set(doc) - {'models'}))}; the only one is 'models'"
+        )
     models: list[ModelSpec] = []
     problems: list[str] = []
     seen: set[tuple[str, str]] = set()
@@ -83,11 +89,18 @@ def parse_entry(raw: Any) -> ModelSpec:
     pin = raw.get("pin", False)
     if not isinstance(pin, bool):
         raise UsageError(f"'pin' must be true or false, not {pin!r}")
-    name, revision = raw.get("name"), raw.get("revision")
-    source = Source.parse(
-        str(raw["source"]),
-        None if name is None else str(name),
-        None if revision is None else str(revision),
-    )
+    name, revision = _text(raw, "name"), _text(raw, "revision")
+    source = Source.parse(str(raw["source"]), name, revision)
     check_revision(source.name, source.revision)
     return ModelSpec(source, pin)
+
+
+def _text(raw: dict[str, Any], key: str) -> str | None:
+    """A name or revision as written. YAML reads `1.10` as the float 1.1 and `010` as 8:
+    refused rather than renamed (quote them). An unquoted date reads back as written."""
+    value = raw.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, datetime.date) and not isinstance(value, datetime.datetime):
+        return value.isoformat()
+    raise UsageError(f"'{key}' {value!r} is not text as YAML reads it; quote it: {key}: \"...\"")
