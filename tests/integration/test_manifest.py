@@ -128,9 +128,7 @@ def test_a_different_manifest_is_replaced_only_with_force(wc: CLI, s3: Any, uniq
 
 
 @pytest.mark.timeout(120)
-def test_an_empty_prefix_or_a_missing_bucket_is_a_source_error(
-    wc: CLI, s3: Any, uniq: str
-) -> None:
+def test_an_empty_prefix_or_a_missing_bucket_is_a_source_error(wc: CLI, s3: Any, uniq: str) -> None:
     message = assert_fails(wc.run("manifest", source_of(uniq)), 3)
     assert f"no files under {source_of(uniq)}/" in message, message
 
