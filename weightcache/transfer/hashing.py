@@ -132,7 +132,8 @@ class ObjectHasher:
         """{label: sha256 hex} of every object, read as it is in the store now.
 
         Raises SourceError (gone, denied, changed size while read), TransientError (the
-        retries or `--timeout` ran out), Interrupted (KeyboardInterrupt in the caller).
+        retries or `--timeout` ran out). On KeyboardInterrupt every GET stops at its next
+        read before it propagates.
         """
         run = _Run()
         n = self.settings.max_concurrency
