@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,16 @@ def test_throttling_and_broken_bodies_mid_file_are_retried(
     assert faults.get("slowdown", 0) >= 2 and faults.get("reset", 0) >= 1, faults
     assert faults.get("truncate", 0) >= 1, faults
     assert "attempt 1/8" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_bwlimit_bounds_the_rate_of_hashing(wc: CLI, s3: Any, uniq: str) -> None:
+    """8 MiB at 1 MiB/s cannot hash in less than (8 - one burst of 0.25 MiB) / 1 MiB/s
+    = 7.75 s, however loaded the CPU (load only slows it); unlimited it takes under 1 s."""
+    objects = nested_objects(uniq)
+    source = put(s3, uniq, objects)
+    proc = wc.run("manifest", source, "--bwlimit", "1M", "--part-size", "1M", timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == sha256sums(objects)
+    seconds = float(re.search(r"hashed 6 files \(.*\) under .* in ([\d.]+)s", proc.stderr)[1])
+    assert seconds >= 7.5, proc.stderr

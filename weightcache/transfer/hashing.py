@@ -6,7 +6,8 @@ thread each, and hashlib releases the GIL, so they use several cores). The data 
 the one of ranged.py: plain `http.client` on threads with presigned URLs, one keep-alive
 connection per worker, the same retries (5xx, 429/503 SlowDown, resets, truncated bodies,
 timeouts; full-jitter backoff, resuming at the byte where a GET broke), AIMD on throttling,
-and the same stall clock (`--timeout` without PROGRESS_BYTES ends it, exit 6).
+and the same stall clock (`--timeout` without PROGRESS_BYTES ends it, exit 6); `--bwlimit`
+bounds the bytes per second over all of its GETs.
 
 Memory is bounded by a pool of `max_concurrency` part buffers of `part_size` bytes each
 (16 x 16 MiB = 256 MiB by default, whatever the objects' sizes): a GET needs a buffer, and
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 from weightcache.config import OriginSettings
 from weightcache.errors import Interrupted, SourceError, TransientError
-from weightcache.transfer.pacing import AIMDGate, Backoff
+from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
 from weightcache.transfer.parts import plan_parts
 from weightcache.transfer.ranged import (
     BUFFER,
@@ -126,6 +127,7 @@ class ObjectHasher:
         self.observer = observer or NullObserver()
         self.gate = AIMDGate(settings.max_concurrency)
         self.backoff = backoff or Backoff()
+        self.tokens = TokenBucket(settings.bwlimit) if settings.bwlimit else None
         self._local = threading.local()
 
     def hash_objects(self, objects: list[StoredObject]) -> dict[str, str]:
@@ -293,13 +295,19 @@ class ObjectHasher:
     def _read_body(
         self, obj: StoredObject, resp: _Response, pos: int, end: int, into: memoryview, run: _Run
     ) -> int:
-        """Read the body socket read by socket read (each one moves the stall clock)."""
+        """Read the body socket read by socket read (each one moves the stall clock);
+        time spent waiting for --bwlimit tokens is ours, not a stall of the store."""
         filled = 0
         reading_since = time.monotonic()
         while pos + filled < end:
             if run.stop.is_set():
                 raise Interrupted(f"hashing {obj.label} stopped")
-            n = resp.recv_into(into[filled : filled + BUFFER])
+            want = min(BUFFER, end - pos - filled)
+            if self.tokens is not None:
+                waited = time.monotonic()
+                self.tokens.take(want)
+                reading_since += time.monotonic() - waited
+            n = resp.recv_into(into[filled : filled + want])
             if not n:
                 self._local.pos = pos + filled
                 raise _Retry(f"body ended {end - pos - filled} bytes short")
