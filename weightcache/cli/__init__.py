@@ -4,7 +4,7 @@ Every option also reads WEIGHTCACHE_<OPTION> from the environment (design §2), 
 settings object is built by its one builder in weightcache/options.py. Errors print one
 sentence on stderr and exit with the code of design §2.2 (weightcache/cli/reporting.py);
 stdout carries only results. The commands live by audience: fetching.py (`fetch`,
-`publish`), node.py (`prefetch`, `daemon`), admin.py (`ls`, `verify`, `gc`, `demo`).
+`publish`, `manifest`), node.py (`prefetch`, `daemon`), admin.py (`ls`, `verify`, `gc`, `demo`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import sys
 import click
 
 from weightcache.cli.admin import demo, gc, ls_, verify
-from weightcache.cli.fetching import fetch, publish
+from weightcache.cli.fetching import fetch, manifest, publish
 from weightcache.cli.node import daemon, prefetch
 from weightcache.cli.reporting import Group
 
-__all__ = ["daemon", "demo", "fetch", "gc", "ls_", "main", "prefetch", "publish", "verify"]
+__all__ = [
+    "daemon", "demo", "fetch", "gc", "ls_", "main", "manifest", "prefetch", "publish", "verify"
+]  # fmt: skip
 
 
 @click.group(
@@ -42,7 +44,7 @@ def main(verbose: int, quiet: bool) -> None:
         logging.getLogger("botocore").setLevel(logging.WARNING)
 
 
-for _command in (fetch, publish, prefetch, daemon, ls_, verify, gc, demo):
+for _command in (fetch, publish, manifest, prefetch, daemon, ls_, verify, gc, demo):
     main.add_command(_command)
 
 

@@ -157,3 +157,22 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
     manifest = do_publish(local_dir, Source.parse(dest), origin_settings(store))
     log.info("published %d files to %s", manifest.count(b"\n"), dest)
     click.echo(dest.rstrip("/"))
+
+
+@click.command()
+@click.argument("source")
+@option("--write", is_flag=True, help="Put the manifest at SOURCE/SHA256SUMS (one PUT).")
+@option("--force", is_flag=True, help="With --write: replace a SHA256SUMS that differs.")
+@store_options
+@reports_errors
+def manifest(source: str, write: bool, force: bool, **store: Any) -> None:
+    """Hash every file under SOURCE (s3://bucket/prefix/name/rev) where it is, with parallel
+    ranged reads and no local copy, and print its SHA256SUMS; --write puts it there instead.
+
+    Memory: at most --max-concurrency buffers of --part-size (256MiB by default).
+    """
+    from weightcache.ops.manifest import manifest as make
+
+    data = make(source, origin_settings(store), write, force)
+    if not write:
+        click.echo(data, nl=False)

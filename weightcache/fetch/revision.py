@@ -276,8 +276,8 @@ class Fetcher:
         sizes = origin.list_sizes(source.bucket, source.prefix)
         if MANIFEST_NAME not in sizes:
             raise SourceError(
-                f"no {MANIFEST_NAME} at {where}; publish the model with `weightcache publish` "
-                "(or write the manifest with sha256sum) so that downloads can be verified"
+                f"no {MANIFEST_NAME} at {where}; write it with `weightcache manifest {source.url}/"
+                " --write` (or publish with `weightcache publish`) so downloads can be verified"
             )
         manifest = parse(content.result(), where)
         missing = [e.path for e in manifest.entries if e.path not in sizes]
