@@ -233,11 +233,17 @@ def test_busy_node_with_a_full_link_leaves_a_store_with_room_alone() -> None:
     assert Counter(r.source for r in got) == {"a": 2}
 
 
-def test_idle_node_uses_a_store_with_room_even_for_claimed_pieces() -> None:
+def test_idle_node_uses_a_store_with_room_even_for_a_claimed_piece() -> None:
     peers = [peer("a", fetching=list(range(N)))]  # all claimed, nothing held
     got = pick(local(spare=False), peers, room=True, limits=Limits(per_origin=2))
-    assert [r.source for r in got] == [ORIGIN, ORIGIN]
+    assert [r.source for r in got] == [ORIGIN]
     assert pick(local(spare=False), peers, room=False) == []
+
+
+def test_busy_node_leaves_another_node_s_claim_alone_even_with_room() -> None:
+    peers = [peer("a", have=[0], fetching=[1, 2, 3])]
+    me = local(range(4, N), {4: {"b"}}, rank=0, nodes=1)
+    assert pick(me, peers, room=True) == [Request(0, "a")]
 
 
 def test_endgame_asks_a_second_peer_never_the_same_source_nor_the_store() -> None:
@@ -364,21 +370,24 @@ def test_the_store_is_asked_for_claimed_pieces_only_with_room_and_need(
     situations: list[Situation],
 ) -> None:
     """Without room: only unclaimed pieces of the own stripe. With room, others only when the
-    node's link is spare or it would be idle."""
+    node's link is spare or it would be idle, and a piece only claimed (fetched, not held)
+    only by an idle node, one."""
     for me, peers, store, _, got in situations:
-        seen = 0
+        held = fetched = 0
         for p in peers:
-            seen |= p.have.bits | p.fetching.bits
+            held, fetched = held | p.have.bits, fetched | p.fetching.bits
         own = stripe(me.rank, me.nodes, me.have.count)
         idle = not me.inflight and all(r.source == ORIGIN for r in got)
+        claimed = [r for r in got if (fetched & ~held) >> r.piece & 1 and r.source == ORIGIN]
+        assert len(claimed) <= (1 if store.room and idle else 0)
         for r in got:
             if r.source != ORIGIN:
                 continue
-            unclaimed_own = not (seen >> r.piece & 1) and own >> r.piece & 1
+            unclaimed = not ((held | fetched) >> r.piece & 1)
             if not store.room:
-                assert unclaimed_own
+                assert unclaimed and own >> r.piece & 1
             elif not (me.spare or idle):
-                assert not (seen >> r.piece & 1)
+                assert unclaimed
 
 
 def test_never_idle_while_the_store_has_room(situations: list[Situation]) -> None:

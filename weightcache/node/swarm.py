@@ -28,12 +28,14 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
 3. **The store when peers cannot keep up.** If the store has shown room (`StoreView.room`)
    and this node's link has room that peers are not filling (`Local.spare`), or the node
    would otherwise have nothing in flight, more pieces are asked of the store: unclaimed ones
-   outside the own stripe first (an owner that is slow, gone or unseen), then the rarest. A
-   node therefore never waits idle while the store could serve it, and the swarm is never
-   slower than every node pulling from the store alone. A store without room is left to the
-   claimants, even by an idle node: it is sending at capacity already, another request
-   would only share that, and a copy of a piece that a peer is about to have (the view may
-   be stale) costs the store a second copy.
+   outside the own stripe first (an owner that is slow, gone or unseen), then the rarest of
+   those peers hold (relieving them). A piece another node is fetching from the store and
+   nobody holds yet is its claim: it is asked of the store again only by a node that would
+   otherwise be idle, one at a time. A node therefore never waits idle while the store could
+   serve it, and the swarm is never slower than every node pulling from the store alone. A
+   store without room is left to the claimants, even by an idle node: it is sending at
+   capacity already, another request would only share that, and a copy of a piece that a
+   peer is about to have (the view may be stale) costs the store a second copy.
 4. **Endgame.** When every missing piece is already in flight and at most `Limits.endgame`
    are missing, each is also asked of a second peer holding it (never of more than two
    sources), so that the last pieces do not wait on the slowest sender. Not of the store: a
@@ -238,7 +240,9 @@ def choose(
     plan.peers_rarest_first(rng)
     if store.room and (local.spare or not plan.busy()):
         plan.origin_unclaimed(-1, limits.per_origin)
-        plan.origin_rarest(rng, limits.per_origin)
+        plan.origin_rarest(rng, limits.per_origin, plan.held)
+        if not plan.busy():
+            plan.origin_rarest(rng, 1, -1)
     plan.endgame(rng)
     return plan.requests
 
@@ -260,6 +264,9 @@ class _Plan:
         inflight = sum(1 << piece for piece in local.inflight)
         self.wanted = ((1 << count) - 1) & ~local.have.bits & ~inflight
         self.holders = _counts(peer.have.bits for peer in peers)
+        self.held = 0
+        for peer in peers:
+            self.held |= peer.have.bits
         self.stripe = stripe(local.rank, local.nodes, count) if count else 0
 
     def busy(self) -> bool:
@@ -306,12 +313,12 @@ class _Plan:
     def _load(self, peer: PeerView, rng: random.Random) -> tuple[int, int, float]:
         return self.slots.get(peer.url, 0), peer.load, rng.random()
 
-    def origin_rarest(self, rng: random.Random, at_most: int) -> None:
-        """Rule 3: up to `at_most` of the rarest pieces still wanted, from the store."""
+    def origin_rarest(self, rng: random.Random, at_most: int, within: int) -> None:
+        """Rule 3: up to `at_most` of the rarest pieces of `within` still wanted, from the store."""
         for _ in range(at_most):
-            if not (self.wanted and self._free(ORIGIN)):
+            if not (self.wanted & within and self._free(ORIGIN)):
                 return
-            self._add(_pick(_rarest(self.wanted, self.holders), rng), ORIGIN)
+            self._add(_pick(_rarest(self.wanted & within, self.holders), rng), ORIGIN)
 
     def endgame(self, rng: random.Random) -> None:
         """Rule 4: a second source for the last pieces in flight (one each, at most)."""
