@@ -261,6 +261,7 @@ class _Plan:
         for sources in local.inflight.values():
             for source in sources:
                 self.slots[source] = self.slots.get(source, 0) + 1
+        self.total = sum(self.slots.values())
         inflight = sum(1 << piece for piece in local.inflight)
         self.wanted = ((1 << count) - 1) & ~local.have.bits & ~inflight
         self.holders = _counts(peer.have.bits for peer in peers)
@@ -273,13 +274,13 @@ class _Plan:
         return bool(self.local.inflight or self.requests)
 
     def _free(self, source: str) -> bool:
-        total = sum(self.slots.values())
         bound = self.limits.per_origin if source == ORIGIN else self.limits.per_peer
-        return total < self.limits.total and self.slots.get(source, 0) < bound
+        return self.total < self.limits.total and self.slots.get(source, 0) < bound
 
     def _add(self, piece: int, source: str) -> None:
         self.requests.append(Request(piece, source))
         self.slots[source] = self.slots.get(source, 0) + 1
+        self.total += 1
         self.wanted &= ~(1 << piece)
 
     def origin_unclaimed(self, within: int, bound: int) -> None:
