@@ -1,18 +1,22 @@
 """Swarm simulator: N nodes fetch one blob through `weightcache.node.swarm.choose`.
 
     python benchmarks/swarmsim.py [--nodes 8,16] [--size 256M] [--piece 4M] [--link 400M]
-                                  [--store-rate 1x,4x] [--rtt 1ms] [--refresh 0.5s]
-                                  [--jitter 0s] [--view 32] [--seed 1] [--json out.json]
+                                  [--store-rate 1x,4x] [--rtt 0.001] [--refresh 0.5]
+                                  [--jitter 0] [--view 32] [--seed 1] [--json out.json]
 
 A discrete-event simulation of the piece and source choice past what this machine can run.
 Every node calls the exact pure function the daemons use, with the view it would have: its
-own state live, its peers' bitmaps (held, in flight) and upload counts as of its last
-refresh (every `--refresh` seconds, each node at its own phase; the first one a refresh
-after its start, so at the start a node knows nothing of the others), and whether the
-store has room (a request to it would get at least a request's share of the node's link),
-measured at the same refreshes. A node watches at most `--view` peers (a random sample,
-fixed per node): polling a thousand peers' bitmaps every second is not something a daemon
-would do, and rarity is then local, as in BitTorrent.
+own state live; its peers' bitmaps (held, in flight) and upload counts as of its last
+refresh (every `--refresh` seconds, each node at its own phase, the first one a refresh
+after its start: at the start a node knows nothing of the others); a node with nothing in
+flight looks at its peers again (one RTT) before it decides, at most ten times a refresh.
+Whether the store has room is measured at the same moments, idealized: the store sent less
+than 80% of its egress since the node's previous measurement (a daemon has to infer this
+from its own requests' rates and the store's 503s); the node's store window follows with
+`next_window`. Its link is spare if it receives less than 90% of the link's rate. A node
+watches at most `--view` peers (a random sample, fixed per node): polling a thousand peers'
+bitmaps every second is not something a daemon would do, and rarity is then local, as in
+BitTorrent; its rank (its stripe, see `choose`) is among all N nodes.
 
 The network: every node has an uplink and a downlink (`--link`, the same both ways; times
 `--efficiency`, the payload share of a shaped link: 0.95 for TCP/IPv4 at MTU 1500), the
@@ -60,11 +64,12 @@ from weightcache.node.swarm import (
     PeerView,
     StoreView,
     choose,
+    next_window,
     piece_count,
 )
 
 SPARE = 0.9  # a node receiving less than this share of its link has room for more
-STORE_ROOM = 0.5  # the store has room if it sent less than this share of its egress
+STORE_ROOM = 0.8  # the store has room if it sent less than this share of its egress
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,8 @@ class Node:
     started: bool = False
     ready: float | None = None
     room: bool = False
-    polled: bool = False  # looked again, idle, since the last refresh
+    window: int = 1  # claims to keep in flight (next_window)
+    polled: float = -1.0  # when it last looked again because it was idle
     measured: tuple[float, float] = (0.0, 0.0)  # the store's bytes sent, at this time
     view: list[PeerView] = field(default_factory=list)
     watches: list[int] = field(default_factory=list)
@@ -218,7 +224,6 @@ class Swarm:
                 self._decide(obj)
                 net.at(net.now + self.p.refresh, REFRESH, obj)
             elif kind == REFRESH and isinstance(obj, int) and self.nodes[obj].ready is None:
-                self.nodes[obj].polled = False
                 self._refresh(obj)
                 self._decide(obj)
                 net.at(net.now + self.p.refresh, REFRESH, obj)
@@ -242,15 +247,16 @@ class Swarm:
         sent, since = net.sent_by(self.store), net.now - node.measured[1]
         if since > 0:
             node.room = sent - node.measured[0] < STORE_ROOM * net.up[self.store] * since
+            node.window = next_window(node.window, node.room, self.p.limits)
         node.measured = (sent, net.now)
 
     def _decide(self, i: int) -> None:
         node = self.nodes[i]
         if node.ready is not None:
             return
-        if not node.inflight and not node.polled and node.view:
+        if not node.inflight and node.view and self.net.now >= node.polled + self.p.refresh / 10:
             # with nothing in flight, look at the peers again before deciding (one RTT)
-            node.polled = True
+            node.polled = self.net.now
             self.net.at(self.net.now + self.p.rtt, POLL, i)
             return
         local = Local(
@@ -260,7 +266,9 @@ class Swarm:
             nodes=self.p.nodes,
             spare=self.net.inflow(i) < SPARE * self.net.down[i],
         )
-        requests = choose(local, node.view, StoreView(node.room), self.p.limits, self.rng)
+        requests = choose(
+            local, node.view, StoreView(node.room, node.window), self.p.limits, self.rng
+        )
         for r in requests:
             src = self.store if r.source == ORIGIN else int(r.source)
             start, end = r.piece * self.p.piece, min((r.piece + 1) * self.p.piece, self.p.size)
@@ -331,7 +339,7 @@ def run(p: Params) -> dict[str, object]:
 # -- command line ---------------------------------------------------------------------------
 
 HEADERS = (
-    "N", "store egress", "pieces", "swarm last s", "swarm p50 s", "store x model",
+    "nodes", "store egress", "pieces", "swarm last s", "swarm p50 s", "store x model",
     "last / line", "peers off last s", "peers off store x", "today last s", "today p50 s",
     "line s", "bound s", "sim s",
 )  # fmt: skip

@@ -18,6 +18,7 @@ from weightcache.node.swarm import (
     Request,
     StoreView,
     choose,
+    next_window,
     piece_count,
     piece_ranges,
     stripe,
@@ -161,14 +162,28 @@ def pick(
     room: bool = False,
     limits: Limits | None = None,
     seed: int = 1,
+    window: int = 8,
 ) -> list[Request]:
-    return choose(me, peers, StoreView(room), limits or Limits(), random.Random(seed))
+    """The choice, by default with a store window as wide as the default limits allow."""
+    store = StoreView(room, window)
+    return choose(me, peers, store, limits or Limits(), random.Random(seed))
 
 
 def test_start_alone_takes_the_own_stripe_one_claim_at_a_time() -> None:
-    assert pick(local(rank=1, nodes=4), []) == [Request(4, ORIGIN)]
-    assert pick(local([4], rank=1, nodes=4), []) == [Request(5, ORIGIN)]
-    assert pick(local(rank=3, nodes=4, inflight={12: {ORIGIN}}), []) == []
+    assert pick(local(rank=1, nodes=4), [], window=1) == [Request(4, ORIGIN)]
+    assert pick(local([4], rank=1, nodes=4), [], window=1) == [Request(5, ORIGIN)]
+    assert pick(local(rank=3, nodes=4, inflight={12: {ORIGIN}}), [], window=1) == []
+    assert pick(local(rank=1, nodes=4), [], window=3) == [Request(p, ORIGIN) for p in (4, 5, 6)]
+    # without room, the own stripe only, however wide the window
+    assert pick(local(rank=1, nodes=4), []) == [Request(p, ORIGIN) for p in (4, 5, 6, 7)]
+
+
+@pytest.mark.parametrize(
+    ("window", "room", "expected"),
+    [(1, True, 2), (2, True, 3), (8, True, 8), (7, False, 3), (2, False, 1), (1, False, 1)],
+)
+def test_store_window_grows_by_one_and_halves(window: int, room: bool, expected: int) -> None:
+    assert next_window(window, room, Limits(claims=1, per_origin=8)) == expected
 
 
 def test_start_with_room_fills_the_store_slots_own_stripe_first_then_the_ring() -> None:
@@ -177,14 +192,14 @@ def test_start_with_room_fills_the_store_slots_own_stripe_first_then_the_ring() 
 
 
 def test_nodes_started_together_ask_the_store_for_different_pieces() -> None:
-    claims = [pick(local(rank=r, nodes=8), [], limits=Limits(claims=2)) for r in range(8)]
+    claims = [pick(local(rank=r, nodes=8), [], window=2) for r in range(8)]
     pieces = [r.piece for c in claims for r in c]
     assert len(pieces) == 16 and len(set(pieces)) == 16
 
 
 def test_a_piece_a_peer_holds_or_fetches_is_not_a_claim() -> None:
     peers = [peer("a", have=[0]), peer("b", fetching=[1])]
-    got = pick(local(), peers, limits=Limits(claims=3))
+    got = pick(local(), peers, window=3)
     assert got == [Request(2, ORIGIN), Request(3, ORIGIN), Request(4, ORIGIN), Request(0, "a")]
 
 
@@ -308,7 +323,7 @@ def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreVi
         total=rng.randrange(1, 20),
         endgame=rng.randrange(0, 10),
     )
-    return me, peers, StoreView(rng.random() < 0.5), limits
+    return me, peers, StoreView(rng.random() < 0.5, rng.randrange(0, 10)), limits
 
 
 SEEDS = range(1500)
@@ -347,12 +362,13 @@ def test_in_flight_pieces_only_in_the_endgame_from_a_second_peer(
 
 
 def test_bounds_per_source_and_in_total(situations: list[Situation]) -> None:
-    for me, _, _, limits, got in situations:
+    for me, _, store, limits, got in situations:
         before = Counter(s for sources in me.inflight.values() for s in sources)
         after = before + Counter(r.source for r in got)
         new = Counter(r.source for r in got)
+        window = max(limits.claims, min(store.window, limits.per_origin))
         for source in new:
-            bound = limits.per_origin if source == ORIGIN else limits.per_peer
+            bound = window if source == ORIGIN else limits.per_peer
             assert after[source] <= max(bound, before[source])
             assert before[source] < bound
         assert not got or after.total() <= max(limits.total, before.total())

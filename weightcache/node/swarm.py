@@ -16,11 +16,12 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
    rank in the sorted membership that every node discovers alike), and a node takes the
    unclaimed pieces of its own stripe from the store, lowest first. Nodes started together
    thus ask the store for different pieces from the first instant, when nobody has advertised
-   anything yet, and the store sends about one copy when it is the bottleneck. While the
-   store has shown no room, only `Limits.claims` (1) of these are in flight: requests to a
-   saturated store share its egress, so k at once make each piece arrive k times later
-   without making the node's share larger; few at a time, each piece arrives, and spreads
-   to the peers, while the store sends the next (a pipeline).
+   anything yet, and the store sends about one copy when it is the bottleneck.
+   Requests to the store (by any rule) are at most `StoreView.window` in flight: one at the
+   start, more as the store shows room (`next_window`, additive increase, multiplicative
+   decrease). Requests to a saturated store share its egress, so k at once make each piece
+   arrive k times later without making the node's share larger; few at a time, each piece
+   arrives, and spreads to the peers, while the store sends the next (a pipeline).
 2. **Peers, rarest first.** Every other missing piece that a peer with a free slot holds is
    asked of a peer, the pieces held by the fewest peers first (random among equals, so that
    nodes diverge and every piece spreads), each from its least busy holder: rare pieces are
@@ -42,7 +43,8 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
    second copy from it is what rule 1 avoids, and with few pieces per node that tail alone
    would cost a noticeable share of a copy (8 nodes x 1 piece of 64 = 1/8).
 
-Bounds (`Limits`): requests in flight per peer, to the store, and in total. A piece this
+Bounds (`Limits`): requests in flight per peer, to the store (the window, at most
+`Limits.per_origin`), and in total. A piece this
 node holds is never chosen; a piece in flight is chosen only by the endgame rule.
 
 Bitmaps are Python ints (bit i = piece i) so that a choice over thousands of pieces and
@@ -188,9 +190,26 @@ class StoreView:
     request's share of this node's link, and no 503/SlowDown. Until then (False, the start)
     it is assumed to be the bottleneck, where asking it for pieces that someone else claims
     or holds would only slow the claimant and cost the store another copy.
+
+    `window`: how many claims (rule 1) to keep in flight, kept by the caller with
+    `next_window` at each new measurement of `room`.
     """
 
     room: bool = False
+    window: int = 1
+
+
+def next_window(window: int, room: bool, limits: Limits) -> int:
+    """The claims to keep in flight after a measurement: one more while the store has room,
+    half as many when it has none (additive increase, multiplicative decrease, as TCP's
+    congestion window), between `limits.claims` and `limits.per_origin`.
+
+    A window that jumped to the maximum at the first sign of room would make all those
+    pieces arrive together, late; one that fell back to the minimum at once would leave the
+    store idle until the next measurement.
+    """
+    grown = window + 1 if room else window // 2
+    return max(limits.claims, min(limits.per_origin, grown))
 
 
 @dataclass(frozen=True)
@@ -199,7 +218,7 @@ class Limits:
 
     per_peer: int = 4  # to one peer: enough to fill its uplink over one RTT, not to hog it
     per_origin: int = 8  # to the store: the ranged GETs one fetch already runs in parallel
-    claims: int = 1  # to the store while it has shown no room: see `choose`, rule 1
+    claims: int = 1  # to the store at least, for rule 1: see `choose`, `next_window`
     total: int = 16  # in all: bounds memory and open connections
     endgame: int = 8  # missing pieces at most, for a second source to be tried
 
@@ -235,11 +254,11 @@ def choose(
     from a source it is not in flight from; at most `limits` requests in flight per peer, to
     the store and in total, counting those already in flight; each piece at most once.
     """
-    plan = _Plan(local, peers, limits)
-    plan.origin_unclaimed(plan.stripe, limits.per_origin if store.room else limits.claims)
+    plan = _Plan(local, peers, limits, max(limits.claims, min(store.window, limits.per_origin)))
+    plan.origin_unclaimed(plan.stripe)
     plan.peers_rarest_first(rng)
     if store.room and (local.spare or not plan.busy()):
-        plan.origin_unclaimed(-1, limits.per_origin)
+        plan.origin_unclaimed(-1)
         plan.origin_rarest(rng, limits.per_origin, plan.held)
         if not plan.busy():
             plan.origin_rarest(rng, 1, -1)
@@ -250,12 +269,14 @@ def choose(
 class _Plan:
     """The requests `choose` is building, with the slots and pieces they use up."""
 
-    def __init__(self, local: Local, peers: Sequence[PeerView], limits: Limits) -> None:
+    def __init__(
+        self, local: Local, peers: Sequence[PeerView], limits: Limits, store_bound: int
+    ) -> None:
         count = local.have.count
         for peer in peers:
             if peer.have.count != count or peer.fetching.count != count:
                 raise BitmapError(f"peer {peer.url} advertises a bitmap of another piece count")
-        self.local, self.peers, self.limits = local, peers, limits
+        self.local, self.peers, self.limits, self.store_bound = local, peers, limits, store_bound
         self.requests: list[Request] = []
         self.slots: dict[str, int] = {}  # requests in flight or planned, by source
         for sources in local.inflight.values():
@@ -274,7 +295,7 @@ class _Plan:
         return bool(self.local.inflight or self.requests)
 
     def _free(self, source: str) -> bool:
-        bound = self.limits.per_origin if source == ORIGIN else self.limits.per_peer
+        bound = self.store_bound if source == ORIGIN else self.limits.per_peer
         return self.total < self.limits.total and self.slots.get(source, 0) < bound
 
     def _add(self, piece: int, source: str) -> None:
@@ -283,9 +304,8 @@ class _Plan:
         self.total += 1
         self.wanted &= ~(1 << piece)
 
-    def origin_unclaimed(self, within: int, bound: int) -> None:
-        """Rules 1, 3: pieces of `within` nobody in view holds or fetches, from the store,
-        while it has fewer than `bound` requests of ours in flight.
+    def origin_unclaimed(self, within: int) -> None:
+        """Rules 1, 3: pieces of `within` nobody in view holds or fetches, from the store.
 
         In ring order from the own stripe's start: beyond it lie the stripes of the next
         nodes, the likeliest to be claimed already if their owners are alive.
@@ -294,7 +314,7 @@ class _Plan:
         for peer in self.peers:
             seen |= peer.have.bits | peer.fetching.bits
         for piece in _ring(self.wanted & ~seen & within, self.stripe):
-            if not self._free(ORIGIN) or self.slots.get(ORIGIN, 0) >= bound:
+            if not self._free(ORIGIN):
                 return
             self._add(piece, ORIGIN)
 
