@@ -191,16 +191,31 @@ class StoreView:
     it is assumed to be the bottleneck, where asking it for pieces that someone else claims
     or holds would only slow the claimant and cost the store another copy.
 
-    `window`: how many claims (rule 1) to keep in flight, kept by the caller with
-    `next_window` at each new measurement of `room`.
+    `window`: how many requests to the store (by any rule) to keep in flight at most, kept
+    by the caller with `next_window` at each new measurement of `room`.
     """
 
     room: bool = False
     window: int = 1
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Requests in flight this node allows; the defaults suit pieces of a few MiB."""
+
+    per_peer: int = 4  # to one peer: enough to fill its uplink over one RTT, not to hog it
+    per_origin: int = 8  # the store window's top: the ranged GETs one fetch runs in parallel
+    claims: int = 1  # the store window's bottom and start: see `choose`, rule 1
+    total: int = 16  # in all: bounds memory and open connections
+    endgame: int = 8  # missing pieces at most, for a second source to be tried
+
+    def __post_init__(self) -> None:
+        if min(self.per_peer, self.per_origin, self.claims, self.total) < 1 or self.endgame < 0:
+            raise ValueError(f"request limits must be positive: {self}")
+
+
 def next_window(window: int, room: bool, limits: Limits) -> int:
-    """The claims to keep in flight after a measurement: one more while the store has room,
+    """The store window after a measurement: one more request while the store has room,
     half as many when it has none (additive increase, multiplicative decrease, as TCP's
     congestion window), between `limits.claims` and `limits.per_origin`.
 
@@ -210,21 +225,6 @@ def next_window(window: int, room: bool, limits: Limits) -> int:
     """
     grown = window + 1 if room else window // 2
     return max(limits.claims, min(limits.per_origin, grown))
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Requests in flight this node allows; the defaults suit pieces of a few MiB."""
-
-    per_peer: int = 4  # to one peer: enough to fill its uplink over one RTT, not to hog it
-    per_origin: int = 8  # to the store: the ranged GETs one fetch already runs in parallel
-    claims: int = 1  # to the store at least, for rule 1: see `choose`, `next_window`
-    total: int = 16  # in all: bounds memory and open connections
-    endgame: int = 8  # missing pieces at most, for a second source to be tried
-
-    def __post_init__(self) -> None:
-        if min(self.per_peer, self.per_origin, self.claims, self.total) < 1 or self.endgame < 0:
-            raise ValueError(f"request limits must be positive: {self}")
 
 
 @dataclass(frozen=True, order=True)
