@@ -213,7 +213,8 @@ class Swarm:
 
     def run(self) -> Outcome:
         net = self.net
-        while net.events:
+        horizon = 4 * peers_off(self.p).last + self.p.jitter + 10 * self.p.refresh
+        while net.events and net.now <= horizon:  # a stalled node is reported as never ready
             net.now, _, kind, obj, ver = heapq.heappop(net.events)
             if kind == END and isinstance(obj, Flow) and obj.ver == ver and obj.active:
                 self._arrived(obj)
