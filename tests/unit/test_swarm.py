@@ -1,0 +1,435 @@
+"""swarm: pieces, advertised bitmaps and the piece and source choice (pure)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable
+
+import pytest
+
+from weightcache.node.swarm import (
+    ORIGIN,
+    Bitmap,
+    BitmapError,
+    Limits,
+    Local,
+    PeerView,
+    Request,
+    StoreView,
+    choose,
+    next_window,
+    piece_count,
+    piece_ranges,
+    stripe,
+)
+
+# -- pieces and bitmaps --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "piece", "expected"),
+    [
+        (0, 4, []),
+        (1, 4, [(0, 1)]),
+        (4, 4, [(0, 4)]),
+        (5, 4, [(0, 4), (4, 5)]),
+        (12, 4, [(0, 4), (4, 8), (8, 12)]),
+        (3, 1, [(0, 1), (1, 2), (2, 3)]),
+    ],
+)
+def test_piece_ranges(size: int, piece: int, expected: list[tuple[int, int]]) -> None:
+    assert piece_ranges(size, piece) == expected
+    assert piece_count(size, piece) == len(expected)
+
+
+@pytest.mark.parametrize(("size", "piece"), [(-1, 4), (4, 0), (4, -1)])
+def test_piece_ranges_refuses_nonsense(size: int, piece: int) -> None:
+    with pytest.raises(ValueError):
+        piece_ranges(size, piece)
+
+
+@pytest.mark.parametrize(
+    ("count", "pieces", "text"),
+    [
+        (0, [], ""),
+        (1, [0], "AQ=="),
+        (8, [0, 7], "gQ=="),
+        (10, [0, 9], "AQI="),
+        (16, range(16), "//8="),
+    ],
+)
+def test_bitmap_encoding_literal(count: int, pieces: list[int], text: str) -> None:
+    bitmap = Bitmap.of(count, pieces)
+    assert bitmap.encode() == text
+    assert Bitmap.decode(count, text) == bitmap
+    assert list(bitmap) == sorted(pieces)
+    assert len(bitmap) == len(list(pieces))
+
+
+def test_bitmap_roundtrip_random() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        count = rng.randrange(0, 300)
+        bitmap = Bitmap(count, rng.getrandbits(count) if count else 0)
+        assert Bitmap.decode(count, bitmap.encode()) == bitmap
+
+
+@pytest.mark.parametrize(
+    ("count", "text", "says"),
+    [
+        (10, "AQ==", "has 1 bytes, a blob of 10 pieces needs 2"),  # too short
+        (8, "AQI=", "has 2 bytes, a blob of 8 pieces needs 1"),  # too long
+        (0, "AA==", "has 1 bytes, a blob of 0 pieces needs 0"),
+        (10, "AQQ=", "does not fit 10 pieces"),  # bit 10 set: past the last piece
+        (10, "AQL=", "not canonical"),  # stray bits in the padding
+        (10, "AQ I=", "not base64"),
+        (10, "A*I=", "not base64"),
+        (10, "AQI", "not base64"),
+        (10, "AQÏ=", "not base64"),
+    ],
+)
+def test_bitmap_decode_refuses_untrusted_input(count: int, text: str, says: str) -> None:
+    with pytest.raises(BitmapError, match=says):
+        Bitmap.decode(count, text)
+
+
+def test_bitmap_contents() -> None:
+    assert Bitmap.full(5).complete and list(Bitmap.full(5)) == [0, 1, 2, 3, 4]
+    assert not Bitmap.of(5, [0, 1]).complete
+    assert Bitmap(0).complete
+    assert 3 in Bitmap.of(5, [3]) and 4 not in Bitmap.of(5, [3]) and 9 not in Bitmap.full(5)
+    with pytest.raises(BitmapError):
+        Bitmap.of(5, [5])
+    with pytest.raises(BitmapError):
+        Bitmap(3, 0b1000)
+
+
+@pytest.mark.parametrize(
+    ("rank", "nodes", "count", "pieces"),
+    [
+        (0, 1, 5, [0, 1, 2, 3, 4]),
+        (0, 4, 16, [0, 1, 2, 3]),
+        (3, 4, 16, [12, 13, 14, 15]),
+        (0, 3, 10, [0, 1, 2]),
+        (1, 3, 10, [3, 4, 5]),
+        (2, 3, 10, [6, 7, 8, 9]),
+        (0, 4, 2, []),  # more nodes than pieces: some own nothing
+        (1, 4, 2, [0]),
+        (3, 4, 2, [1]),
+    ],
+)
+def test_stripes(rank: int, nodes: int, count: int, pieces: list[int]) -> None:
+    assert list(Bitmap(count, stripe(rank, nodes, count))) == pieces
+
+
+def test_stripes_partition_the_blob() -> None:
+    for nodes, count in [(1, 1), (7, 64), (16, 64), (1000, 522), (5, 2087)]:
+        total = 0
+        for rank in range(nodes):
+            bits = stripe(rank, nodes, count)
+            assert not total & bits
+            total |= bits
+        assert total == (1 << count) - 1
+
+
+# -- the choice: situations and the expected requests ---------------------------------------------
+
+N = 16
+EMPTY = Bitmap(N)
+
+
+def peer(
+    url: str, have: Iterable[int] = (), fetching: Iterable[int] = (), load: int = 0
+) -> PeerView:
+    return PeerView(url, Bitmap.of(N, have), Bitmap.of(N, fetching), load)
+
+
+def local(
+    have: Iterable[int] = (),
+    inflight: dict[int, set[str]] | None = None,
+    rank: int = 0,
+    nodes: int = 1,
+    spare: bool = True,
+) -> Local:
+    flights = {k: frozenset(v) for k, v in (inflight or {}).items()}
+    return Local(Bitmap.of(N, have), flights, rank, nodes, spare)
+
+
+def pick(
+    me: Local,
+    peers: list[PeerView],
+    room: bool = False,
+    limits: Limits | None = None,
+    seed: int = 1,
+    window: int = 8,
+) -> list[Request]:
+    """The choice, by default with a store window as wide as the default limits allow."""
+    store = StoreView(room, window)
+    return choose(me, peers, store, limits or Limits(), random.Random(seed))
+
+
+def test_start_alone_takes_the_own_stripe_one_claim_at_a_time() -> None:
+    assert pick(local(rank=1, nodes=4), [], window=1) == [Request(4, ORIGIN)]
+    assert pick(local([4], rank=1, nodes=4), [], window=1) == [Request(5, ORIGIN)]
+    assert pick(local(rank=3, nodes=4, inflight={12: {ORIGIN}}), [], window=1) == []
+    assert pick(local(rank=1, nodes=4), [], window=3) == [Request(p, ORIGIN) for p in (4, 5, 6)]
+    # without room, the own stripe only, however wide the window
+    assert pick(local(rank=1, nodes=4), []) == [Request(p, ORIGIN) for p in (4, 5, 6, 7)]
+
+
+@pytest.mark.parametrize(
+    ("window", "room", "expected"),
+    [(1, True, 2), (2, True, 3), (8, True, 8), (7, False, 3), (2, False, 1), (1, False, 1)],
+)
+def test_store_window_grows_by_one_and_halves(window: int, room: bool, expected: int) -> None:
+    assert next_window(window, room, Limits(claims=1, per_origin=8)) == expected
+
+
+def test_start_with_room_fills_the_store_slots_own_stripe_first_then_the_ring() -> None:
+    got = pick(local(rank=3, nodes=4), [], room=True)
+    assert got == [Request(p, ORIGIN) for p in (12, 13, 14, 15, 0, 1, 2, 3)]
+
+
+def test_nodes_started_together_ask_the_store_for_different_pieces() -> None:
+    claims = [pick(local(rank=r, nodes=8), [], window=2) for r in range(8)]
+    pieces = [r.piece for c in claims for r in c]
+    assert len(pieces) == 16 and len(set(pieces)) == 16
+
+
+def test_a_piece_a_peer_holds_or_fetches_is_not_a_claim() -> None:
+    peers = [peer("a", have=[0]), peer("b", fetching=[1])]
+    got = pick(local(), peers, window=3)
+    assert got == [Request(2, ORIGIN), Request(3, ORIGIN), Request(4, ORIGIN), Request(0, "a")]
+
+
+def test_rarest_first_from_free_holders() -> None:
+    have = range(3, N)
+    peers = [peer("a", [0, 1, 2]), peer("b", [1, 2]), peer("c", [2])]
+    got = pick(local(have), peers, limits=Limits(per_peer=1))
+    assert got == [Request(0, "a"), Request(1, "b"), Request(2, "c")]
+
+
+def test_rarest_first_is_random_among_equals() -> None:
+    peers = [peer("a", range(N))]
+    firsts = Counter(pick(local(), peers, seed=s)[0].piece for s in range(400))
+    assert set(firsts) == set(range(N))  # every piece is sometimes first
+    assert max(firsts.values()) < 3 * 400 / N
+
+
+def test_least_busy_holder_is_asked() -> None:
+    peers = [peer("a", range(N)), peer("b", range(N)), peer("c", range(N), load=5)]
+    me = local(inflight={0: {"a"}, 1: {"a"}})
+    got = pick(me, peers, limits=Limits(total=3))
+    assert got == [Request(got[0].piece, "b")]
+
+
+def test_late_joiner_takes_everything_from_complete_peers_spread_over_them() -> None:
+    peers = [peer(u, range(N)) for u in "abcd"]
+    got = pick(local(), peers, limits=Limits(per_peer=4, total=16))
+    assert sorted(r.piece for r in got) == list(range(N))
+    assert Counter(r.source for r in got) == {"a": 4, "b": 4, "c": 4, "d": 4}
+
+
+def test_saturated_peers_and_a_store_with_room_bring_in_the_store() -> None:
+    peers = [peer("a", range(N))]
+    limits = Limits(per_peer=2, per_origin=3, total=8)
+    got = pick(local(), peers, room=True, limits=limits)
+    assert Counter(r.source for r in got) == {"a": 2, ORIGIN: 3}
+    # the same without room: the store is left alone (nobody's claim is in question here)
+    no_room = pick(local(), [peer("a", range(N))], room=False, limits=limits)
+    assert Counter(r.source for r in no_room) == {"a": 2}
+
+
+def test_busy_node_with_a_full_link_leaves_a_store_with_room_alone() -> None:
+    peers = [peer("a", range(N))]
+    limits = Limits(per_peer=2, per_origin=3, total=8)
+    got = pick(local(spare=False), peers, room=True, limits=limits)
+    assert Counter(r.source for r in got) == {"a": 2}
+
+
+def test_idle_node_uses_a_store_with_room_even_for_a_claimed_piece() -> None:
+    peers = [peer("a", fetching=list(range(N)))]  # all claimed, nothing held
+    got = pick(local(spare=False), peers, room=True, limits=Limits(per_origin=2))
+    assert [r.source for r in got] == [ORIGIN]
+    assert pick(local(spare=False), peers, room=False) == []
+
+
+def test_busy_node_leaves_another_node_s_claim_alone_even_with_room() -> None:
+    peers = [peer("a", have=[0], fetching=[1, 2, 3])]
+    me = local(range(4, N), {4: {"b"}}, rank=0, nodes=1)
+    assert pick(me, peers, room=True) == [Request(0, "a")]
+
+
+def test_endgame_asks_a_second_peer_never_the_same_source_nor_the_store() -> None:
+    peers = [peer("a", range(N)), peer("b", range(N))]
+    me = local(range(13), {13: {"a"}, 14: {ORIGIN}, 15: {"a", "b"}})
+    got = pick(me, peers, room=True)
+    assert {r.piece for r in got} == {13, 14}
+    assert all(r.source != ORIGIN for r in got)
+    assert next(r for r in got if r.piece == 13).source == "b"
+
+
+def test_no_endgame_while_pieces_remain_or_too_many_are_missing() -> None:
+    peers = [peer("a", range(N)), peer("b", range(N))]
+    inflight = {k: {"a"} for k in range(4, N)}
+    assert pick(local(range(4), inflight), peers, limits=Limits(endgame=8)) == []
+    endgame = pick(local(range(4), inflight), peers, limits=Limits(endgame=12))
+    assert {r.source for r in endgame} == {"b"}
+
+
+def test_bounds_already_used_up() -> None:
+    peers = [peer("a", range(N))]
+    full = local(inflight={k: {"a"} for k in range(4)})
+    assert pick(full, peers, room=True, limits=Limits(per_peer=4, total=4)) == []
+
+
+def test_complete_node_asks_nothing() -> None:
+    assert pick(local(range(N)), [peer("a", range(N))], room=True) == []
+
+
+def test_peer_with_another_piece_count_is_refused() -> None:
+    with pytest.raises(BitmapError, match="peer x"):
+        pick(local(), [PeerView("x", Bitmap(N + 1), Bitmap(N + 1))])
+
+
+# -- the choice: properties over random situations ------------------------------------------------
+
+
+def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreView, Limits]:
+    count = rng.randrange(1, 80)
+    nodes = rng.randrange(1, 12)
+    sources = [f"http://p{i}" for i in range(nodes - 1)]
+    peers = [
+        PeerView(
+            url,
+            Bitmap(count, rng.getrandbits(count) & rng.getrandbits(count)),
+            Bitmap(count, rng.getrandbits(count) & rng.getrandbits(count) & rng.getrandbits(count)),
+            rng.randrange(5),
+        )
+        for url in sources
+        if rng.random() < 0.9
+    ]
+    have = rng.getrandbits(count) if rng.random() < 0.5 else 0
+    inflight: dict[int, frozenset[str]] = {}
+    for piece in range(count):
+        if not have >> piece & 1 and rng.random() < 0.15:
+            inflight[piece] = frozenset(rng.sample([ORIGIN, *sources], 1))
+    me = Local(Bitmap(count, have), inflight, rng.randrange(nodes), nodes, rng.random() < 0.5)
+    limits = Limits(
+        per_peer=rng.randrange(1, 5),
+        per_origin=rng.randrange(1, 9),
+        claims=rng.randrange(1, 3),
+        total=rng.randrange(1, 20),
+        endgame=rng.randrange(0, 10),
+    )
+    return me, peers, StoreView(rng.random() < 0.5, rng.randrange(0, 10)), limits
+
+
+SEEDS = range(1500)
+Situation = tuple[Local, list[PeerView], StoreView, Limits, list[Request]]
+
+
+@pytest.fixture(scope="module")
+def situations() -> list[Situation]:
+    out = []
+    for seed in SEEDS:
+        rng = random.Random(seed)
+        me, peers, store, limits = random_situation(rng)
+        out.append((me, peers, store, limits, choose(me, peers, store, limits, rng)))
+    return out
+
+
+def test_never_a_held_piece_and_each_piece_once(situations: list[Situation]) -> None:
+    for me, _, _, _, got in situations:
+        pieces = [r.piece for r in got]
+        assert len(pieces) == len(set(pieces))
+        assert not any(p in me.have for p in pieces)
+
+
+def test_in_flight_pieces_only_in_the_endgame_from_a_second_peer(
+    situations: list[Situation],
+) -> None:
+    for me, _, _, limits, got in situations:
+        missing = me.have.count - len(me.have)
+        for r in got:
+            if r.piece in me.inflight:
+                assert missing <= limits.endgame
+                assert len(me.inflight[r.piece]) == 1 and r.source not in me.inflight[r.piece]
+                assert r.source != ORIGIN
+                wanted = set(range(me.have.count)) - set(me.have) - set(me.inflight)
+                assert not wanted - {q.piece for q in got}, "endgame while pieces were unasked"
+
+
+def test_bounds_per_source_and_in_total(situations: list[Situation]) -> None:
+    for me, _, store, limits, got in situations:
+        before = Counter(s for sources in me.inflight.values() for s in sources)
+        after = before + Counter(r.source for r in got)
+        new = Counter(r.source for r in got)
+        window = max(limits.claims, min(store.window, limits.per_origin))
+        for source in new:
+            bound = window if source == ORIGIN else limits.per_peer
+            assert after[source] <= max(bound, before[source])
+            assert before[source] < bound
+        assert not got or after.total() <= max(limits.total, before.total())
+
+
+def test_peers_are_asked_only_for_pieces_they_advertise(situations: list[Situation]) -> None:
+    for _, peers, _, _, got in situations:
+        by_url = {p.url: p for p in peers}
+        for r in got:
+            if r.source != ORIGIN:
+                assert r.piece in by_url[r.source].have
+
+
+def test_the_store_is_asked_for_claimed_pieces_only_with_room_and_need(
+    situations: list[Situation],
+) -> None:
+    """Without room: only unclaimed pieces of the own stripe. With room, others only when the
+    node's link is spare or it would be idle, and a piece only claimed (fetched, not held)
+    only by an idle node, one."""
+    for me, peers, store, _, got in situations:
+        held = fetched = 0
+        for p in peers:
+            held, fetched = held | p.have.bits, fetched | p.fetching.bits
+        own = stripe(me.rank, me.nodes, me.have.count)
+        idle = not me.inflight and all(r.source == ORIGIN for r in got)
+        claimed = [r for r in got if (fetched & ~held) >> r.piece & 1 and r.source == ORIGIN]
+        assert len(claimed) <= (1 if store.room and idle else 0)
+        for r in got:
+            if r.source != ORIGIN:
+                continue
+            unclaimed = not ((held | fetched) >> r.piece & 1)
+            if not store.room:
+                assert unclaimed and own >> r.piece & 1
+            elif not (me.spare or idle):
+                assert unclaimed
+
+
+def test_never_idle_while_the_store_has_room(situations: list[Situation]) -> None:
+    for me, _, store, _, got in situations:
+        if store.room and not me.inflight and not me.have.complete:
+            assert got
+
+
+def test_first_peer_request_is_one_of_the_rarest_available(situations: list[Situation]) -> None:
+    for me, peers, _, limits, got in situations:
+        peer_requests = [r for r in got if r.source != ORIGIN and r.piece not in me.inflight]
+        if not peer_requests:
+            continue
+        first = peer_requests[0]
+        planned_before = {r.piece for r in got[: got.index(first)]}
+        busy = Counter(s for sources in me.inflight.values() for s in sources)
+        wanted = set(range(me.have.count)) - set(me.have) - set(me.inflight) - planned_before
+        holders = Counter(p for q in peers for p in q.have)
+        free = [q for q in peers if busy[q.url] < limits.per_peer]
+        available = {p for q in free for p in q.have if p in wanted}
+        assert holders[first.piece] == min(holders[p] for p in available)
+
+
+def test_same_seed_same_choice() -> None:
+    for seed in range(50):
+        a, b = random.Random(seed), random.Random(seed)
+        me, peers, store, limits = random_situation(a)
+        random_situation(b)
+        assert choose(me, peers, store, limits, a) == choose(me, peers, store, limits, b)

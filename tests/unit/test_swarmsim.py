@@ -1,0 +1,81 @@
+"""benchmarks/swarmsim.py: the fair-share arithmetic and small runs with known answers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import swarmsim as sim
+
+MiB = 1 << 20
+
+
+def test_a_flow_gets_the_smaller_of_its_two_links_fair_shares() -> None:
+    # nodes 0 and 1 (100 B/s each way), the store (index 2) with 300 B/s of egress
+    net = sim.Network([100.0, 100.0, 300.0], [100.0, 100.0])
+    a, b, c = sim.Flow(2, 0, 0, 1000), sim.Flow(2, 1, 0, 1000), sim.Flow(1, 0, 1, 1000)
+    for f in (a, b, c):
+        net.start(f)
+    assert (a.rate, b.rate, c.rate) == (50.0, 100.0, 50.0)  # 0's downlink is shared by a, c
+    assert net.inflow(0) == 100.0 and net.inflow(1) == 100.0
+    net.now = 4.0
+    assert net.stop(c) == pytest.approx(200.0)  # 4 s at 50 B/s
+    assert a.rate == 100.0  # 0's downlink is a's alone now; the store has 150 for it
+    net.now = 5.0
+    assert net.sent_by(2) == pytest.approx(4 * 150 + 1 * 200)
+    assert net.stop(a) == pytest.approx(4 * 50 + 1 * 100)
+
+
+def test_a_flow_s_end_is_rescheduled_when_its_share_changes() -> None:
+    net = sim.Network([100.0, 100.0], [100.0])  # node 0 downloads from the store (1)
+    f, g = sim.Flow(1, 0, 0, 400), sim.Flow(1, 0, 1, 100)
+    net.start(f)
+    net.start(g)
+    ends = {}
+    while net.events:
+        net.now, _, kind, flow, ver = sim.heapq.heappop(net.events)
+        if kind == sim.END and flow.ver == ver and flow.active:
+            ends[flow.piece] = net.now
+            net.stop(flow)
+    # both at 50 B/s until g ends at 2 s, then f alone at 100 B/s for its last 300 B
+    assert ends == {1: pytest.approx(2.0), 0: pytest.approx(5.0)}
+
+
+def params(nodes: int, store_x: float, **kw: object) -> sim.Params:
+    link = 80e6  # 10 MB/s
+    return sim.Params(nodes, 64 * MiB, 1 * MiB, link, store_x * link, efficiency=1.0, **kw)  # type: ignore[arg-type]
+
+
+def test_one_node_alone_runs_at_its_link() -> None:
+    out = sim.Swarm(params(1, 1.0)).run()
+    assert out.store_copies == pytest.approx(1.0)
+    assert out.last == pytest.approx(64 * MiB / 10e6, rel=0.02)
+
+
+def test_a_store_bound_swarm_sends_one_copy_and_beats_the_store_alone() -> None:
+    p = params(6, 1.0)
+    out, alone = sim.Swarm(p).run(), sim.peers_off(p)
+    assert out.store_copies == pytest.approx(1.0, abs=0.05)
+    assert out.last < alone.last / 3
+    assert out.last >= sim.bound(p)
+
+
+def test_closed_forms_of_the_comparisons() -> None:
+    p = params(8, 1.0)
+    line = 64 * MiB * 8 / 80e6
+    assert sim.line(p) == pytest.approx(line)
+    assert sim.peers_off(p).last == pytest.approx(8 * line, rel=1e-3)
+    assert sim.peers_off(params(8, 4.0)).last == pytest.approx(2 * line, rel=1e-3)
+    # today: the followers share the first node's uplink, 7 ways
+    assert sim.today(p).last == pytest.approx(7 * line, rel=1e-3)
+    assert sim.today(p).store_copies == 1.0
+
+
+@pytest.mark.parametrize(("text", "bits"), [("400M", 400e6), ("25G", 25e9), ("100Gbit", 100e9)])
+def test_rates_are_decimal_bits(text: str, bits: float) -> None:
+    assert sim.parse_bits(text) == bits
+    assert sim.store_rates(f"1x,4x,{text}", 400e6) == [400e6, 1600e6, bits]

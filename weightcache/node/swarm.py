@@ -1,0 +1,410 @@
+"""The swarm's piece and source choice for one node and one blob (pure: no I/O, no clock).
+
+A blob is exchanged in pieces (`piece_ranges`). Every node advertises a `Bitmap` of the
+pieces it holds and one of the pieces it has in flight; `choose` decides, from this node's
+state and its (possibly stale) view of its peers, which requests to start next: a piece and
+a source, a peer's URL or `ORIGIN` (the object store). The caller calls it again whenever
+something changes (a piece arrived, a request failed, fresh advertisements); nothing here
+remembers anything between calls, so a stale or wrong view costs at most duplicate or idle
+requests, never wrong data (the data plane verifies every piece).
+
+The policy, in the order `choose` applies it (design §8, "Swarm: pieces and source choice"):
+
+1. **The store's share, one copy.** A piece no peer in view holds or fetches (nobody claims
+   it) is fetched from the store by one node. Which node: the blob is cut into as many
+   contiguous stripes as there are known nodes (`Local.rank` of `Local.nodes`, this node's
+   rank in the sorted membership that every node discovers alike), and a node takes the
+   unclaimed pieces of its own stripe from the store, lowest first. Nodes started together
+   thus ask the store for different pieces from the first instant, when nobody has advertised
+   anything yet, and the store sends about one copy when it is the bottleneck.
+   Requests to the store (by any rule) are at most `StoreView.window` in flight: one at the
+   start, more as the store shows room (`next_window`, additive increase, multiplicative
+   decrease). Requests to a saturated store share its egress, so k at once make each piece
+   arrive k times later without making the node's share larger; few at a time, each piece
+   arrives, and spreads to the peers, while the store sends the next (a pipeline).
+2. **Peers, rarest first.** Every other missing piece that a peer with a free slot holds is
+   asked of a peer, the pieces held by the fewest peers first (random among equals, so that
+   nodes diverge and every piece spreads), each from its least busy holder: rare pieces are
+   the ones whose holders would become the bottleneck (BitTorrent's rule).
+3. **The store when peers cannot keep up.** If the store has shown room (`StoreView.room`)
+   and this node's link has room that peers are not filling (`Local.spare`), or the node
+   would otherwise have nothing in flight, more pieces are asked of the store: unclaimed ones
+   outside the own stripe first (an owner that is slow, gone or unseen), then the rarest of
+   those peers hold (relieving them). A piece another node is fetching from the store and
+   nobody holds yet is its claim: it is asked of the store again only by a node that would
+   otherwise be idle, one at a time. A node therefore never waits idle while the store could
+   serve it, and the swarm is never slower than every node pulling from the store alone. A
+   store without room is left to the claimants, even by an idle node: it is sending at
+   capacity already, another request would only share that, and a copy of a piece that a
+   peer is about to have (the view may be stale) costs the store a second copy.
+4. **Endgame.** When every missing piece is already in flight and at most `Limits.endgame`
+   are missing, each is also asked of a second peer holding it (never of more than two
+   sources), so that the last pieces do not wait on the slowest sender. Not of the store: a
+   second copy from it is what rule 1 avoids, and with few pieces per node that tail alone
+   would cost a noticeable share of a copy (8 nodes x 1 piece of 64 = 1/8).
+
+Bounds (`Limits`): requests in flight per peer, to the store (the window, at most
+`Limits.per_origin`), and in total. A piece this
+node holds is never chosen; a piece in flight is chosen only by the endgame rule.
+
+Bitmaps are Python ints (bit i = piece i) so that a choice over thousands of pieces and
+dozens of peers costs a few hundred big-integer operations (the simulator in benchmarks/
+calls this for a thousand nodes).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+ORIGIN = "origin"  # the source name of the object store in a `Request`
+
+
+class BitmapError(ValueError):
+    """An advertised bitmap that does not parse or does not fit the blob's piece count.
+
+    A ValueError, not a WeightcacheError: it comes from a peer, never ends the process; the
+    caller treats the peer as one that answered badly.
+    """
+
+
+def piece_count(size: int, piece_size: int) -> int:
+    """How many pieces cover `size` bytes; 0 for an empty blob (nothing to exchange)."""
+    if size < 0 or piece_size <= 0:
+        raise ValueError(f"size {size} and piece size {piece_size} must be >= 0 and > 0")
+    return -(-size // piece_size)
+
+
+def piece_ranges(size: int, piece_size: int) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of the pieces of a `size`-byte blob; none for an empty one."""
+    return [
+        (start, min(start + piece_size, size))
+        for start in range(0, piece_count(size, piece_size) * piece_size, piece_size)
+    ]
+
+
+@dataclass(frozen=True)
+class Bitmap:
+    """A set of piece indices of a blob of `count` pieces; bit i of `bits` is piece i."""
+
+    count: int
+    bits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.count < 0 or self.bits < 0 or self.bits >> self.count:
+            raise BitmapError(f"bitmap {self.bits:#x} does not fit {self.count} pieces")
+
+    @classmethod
+    def full(cls, count: int) -> Bitmap:
+        return cls(count, (1 << count) - 1)
+
+    @classmethod
+    def of(cls, count: int, pieces: Iterable[int]) -> Bitmap:
+        bits = 0
+        for piece in pieces:
+            if not 0 <= piece < count:
+                raise BitmapError(f"piece {piece} out of range for {count} pieces")
+            bits |= 1 << piece
+        return cls(count, bits)
+
+    def __contains__(self, piece: int) -> bool:
+        return 0 <= piece < self.count and bool(self.bits >> piece & 1)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter_bits(self.bits)
+
+    def __len__(self) -> int:
+        """How many pieces are in the set (not the piece count)."""
+        return self.bits.bit_count()
+
+    @property
+    def complete(self) -> bool:
+        return self.bits == (1 << self.count) - 1
+
+    def encode(self) -> str:
+        """Base64 of ceil(count / 8) bytes, piece i in bit i % 8 of byte i // 8 (LSB first)."""
+        return base64.b64encode(self.bits.to_bytes((self.count + 7) // 8, "little")).decode()
+
+    @classmethod
+    def decode(cls, count: int, text: str) -> Bitmap:
+        """Parse `encode`'s output for a blob of `count` pieces; anything else is refused.
+
+        Raises BitmapError for anything but canonical base64 (no whitespace, no stray bits
+        in the padding), a length other than ceil(count / 8) bytes, or a bit set past the
+        last piece.
+        """
+        try:
+            raw = base64.b64decode(text.encode("ascii"), validate=True)
+        except (UnicodeEncodeError, binascii.Error) as e:
+            raise BitmapError(f"bitmap for {count} pieces is not base64: {e}") from e
+        if base64.b64encode(raw).decode() != text:
+            raise BitmapError(f"bitmap for {count} pieces is not canonical base64: {text[:40]!r}")
+        if len(raw) != (count + 7) // 8:
+            raise BitmapError(
+                f"bitmap has {len(raw)} bytes, a blob of {count} pieces needs {(count + 7) // 8}"
+            )
+        return cls(count, int.from_bytes(raw, "little"))
+
+
+def iter_bits(bits: int) -> Iterator[int]:
+    """The indices of the set bits of `bits`, lowest first."""
+    while bits:
+        low = bits & -bits
+        yield low.bit_length() - 1
+        bits ^= low
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What this node last heard from one peer about the blob (possibly stale)."""
+
+    url: str
+    have: Bitmap
+    fetching: Bitmap  # in flight at the peer, from anyone; from the store = its claims
+    load: int = 0  # uploads the peer is serving (to anyone), as it advertised
+
+
+@dataclass(frozen=True)
+class Local:
+    """This node's own state for the blob; `inflight` maps a piece to its sources.
+
+    `spare`: this node's download link has room that its requests are not using (the
+    caller measures: received rate well below the best it has seen, or nothing in flight).
+    """
+
+    have: Bitmap
+    inflight: Mapping[int, frozenset[str]]
+    rank: int = 0  # this node's index in the sorted membership (its stripe)
+    nodes: int = 1  # how many nodes the membership has, this one included
+    spare: bool = True
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """The object store as this node sees it.
+
+    `room`: the store has shown spare capacity: recent requests to it got at least a
+    request's share of this node's link, and no 503/SlowDown. Until then (False, the start)
+    it is assumed to be the bottleneck, where asking it for pieces that someone else claims
+    or holds would only slow the claimant and cost the store another copy.
+
+    `window`: how many requests to the store (by any rule) to keep in flight at most, kept
+    by the caller with `next_window` at each new measurement of `room`.
+    """
+
+    room: bool = False
+    window: int = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Requests in flight this node allows; the defaults suit pieces of a few MiB."""
+
+    per_peer: int = 4  # to one peer: enough to fill its uplink over one RTT, not to hog it
+    per_origin: int = 8  # the store window's top: the ranged GETs one fetch runs in parallel
+    claims: int = 1  # the store window's bottom and start: see `choose`, rule 1
+    total: int = 16  # in all: bounds memory and open connections
+    endgame: int = 8  # missing pieces at most, for a second source to be tried
+
+    def __post_init__(self) -> None:
+        if min(self.per_peer, self.per_origin, self.claims, self.total) < 1 or self.endgame < 0:
+            raise ValueError(f"request limits must be positive: {self}")
+
+
+def next_window(window: int, room: bool, limits: Limits) -> int:
+    """The store window after a measurement: one more request while the store has room,
+    half as many when it has none (additive increase, multiplicative decrease, as TCP's
+    congestion window), between `limits.claims` and `limits.per_origin`.
+
+    A window that jumped to the maximum at the first sign of room would make all those
+    pieces arrive together, late; one that fell back to the minimum at once would leave the
+    store idle until the next measurement.
+    """
+    grown = window + 1 if room else window // 2
+    return max(limits.claims, min(limits.per_origin, grown))
+
+
+@dataclass(frozen=True, order=True)
+class Request:
+    piece: int
+    source: str  # a peer's URL or ORIGIN
+
+
+def stripe(rank: int, nodes: int, count: int) -> int:
+    """The bits of the contiguous stripe of `count` pieces that node `rank` of `nodes` owns."""
+    if nodes < 1 or not 0 <= rank < nodes:
+        raise ValueError(f"rank {rank} is not one of {nodes} nodes")
+    start, end = rank * count // nodes, (rank + 1) * count // nodes
+    return ((1 << end) - 1) ^ ((1 << start) - 1)
+
+
+def choose(
+    local: Local,
+    peers: Sequence[PeerView],
+    store: StoreView,
+    limits: Limits,
+    rng: random.Random,
+) -> list[Request]:
+    """The requests to start now, at most what the limits leave free (policy: module doc).
+
+    Guarantees: no piece in `local.have`; a piece in `local.inflight` only in the endgame,
+    from a source it is not in flight from; at most `limits` requests in flight per peer, to
+    the store and in total, counting those already in flight; each piece at most once.
+    """
+    plan = _Plan(local, peers, limits, max(limits.claims, min(store.window, limits.per_origin)))
+    plan.origin_unclaimed(plan.stripe)
+    plan.peers_rarest_first(rng)
+    if store.room and (local.spare or not plan.busy()):
+        plan.origin_unclaimed(-1)
+        plan.origin_rarest(rng, limits.per_origin, plan.held)
+        if not plan.busy():
+            plan.origin_rarest(rng, 1, -1)
+    plan.endgame(rng)
+    return plan.requests
+
+
+class _Plan:
+    """The requests `choose` is building, with the slots and pieces they use up."""
+
+    def __init__(
+        self, local: Local, peers: Sequence[PeerView], limits: Limits, store_bound: int
+    ) -> None:
+        count = local.have.count
+        for peer in peers:
+            if peer.have.count != count or peer.fetching.count != count:
+                raise BitmapError(f"peer {peer.url} advertises a bitmap of another piece count")
+        self.local, self.peers, self.limits, self.store_bound = local, peers, limits, store_bound
+        self.requests: list[Request] = []
+        self.slots: dict[str, int] = {}  # requests in flight or planned, by source
+        for sources in local.inflight.values():
+            for source in sources:
+                self.slots[source] = self.slots.get(source, 0) + 1
+        self.total = sum(self.slots.values())
+        inflight = sum(1 << piece for piece in local.inflight)
+        self.wanted = ((1 << count) - 1) & ~local.have.bits & ~inflight
+        self.holders = _counts(peer.have.bits for peer in peers)
+        self.held = 0
+        for peer in peers:
+            self.held |= peer.have.bits
+        self.stripe = stripe(local.rank, local.nodes, count) if count else 0
+
+    def busy(self) -> bool:
+        return bool(self.local.inflight or self.requests)
+
+    def _free(self, source: str) -> bool:
+        bound = self.store_bound if source == ORIGIN else self.limits.per_peer
+        return self.total < self.limits.total and self.slots.get(source, 0) < bound
+
+    def _add(self, piece: int, source: str) -> None:
+        self.requests.append(Request(piece, source))
+        self.slots[source] = self.slots.get(source, 0) + 1
+        self.total += 1
+        self.wanted &= ~(1 << piece)
+
+    def origin_unclaimed(self, within: int) -> None:
+        """Rules 1, 3: pieces of `within` nobody in view holds or fetches, from the store.
+
+        In ring order from the own stripe's start: beyond it lie the stripes of the next
+        nodes, the likeliest to be claimed already if their owners are alive.
+        """
+        seen = 0
+        for peer in self.peers:
+            seen |= peer.have.bits | peer.fetching.bits
+        for piece in _ring(self.wanted & ~seen & within, self.stripe):
+            if not self._free(ORIGIN):
+                return
+            self._add(piece, ORIGIN)
+
+    def peers_rarest_first(self, rng: random.Random) -> None:
+        """Rule 2: the rarest pieces that peers with a free slot hold, from their least busy."""
+        while True:
+            free = [p for p in self.peers if self._free(p.url) and p.have.bits & self.wanted]
+            available = 0
+            for peer in free:
+                available |= peer.have.bits & self.wanted
+            if not available:
+                return
+            piece = _pick(_rarest(available, self.holders), rng)
+            holders = [p for p in free if p.have.bits >> piece & 1]
+            self._add(piece, min(holders, key=lambda p: self._load(p, rng)).url)
+
+    def _load(self, peer: PeerView, rng: random.Random) -> tuple[int, int, float]:
+        return self.slots.get(peer.url, 0), peer.load, rng.random()
+
+    def origin_rarest(self, rng: random.Random, at_most: int, within: int) -> None:
+        """Rule 3: up to `at_most` of the rarest pieces of `within` still wanted, from the store."""
+        for _ in range(at_most):
+            if not (self.wanted & within and self._free(ORIGIN)):
+                return
+            self._add(_pick(_rarest(self.wanted & within, self.holders), rng), ORIGIN)
+
+    def endgame(self, rng: random.Random) -> None:
+        """Rule 4: a second source for the last pieces in flight (one each, at most)."""
+        missing = self.local.have.count - len(self.local.have)
+        if self.wanted or not 0 < missing <= self.limits.endgame:
+            return
+        planned = {r.piece for r in self.requests}
+        for piece, sources in sorted(self.local.inflight.items()):
+            if len(sources) != 1 or piece in planned:
+                continue
+            holders = [
+                p
+                for p in self.peers
+                if p.have.bits >> piece & 1 and p.url not in sources and self._free(p.url)
+            ]
+            if holders:
+                self._add(piece, min(holders, key=lambda p: self._load(p, rng)).url)
+
+
+# -- bit arithmetic ----------------------------------------------------------------------------
+
+
+def _counts(bitmaps: Iterable[int]) -> list[int]:
+    """Per-piece counts of set bits, bit-sliced: bit i of counts[k] is bit k of piece i's count.
+
+    Adding a bitmap is a ripple-carry addition on whole integers, so counting D bitmaps costs
+    about D * log2(D) integer operations whatever the piece count.
+    """
+    counts: list[int] = []
+    for bits in bitmaps:
+        carry = bits
+        for k, level in enumerate(counts):
+            counts[k], carry = level ^ carry, level & carry
+            if not carry:
+                break
+        if carry:
+            counts.append(carry)
+    return counts
+
+
+def _rarest(candidates: int, counts: list[int]) -> int:
+    """The candidates with the lowest count (compare counts from the most significant bit)."""
+    for level in reversed(counts):
+        fewer = candidates & ~level
+        if fewer:
+            candidates = fewer
+    return candidates
+
+
+def _pick(bits: int, rng: random.Random) -> int:
+    """A uniformly random set bit of `bits` (non-zero), by bisection on bit counts."""
+    n = rng.randrange(bits.bit_count())
+    low, width = 0, bits.bit_length()
+    while width > 1:
+        half = width // 2
+        below = (bits >> low & ((1 << half) - 1)).bit_count()
+        if n < below:
+            width = half
+        else:
+            n, low, width = n - below, low + half, width - half
+    return low
+
+
+def _ring(bits: int, start_mask: int) -> Iterator[int]:
+    """Set bits from the first bit of `start_mask` upward, then the lower ones (a ring)."""
+    start = (start_mask & -start_mask).bit_length() - 1 if start_mask else 0
+    yield from iter_bits(bits >> start << start)
+    yield from iter_bits(bits & ((1 << start) - 1))
