@@ -1,5 +1,5 @@
-"""kill -9 at random instants: never a marker on bad data, and the next run resumes
-(design §3 invariant 1, §4 Resume)."""
+"""kill -9 at random instants: never a marker on bad data, and the next run resumes, within
+a part too (design §3 invariant 1, §4 Resume)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from tests.support.checks import (
     markers,
 )
 from tests.support.faultproxy import FaultProxy
+from weightcache.transfer.partial import SAVE_INTERVAL
+from weightcache.transfer.ranged import BUFFER
 
 MiB = 1024 * 1024
 PART = 1 * MiB
@@ -131,6 +133,41 @@ def test_kill9_at_random_moments_then_resume(
         saved = sum(max(0, k.run_bytes - in_flight) for k in history)
         assert saved >= 1 * MiB, f"the kill schedule left nothing to resume: {report}"
         assert final_bytes <= size - saved + SLACK, report
+
+
+@pytest.mark.timeout(240)
+def test_kill9_on_a_slow_link_resumes_every_part_where_it_was_written(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    """Killed every few seconds on a slow link, no 16 MiB part ever completes in one run;
+    each run resumes every part where the last one wrote it, so across the kills the store
+    resends only what each kill lost: per worker the buffer it was filling, plus what was
+    written since the last save of the part state."""
+    pub = publish([32 * MiB], name="slowlink", rev="r1")
+    size = pub.model.total_size
+    rate, concurrency, kills, per_run = 2 * MiB, 2, 5, 3 * MiB  # 1.5 MiB a part a run
+    args = ("--part-size", "16M", "--max-concurrency", str(concurrency))
+    proxy.configure(rate_limit=rate)
+    runs: list[int] = []
+    for _ in range(kills):
+        base = proxy.stats().body_bytes
+        running = wc.fetch_popen(pub.source, cache_dir, *args, endpoint=proxy.url)
+        code = _run_until(running, proxy, base, after_s=None, after_bytes=per_run)
+        assert code is None, running.finish().stderr  # killed: it cannot finish in time
+        runs.append(proxy.stats().body_bytes - base)
+        assert not _check_invariants(cache_dir, pub)
+
+    proxy.configure(rate_limit=None)
+    final = wc.fetch(pub.source, cache_dir, *args, endpoint=proxy.url)
+    assert_ok_path(final, pub.local_path(cache_dir))
+    assert _check_invariants(cache_dir, pub)
+    refetched = proxy.stats().body_bytes - size
+    lost_per_kill = concurrency * BUFFER + int(rate * SAVE_INTERVAL) + SLACK
+    report = f"runs={runs} refetched={refetched} bound={kills * lost_per_kill} size={size}"
+    print(report)
+    # The old part state (a done bit per part) resent every byte of every killed run here.
+    assert sum(runs) >= 2 * kills * lost_per_kill, f"the kills came too early: {report}"
+    assert refetched <= kills * lost_per_kill, report
 
 
 @pytest.mark.timeout(240)

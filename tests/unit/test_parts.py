@@ -100,7 +100,12 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "x.part.json"
     state = _state(10, 4, {0, 2})
     state.save(path)
-    assert json.loads(path.read_text()) == {"size": 10, "part_size": 4, "done": [0, 2]}
+    assert json.loads(path.read_text()) == {
+        "version": 2,
+        "size": 10,
+        "part_size": 4,
+        "written": [4, 0, 2],
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.part.json"]  # no temp left
     loaded = PartState.load(path, 10, 4)
     assert loaded.parts == state.parts
@@ -155,3 +160,97 @@ def test_load_negative_index_is_fresh(tmp_path: Path) -> None:
     path = tmp_path / "x.part.json"
     path.write_text('{"size": 10, "part_size": 4, "done": [-1]}')
     assert PartState.load(path, 10, 4).done == [False, False, False]
+
+
+def test_a_part_written_in_part_round_trips_and_resumes_at_its_offset(tmp_path: Path) -> None:
+    path = tmp_path / "x.part.json"
+    state = _state(10, 4, {0})
+    state.note_written(1, 7)  # part 1 is [4, 8): 3 bytes written
+    state.note_written(2, 9)
+    state.note_written(1, 5)  # a stale report never moves it back
+    state.save(path)
+    assert json.loads(path.read_text())["written"] == [4, 3, 1]
+    loaded = PartState.load(path, 10, 4)
+    assert loaded.done == [True, False, False]
+    assert loaded.pending() == [1, 2]
+    assert [loaded.resume_at(i) for i in (1, 2)] == [7, 9]
+    assert loaded.bytes_done() == 4 + 3 + 1
+    assert loaded.contiguous_end() == 7  # part 0 complete, then part 1's written start
+
+
+def test_a_part_written_to_its_end_loads_as_done(tmp_path: Path) -> None:
+    path = tmp_path / "x.part.json"
+    path.write_text('{"version": 2, "size": 10, "part_size": 4, "written": [4, 4, 2]}')
+    loaded = PartState.load(path, 10, 4)
+    assert loaded.done == [True, True, True]
+    assert loaded.pending() == []
+    assert loaded.contiguous_end() == 10
+
+
+@pytest.mark.parametrize(
+    ("done", "written", "contiguous_end"),
+    [
+        (set(), {0: 3}, 3),  # the first part's written start alone
+        ({0}, {1: 0}, 4),
+        ({0}, {1: 2, 2: 1}, 6),  # part 2's bytes do not join: part 1 has a gap
+        ({0, 1}, {2: 1}, 9),
+        (set(), {1: 4}, 0),  # written to its end but not marked done: still a gap at 0
+        ({1, 2}, {0: 2}, 2),
+    ],
+)
+def test_contiguous_end_includes_the_written_start_of_the_first_incomplete_part(
+    done: set[int], written: dict[int, int], contiguous_end: int
+) -> None:
+    state = _state(10, 4, done)
+    for i, n in written.items():
+        state.note_written(i, state.parts[i][0] + n)
+    assert state.contiguous_end() == contiguous_end
+
+
+def test_a_version_1_state_resumes_its_done_parts_and_restarts_the_others(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "x.part.json"
+    path.write_text('{"size": 10, "part_size": 4, "done": [0, 2]}')  # before per-byte resume
+    loaded = PartState.load(path, 10, 4)
+    assert loaded.done == [True, False, True]
+    assert loaded.written == [0, 0, 0]
+    assert loaded.resume_at(1) == 4
+    assert loaded.contiguous_end() == 4
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"version": 2, "size": 10, "part_size": 4, "written": [4, 5, 0]}',  # past its part
+        '{"version": 2, "size": 10, "part_size": 4, "written": [4, -1, 0]}',
+        '{"version": 2, "size": 10, "part_size": 4, "written": [4, 0]}',  # a part missing
+        '{"version": 2, "size": 10, "part_size": 4, "written": [4, 0, 0, 0]}',
+        '{"version": 2, "size": 10, "part_size": 4, "written": [4, 1.5, 0]}',
+        '{"version": 2, "size": 10, "part_size": 4, "written": [4, "2", 0]}',
+        '{"version": 2, "size": 10, "part_size": 4, "written": [true, 0, 0]}',
+        '{"version": 2, "size": 10, "part_size": 4, "written": [4, null, 0]}',
+        '{"version": 2, "size": 10, "part_size": 4, "written": {"0": 4}}',
+        '{"version": 2, "size": 10, "part_size": 4, "written": 4}',
+        '{"version": 2, "size": 10, "part_size": 4, "done": [0]}',  # v2 without its counts
+        '{"version": 3, "size": 10, "part_size": 4, "written": [4, 0, 0]}',  # from the future
+        '{"version": "2", "size": 10, "part_size": 4, "written": [4, 0, 0]}',
+        '{"version": 2, "size": 10.0, "part_size": 4, "written": [4, 0, 0]}',
+        '{"version": 2, "size": 10, "part_size": 4.0, "written": [4, 0, 0]}',
+        '{"size": 10, "part_size": 4, "done": [true]}',  # v1: true is not index 1
+        '{"size": 10, "part_size": 4, "done": [0, 2.0]}',
+    ],
+)
+def test_load_malformed_progress_is_fresh(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "x.part.json"
+    path.write_text(content)
+    state = PartState.load(path, 10, 4)
+    assert state.done == [False, False, False]
+    assert state.written == [0, 0, 0]
+    assert state.contiguous_end() == 0
+
+
+def test_load_geometry_given_as_booleans_is_fresh(tmp_path: Path) -> None:
+    path = tmp_path / "x.part.json"
+    path.write_text('{"version": 2, "size": true, "part_size": true, "written": [1]}')
+    assert PartState.load(path, 1, 1).done == [False]

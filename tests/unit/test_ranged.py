@@ -157,6 +157,35 @@ def test_a_download_stopped_short_resumes_after_the_parts_it_finished(
     assert sorted(again.opened) == plan_parts(len(data), PART)[5:]
 
 
+def test_a_download_stopped_mid_part_resumes_at_the_byte_it_had_written(
+    blob: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    path, data = blob
+    stop_at = 5 * PART + 100_000
+
+    def break_part_5(start: int, read: int) -> None:
+        if start == 5 * PART and read >= 100_000:
+            raise RetryRange("ConnectionResetError: reset by peer")  # 100_000 bytes written
+
+    def refuse_the_retry(start: int, end: int) -> None:
+        if start == stop_at:
+            raise SourceError("the object vanished")
+
+    d = downloader(max_concurrency=1)  # parts in order: 0-4 done, 5 written in part
+    source = Wrapped(path, on_open=refuse_the_retry, on_read=break_part_5, chunk=10_000)
+    with pytest.raises(SourceError):
+        d.download([job(source, len(data), tmp_path)])
+    saved = PartState.load(state_path(tmp_path / "blob.part"), len(data), PART)
+    assert saved.done == [True] * 5 + [False] * 5
+    assert saved.contiguous_end() == stop_at
+
+    again = Wrapped(path)
+    done = d.download([job(again, len(data), tmp_path)])
+    assert done.digests["model.bin"] == hashlib.sha256(data).hexdigest()
+    assert done.received == {"origin": len(data) - stop_at}  # nothing written is fetched again
+    assert sorted(again.opened) == [(stop_at, 6 * PART), *plan_parts(len(data), PART)[6:]]
+
+
 def test_a_range_that_breaks_is_resumed_at_the_byte_where_it_broke(
     blob: tuple[Path, bytes], tmp_path: Path
 ) -> None:

@@ -1,10 +1,11 @@
 """One partial blob being downloaded: the preallocated file, its part state, its sha256.
 
 Parts are written at their offsets in any order; sha256 is computed while the download
-runs, over the contiguous prefix of completed parts (read back from the page cache by
-whichever worker extends it), so there is no second pass after the last byte and the
-digest is ready when the last part lands. The part state is saved at most every
-SAVE_INTERVAL and when a download stops short (parts.py says what a kill can lose).
+runs, over the contiguous written prefix (read back from the page cache by whichever
+worker extends it), so there is no second pass after the last byte and the digest is
+ready when the last part lands. The part state (the written start of every part) is
+updated after each write and saved at most every SAVE_INTERVAL and when a download stops
+short (parts.py says what a kill can lose).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from weightcache.errors import NoSpaceError, WeightcacheError
 from weightcache.transfer.parts import PartState
 
 log = logging.getLogger(__name__)
-#: How often a file's part state is written, at most: a kill loses at most the parts that
-#: completed in the last interval (they are fetched again), never correctness.
+#: How often a file's part state is written, at most: a kill loses at most the bytes in
+#: flight and those written in the last interval (they are fetched again), never correctness.
 SAVE_INTERVAL = 0.25
 
 
@@ -38,9 +39,9 @@ def state_path(partial: Path) -> Path:
 
 class PartialFile:
     """An open partial blob, shared by the download's worker threads (its lock guards
-    the part state and the hash frontier). `open` it, `write` parts, `mark_done` each,
-    `advance_hash` after each, `close` it; `digest` is set once every byte is hashed and
-    the file is fsynced."""
+    the part state and the hash frontier). `open` it, `write` parts (`wrote` after each
+    write), `mark_done` each, `advance_hash` after each, `close` it; `digest` is set once
+    every byte is hashed and the file is fsynced."""
 
     def __init__(self, path: Path, label: str, fd: int, state: PartState) -> None:
         self.path, self.label, self.fd, self.state = path, label, fd, state
@@ -55,12 +56,12 @@ class PartialFile:
     @classmethod
     def open(cls, path: Path, label: str, size: int, part_size: int) -> PartialFile:
         """Open (or create and preallocate) `path` for a `size`-byte blob, resuming the
-        parts its saved state records. Raises NoSpaceError when the disk cannot hold it."""
+        bytes its saved state records. Raises NoSpaceError when the disk cannot hold it."""
         state = PartState.load(state_path(path), size, part_size)
         _make_writable(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if not any(state.done) or os.fstat(fd).st_size != size:
+            if not state.bytes_done() or os.fstat(fd).st_size != size:
                 state = PartState(size, part_size)
                 os.ftruncate(fd, 0)
                 _preallocate(fd, size, label)
@@ -74,12 +75,12 @@ class PartialFile:
         return cls(path, label, fd, state)
 
     def close(self) -> None:
-        """Persist the parts finished since the last periodic save if the download
-        stopped short (SIGTERM, a failure), so that the next one resumes after every one
-        of them; then close the file."""
+        """Persist the bytes written since the last periodic save if the download stopped
+        short (SIGTERM, a failure), so that the next one resumes after every one of them;
+        then close the file."""
         with self.lock:
-            snapshot = list(self.state.done)
-        if not all(snapshot):
+            complete, snapshot = all(self.state.done), self.state.snapshot()
+        if not complete:
             with contextlib.suppress(OSError):  # the error that stopped us matters more
                 self.state.save(state_path(self.path), snapshot)
         os.close(self.fd)
@@ -98,17 +99,34 @@ class PartialFile:
                 ) from e
             raise
 
+    def wrote(self, index: int, upto: int) -> None:
+        """Record that part `index` is written up to blob offset `upto` (call it after
+        the write returned, never before); persist the state at most every SAVE_INTERVAL."""
+        with self.lock:
+            self.state.note_written(index, upto)
+            snapshot = self._snapshot_if_due()
+        self._save(snapshot)
+
     def mark_done(self, index: int) -> None:
         """Record a finished part and start its writeback; persist the state at most every
         SAVE_INTERVAL, outside the lock (profiled: saving under the lock stalled workers)."""
         start, end = self.state.parts[index]
         _start_writeback(self.fd, start, end - start)
-        now = time.monotonic()
         with self.lock:
             self.state.done[index] = True
-            snapshot = list(self.state.done) if now - self._saved_at >= SAVE_INTERVAL else None
-            if snapshot is not None:
-                self._saved_at = now
+            snapshot = self._snapshot_if_due()
+        self._save(snapshot)
+
+    def _snapshot_if_due(self) -> list[int] | None:
+        """The state to save now, if SAVE_INTERVAL has passed since the last one; call it
+        under the lock."""
+        now = time.monotonic()
+        if now - self._saved_at < SAVE_INTERVAL:
+            return None
+        self._saved_at = now
+        return self.state.snapshot()
+
+    def _save(self, snapshot: list[int] | None) -> None:
         if snapshot is not None:
             self.state.save(state_path(self.path), snapshot)
 

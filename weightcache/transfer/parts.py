@@ -1,11 +1,22 @@
 """Range arithmetic and the resumable part state of one partial blob (pure, no network).
 
 A partial blob `<hex>.part` is preallocated to its full size; parts are written at their
-offsets in any order. `<hex>.part.json` records which parts are complete, rewritten by
-rename at most every SAVE_INTERVAL (partial.py) and when a download stops short, so a
-process killed at any instant leaves a state that only ever under-reports: a resumed
-download refetches at most the parts in flight or finished in that last interval when it
-died. The final sha256 check catches anything else (design §4, Resume).
+offsets in any order, each from its start onwards. `<hex>.part.json` records, per part,
+how many bytes at its start are written (a complete part: all of them). The downloader
+updates that count after each write returns and rewrites the file by rename at most every
+SAVE_INTERVAL (partial.py) and when a download stops short, so the file only ever
+under-reports: a process killed at any instant (kill -9 of a fetch or the daemon) loses
+at most the bytes in flight plus those written in the last SAVE_INTERVAL, and the resumed
+download re-fetches each part from its recorded offset, not from its start. Written bytes
+survive a process kill in the page cache; a machine crash or power loss can leave the
+file claiming bytes that never reached the disk, which the whole-blob sha256 checked
+before publishing catches (design §4, Resume).
+
+Format (version 2): `{"version": 2, "size": N, "part_size": P, "written": [n0, n1, ...]}`,
+one count per part, each within its part. Version 1 (no "version" key) listed the indices
+of complete parts under "done"; it is still read: those parts are complete, the others
+start over. Anything else (unknown version, wrong types, a count outside its part, another
+geometry) is untrusted and reads as a fresh state.
 """
 
 from __future__ import annotations
@@ -15,6 +26,10 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+#: The version `save` writes.
+VERSION = 2
 
 
 def plan_parts(size: int, part_size: int) -> list[tuple[int, int]]:
@@ -26,60 +41,121 @@ def plan_parts(size: int, part_size: int) -> list[tuple[int, int]]:
 
 @dataclass
 class PartState:
-    """Which parts of a partial blob are on disk, and the hash frontier."""
+    """Which bytes of a partial blob are on disk, and the hash frontier.
+
+    `done[i]` marks a complete part; `written[i]` counts the bytes at the start of an
+    incomplete part that are written (ignored once the part is done)."""
 
     size: int
     part_size: int
     parts: list[tuple[int, int]] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
+    written: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.parts:
             self.parts = plan_parts(self.size, self.part_size)
         if not self.done:
             self.done = [False] * len(self.parts)
+        if not self.written:
+            self.written = [0] * len(self.parts)
+
+    def filled(self, index: int) -> int:
+        """Bytes written at the start of part `index` (its length once it is done)."""
+        start, end = self.parts[index]
+        return end - start if self.done[index] else self.written[index]
+
+    def resume_at(self, index: int) -> int:
+        """The offset in the blob where fetching part `index` goes on."""
+        return self.parts[index][0] + self.filled(index)
+
+    def note_written(self, index: int, upto: int) -> None:
+        """Record that part `index` is written up to blob offset `upto` (never backwards)."""
+        start, end = self.parts[index]
+        self.written[index] = max(self.written[index], min(upto, end) - start)
 
     def contiguous_end(self) -> int:
-        """End of the longest prefix of completed parts: how far hashing may advance."""
-        end = 0
-        for (_, part_end), complete in zip(self.parts, self.done, strict=True):
-            if not complete:
-                break
-            end = part_end
-        return end
+        """End of the longest written prefix of the blob: every complete part from the
+        start, then the written start of the first incomplete one. How far hashing may
+        advance, and how much of a partial a peer may serve."""
+        for index, (start, _) in enumerate(self.parts):
+            if not self.done[index]:
+                return start + self.written[index]
+        return self.size
 
     def pending(self) -> list[int]:
         return [i for i, complete in enumerate(self.done) if not complete]
 
     def bytes_done(self) -> int:
-        return sum(e - s for (s, e), d in zip(self.parts, self.done, strict=True) if d)
+        """Bytes written, complete parts and the written starts of the others."""
+        return sum(self.filled(i) for i in range(len(self.parts)))
+
+    def snapshot(self) -> list[int]:
+        """The written count of every part, as `save` takes it."""
+        return [self.filled(i) for i in range(len(self.parts))]
 
     # -- persistence next to the partial file -------------------------------------------------
 
-    def save(self, path: Path, done: list[bool] | None = None) -> None:
-        """Write the state (or a snapshot `done` of it) atomically; safe from any thread:
-        a stale snapshot renamed last only under-reports."""
+    def save(self, path: Path, written: list[int] | None = None) -> None:
+        """Write the state (or a `snapshot()` of it) atomically; safe from any thread: a
+        stale snapshot renamed last only under-reports."""
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         data = {
+            "version": VERSION,
             "size": self.size,
             "part_size": self.part_size,
-            "done": [i for i, d in enumerate(self.done if done is None else done) if d],
+            "written": self.snapshot() if written is None else written,
         }
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path, size: int, part_size: int) -> PartState:
-        """The saved state if it matches this size and part size, else a fresh one."""
-        fresh = cls(size, part_size)
+        """The saved state if it is well formed and matches this size and part size, else
+        a fresh one (never raises on what the file holds)."""
+        state = cls(size, part_size)
         try:
             data = json.loads(path.read_text())
-            if data["size"] != size or data["part_size"] != part_size:
-                return fresh
-            for i in data["done"]:
-                if not 0 <= int(i) < len(fresh.done):
-                    return cls(size, part_size)
-                fresh.done[int(i)] = True
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
-            return cls(size, part_size)
-        return fresh
+        except (OSError, ValueError):
+            return state
+        if not isinstance(data, dict) or not _matches(data, size, part_size):
+            return state
+        return state if state.restore(data) else cls(size, part_size)
+
+    def restore(self, data: dict[str, Any]) -> bool:
+        """Take the per-part progress from a parsed file of either version; False (and
+        possibly half-restored: discard it) when the file is not well formed."""
+        version = data.get("version", 1)
+        if version == 1:
+            return self._restore_done(data.get("done"))
+        if version == VERSION:
+            return self._restore_written(data.get("written"))
+        return False
+
+    def _restore_done(self, indices: object) -> bool:
+        if not isinstance(indices, list):
+            return False
+        for i in indices:
+            if not _is_int(i) or not 0 <= i < len(self.parts):
+                return False
+            self.done[i] = True
+        return True
+
+    def _restore_written(self, counts: object) -> bool:
+        if not isinstance(counts, list) or len(counts) != len(self.parts):
+            return False
+        for i, ((start, end), n) in enumerate(zip(self.parts, counts, strict=True)):
+            if not _is_int(n) or not 0 <= n <= end - start:
+                return False
+            self.done[i], self.written[i] = n == end - start, n
+        return True
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _matches(data: dict[str, Any], size: int, part_size: int) -> bool:
+    """The file is for this geometry (`true` is not 1 here)."""
+    fields = (data.get("size"), data.get("part_size"))
+    return all(_is_int(v) for v in fields) and fields == (size, part_size)

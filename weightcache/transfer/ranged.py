@@ -1,5 +1,5 @@
 """The downloader: parallel range reads of blob sources, written at their offsets, hashed
-as they land (partial.py), resumable (parts.py).
+as they land (partial.py), resumable byte by byte within each part (parts.py).
 
 It reads every blob through the `BlobSource` seam (sources.py) and knows nothing of what
 is behind it: the origin store, a peer, a file. One policy for all (design §4): retryable
@@ -231,8 +231,9 @@ class RangedDownloader:
     # -- one part ------------------------------------------------------------------------------
 
     def _fetch_part(self, f: _File, index: int) -> None:
-        """Bring one part from the job's source, resuming where each attempt broke."""
-        pos, end = f.partial.state.parts[index]
+        """Bring one part from the job's source, from the byte a previous download wrote
+        it up to (parts.py), resuming where each attempt broke."""
+        pos, end = f.partial.state.resume_at(index), f.partial.state.parts[index][1]
         source = f.job.source
         failures = 0
         while pos < end:
@@ -242,7 +243,7 @@ class RangedDownloader:
                 continue
             self.observer.request_started(source.kind)
             try:
-                reached, broke = self._copy_range(f, pos, end)
+                reached, broke = self._copy_range(f, index, pos, end)
                 if broke is None:
                     self.gate.on_success()
             finally:
@@ -256,10 +257,13 @@ class RangedDownloader:
                 self._wait_before_retry(f, failures, str(broke))
             pos = reached
 
-    def _copy_range(self, f: _File, start: int, end: int) -> tuple[int, RetryRange | None]:
-        """Copy [start, end) from the source into the partial file. Returns the byte
-        reached and, if the read broke before `end`, the retryable failure that broke it:
-        the bytes read before the break are written, so the next attempt starts there."""
+    def _copy_range(
+        self, f: _File, index: int, start: int, end: int
+    ) -> tuple[int, RetryRange | None]:
+        """Copy [start, end) of part `index` from the source into the partial file,
+        recording each write in the part state. Returns the byte reached and, if the read
+        broke before `end`, the retryable failure that broke it: the bytes read before the
+        break are written, so the next attempt (or download) starts there."""
         pos = start
         view = memoryview(self._buffer())
         try:
@@ -271,6 +275,7 @@ class RangedDownloader:
                     got, broke = self._fill(f, reader, view[:want])
                     self._write(f, view[:got], pos)
                     pos += got
+                    f.partial.wrote(index, pos)
                     if broke is not None:
                         raise broke  # through the source's context: it drops the connection
                     if f.run.stop.is_set() and pos < end:
