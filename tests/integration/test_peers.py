@@ -665,3 +665,19 @@ def test_an_idle_peer_connection_is_closed(served: Served) -> None:
         elapsed = time.monotonic() - t0
     assert received.startswith(b"HTTP/1.1 200") and received.endswith(data)
     assert elapsed < 8, f"an idle connection stayed open {elapsed:.1f}s"
+
+
+def test_a_client_leaving_mid_sendfile_does_not_stop_the_server(served: Served) -> None:
+    data = random.Random(7).randbytes(48 * MiB + 3)
+    sha256 = "7a" * 32
+    served.layout.blob(sha256).write_bytes(data)
+    request = (f"GET /blobs/sha256/{sha256} HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()  # fmt: skip
+    for _ in range(3):  # read a little, then reset the connection
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+            s.sendall(request)
+            assert s.recv(1024).startswith(b"HTTP/1.1 200")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    status, body, headers = peer_get(served.port, f"/blobs/sha256/{sha256}",
+                                     headers={"Range": f"bytes={MiB}-"})  # fmt: skip
+    assert (status, body == data[MiB:], headers[PIECES]) == (206, True, "all")

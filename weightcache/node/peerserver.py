@@ -310,11 +310,11 @@ class PeerServer:
         with await asyncio.to_thread(_open_regular, path) as f:
             pos = start
             while pos < end:
-                if self.stopping.is_set() or transport.is_closing():
-                    raise _Abort()
                 n = min(self._sendfile_chunk(), end - pos)
                 if self.limiter is not None:
                     await asyncio.sleep(self.limiter.reserve(n))
+                if self.stopping.is_set() or transport.is_closing():
+                    raise _Abort()  # (asyncio's sendfile raises RuntimeError on a closing one)
                 sent = await loop.sendfile(transport, f, pos, n)
                 self.observer.peer_uploaded(sent)
                 if sent != n:  # the file is shorter than it was: never pad
