@@ -10,11 +10,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,17 @@ from tests.support.checks import (
     markers,
 )
 from tests.support.faultproxy import FaultProxy
+from weightcache.cache.layout import Layout
+from weightcache.config import PeerSettings
+from weightcache.node import peerserver
+from weightcache.node.peers import Peers
+from weightcache.node.peerserver import PeerServer, encode_pieces
+from weightcache.node.serve import Limits, LoopThread
 from weightcache.ops.devstore import free_port
+from weightcache.transfer.parts import PartState
 
 TOKEN = "peer-token-for-tests-0123456789"
+PIECES, PIECE_SIZE, HELD_ONLY = peerserver.PIECES, peerserver.PIECE_SIZE, peerserver.HELD_ONLY
 PEER_BYTES = 'weightcache_bytes_total{source="peer"}'
 ORIGIN_BYTES = 'weightcache_bytes_total{source="origin"}'
 UPLOADED = "weightcache_peer_upload_bytes_total"
@@ -310,7 +319,8 @@ def test_the_peer_port_serves_blobs_only_and_only_with_the_token(
     status, body, headers = peer_get(node.peer_port, blob, headers={"Range": "bytes=100-199"})
     assert (status, body) == (206, data[100:200])
     assert headers["Content-Range"] == f"bytes 100-199/{len(data)}"
-    assert peer_get(node.peer_port, blob, method="HEAD")[0] == 200
+    status, _, headers = peer_get(node.peer_port, blob, method="HEAD")
+    assert status == 200 and headers[PIECES] == "all" and PIECE_SIZE not in headers
 
     # Somewhere to lure a path to: a secret outside the blob store, and a symlink to it
     # planted in the blob store under a valid-looking name.
@@ -384,6 +394,7 @@ def test_the_upload_limit_holds_under_load(
         sizes.append(len(body))
 
     threads = [threading.Thread(target=client, args=(p,)) for p in requests]
+    written = written_by(node.d.proc.pid)
     t0 = time.monotonic()
     for t in threads:
         t.start()
@@ -397,6 +408,48 @@ def test_the_upload_limit_holds_under_load(
     assert elapsed >= (total - burst) / rate * 0.97, f"{total / elapsed / MiB:.2f} MiB/s"
     assert elapsed <= total / rate * 1.5 + 2, f"only {total / elapsed / MiB:.2f} MiB/s"
     assert node.d.metrics()[UPLOADED] == total
+    assert written_by(node.d.proc.pid) - written >= total, "not sent with sendfile(2)"
+
+
+def written_by(pid: int) -> int:
+    """Bytes a process wrote through the VFS so far (/proc/PID/io `wchar`): sendfile(2)
+    counts there, a send(2) on a socket does not. A sendfile upload of N bytes adds >= N."""
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(fields["wchar"])
+
+
+@pytest.mark.timeout(120)
+def test_complete_blobs_go_out_with_sendfile_on_kept_alive_connections(
+    wc: CLI, publish: Callable[..., Published], store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    pub = publish([24 * MiB + 12345], name="sendfile", rev="r1", seed="sendfile",
+                  small_files=False)  # fmt: skip
+    (node,) = make_nodes(tmp_path, 1)
+    prewarm(wc, pub, node, store)
+    start(daemons, node, tmp_path, store.endpoint_url, [])
+    shard = pub.model.files[0]
+    data = (node.cache_dir / pub.name / pub.rev / shard.relpath).read_bytes()
+    size = len(data)
+    ranges = [None, (0, 0), (1, 3 * MiB + 7), (size - 5, size - 1), (5 * MiB, size - 1)]
+    conn = http.client.HTTPConnection("127.0.0.1", node.peer_port, timeout=30)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    written, sent, sock = written_by(node.d.proc.pid), 0, None
+    try:
+        for r in ranges:
+            headers = dict(auth) if r is None else {**auth, "Range": f"bytes={r[0]}-{r[1]}"}
+            conn.request("GET", f"/blobs/sha256/{shard.sha256}", headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+            want = data if r is None else data[r[0] : r[1] + 1]
+            assert (resp.status, len(body)) == (200 if r is None else 206, len(want)), r
+            assert body == want, r
+            assert sock is None or conn.sock is sock, "the connection was not kept alive"
+            sock, sent = conn.sock, sent + len(body)
+    finally:
+        conn.close()
+    assert written_by(node.d.proc.pid) - written >= sent, "not sent with sendfile(2)"
+    assert node.d.metrics()[UPLOADED] == sent
 
 
 # -- misbehaving clients (design §5, Bounds) ------------------------------------------------
@@ -470,3 +523,161 @@ def test_a_burst_of_heads_is_answered_without_backlog_timeouts(
         t.join(timeout=90)
     failed = [r for r in results if r != 200]
     assert len(results) == clients and not failed, f"{len(failed)} of {clients}: {failed[:5]}"
+
+
+# -- what a node advertises while downloading (one PeerServer in this process) ------------------
+
+PIECE = 64 << 10
+
+
+@dataclass
+class Counted:
+    """The server's observer: what it uploaded and refused."""
+
+    uploaded: int = 0
+    refused: list[str] = field(default_factory=list)
+
+    def peer_uploaded(self, nbytes: int) -> None:
+        self.uploaded += nbytes
+
+    def peer_refused(self, reason: str) -> None:
+        self.refused.append(reason)
+
+
+@dataclass
+class Served:
+    port: int
+    layout: Layout
+    peers: Peers
+    counted: Counted
+
+
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    """A peer server on loopback with a 1 s idle timeout (the daemon's is a minute)."""
+    monkeypatch.setattr(peerserver, "PEER_LIMITS", Limits(connections=8, idle=1.0, header=1.0))
+    settings = PeerSettings(("127.0.0.1", 0), TOKEN, upload_limit=None)
+    layout, counted = Layout.open(tmp_path / "cache"), Counted()
+    peers = Peers(settings)
+    server = PeerServer(settings, layout, peers, counted)
+    loop = LoopThread("peer-test")
+    try:
+        loop.run(server.start())
+        yield Served(server.address[1], layout, peers, counted)
+    finally:
+        loop.run(server.http.close())
+        loop.stop()
+        peers.close()
+
+
+def downloading(served: Served, done: list[bool], size: int) -> tuple[str, bytes, Path]:
+    """A partial blob the node is downloading, with the parts `done` written (and the
+    others holding junk that must never be served)."""
+    data = random.Random(size).randbytes(size)
+    sha256 = "5e" * 32
+    partial = served.layout.partial(sha256)
+    partial.write_bytes(bytes(b ^ 0xFF for b in data))  # every byte wrong until written
+    state = PartState(size, PIECE)
+    with partial.open("r+b") as f:
+        for i, (start, end) in enumerate(state.parts):
+            if done[i]:
+                f.seek(start)
+                f.write(data[start:end])
+    state.done = list(done)
+    state.save(Layout.part_state(partial))
+    served.peers.claim(sha256, partial, size)
+    return sha256, data, partial
+
+
+def test_a_partial_advertises_its_pieces_and_serves_any_it_holds(served: Served) -> None:
+    done = [False, True, False, True, False, True]
+    size = 5 * PIECE + 100
+    sha256, data, partial = downloading(served, done, size)
+    blob = f"/blobs/sha256/{sha256}"
+    status, _, headers = peer_get(served.port, blob, method="HEAD")
+    assert status == 200
+    assert (headers[PIECES], headers[PIECE_SIZE]) == (encode_pieces(done), str(PIECE))
+    assert headers["X-Weightcache-Available"] == "0"  # the contiguous prefix, as before
+
+    # Inside a held piece that is not in the prefix, and the short last one.
+    for start, end in [(PIECE, 2 * PIECE), (PIECE + 10, PIECE + 20), (5 * PIECE, size),
+                       (3 * PIECE, 4 * PIECE)]:  # fmt: skip
+        for held_only in ({}, {HELD_ONLY: "1"}):
+            headers = {"Range": f"bytes={start}-{end - 1}", **held_only}
+            status, body, got = peer_get(served.port, blob, headers=headers)
+            assert (status, body == data[start:end]) == (206, True), (start, end, held_only)
+            assert got[PIECES] == encode_pieces(done)
+
+    # A range touching a piece not held, asked for held pieces only: refused at once.
+    for start, end in [(0, 1), (2 * PIECE, 2 * PIECE + 1), (PIECE, 2 * PIECE + 1), (0, size)]:
+        t0 = time.monotonic()
+        headers = {"Range": f"bytes={start}-{end - 1}", HELD_ONLY: "1"}
+        status, body, got = peer_get(served.port, blob, headers=headers)
+        assert (status, got["Content-Range"]) == (416, f"bytes */{size}"), (start, end)
+        assert got[PIECES] == encode_pieces(done) and body.startswith(b"refused:")
+        assert time.monotonic() - t0 < 5
+    assert served.counted.refused == ["not_held"] * 4
+
+    # Without held-only (today's client), a GET waits for a missing piece to be written.
+    results: list[tuple[int, bytes, dict[str, str]]] = []
+    headers = {"Range": f"bytes={2 * PIECE}-{3 * PIECE - 1}"}
+
+    def get() -> None:
+        results.append(peer_get(served.port, blob, headers=headers))
+
+    waiter = threading.Thread(target=get)
+    waiter.start()
+    time.sleep(0.5)
+    with partial.open("r+b") as f:
+        f.seek(2 * PIECE)
+        f.write(data[2 * PIECE : 3 * PIECE])
+    state = PartState(size, PIECE, done=[False, True, True, True, False, True])
+    state.save(Layout.part_state(partial))
+    waiter.join(timeout=30)
+    assert results and results[0][0] == 206 and results[0][1] == data[2 * PIECE : 3 * PIECE]
+
+
+def test_the_token_is_checked_before_the_path_or_the_pieces(served: Served) -> None:
+    sha256, _, _ = downloading(served, [False, True], PIECE + 1)
+    for path, headers in [(f"/blobs/sha256/{sha256}", {"Range": "bytes=0-0", HELD_ONLY: "1"}),
+                          (f"/blobs/sha256/{'0' * 64}", {}), ("/../state.db", {}),
+                          (f"/blobs/sha256/{sha256}", {"Range": "bytes=900000-"})]:  # fmt: skip
+        status, body, got = peer_get(served.port, path, token="wrong-token-0123456789abcdef",
+                                     headers=headers)  # fmt: skip
+        assert (status, body) == (403, b"refused: bad_token\n"), path
+        assert PIECES not in got
+    assert served.counted.refused == ["bad_token"] * 4 and served.counted.uploaded == 0
+
+
+def test_an_idle_peer_connection_is_closed(served: Served) -> None:
+    sha256, data, _ = downloading(served, [True, True], PIECE + 1)
+    request = (f"GET /blobs/sha256/{sha256} HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+        s.sendall(request)
+        received = b""
+        t0 = time.monotonic()
+        while True:  # the response, then the close once the connection idled past 1 s
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            received += chunk
+        elapsed = time.monotonic() - t0
+    assert received.startswith(b"HTTP/1.1 200") and received.endswith(data)
+    assert elapsed < 8, f"an idle connection stayed open {elapsed:.1f}s"
+
+
+def test_a_client_leaving_mid_sendfile_does_not_stop_the_server(served: Served) -> None:
+    data = random.Random(7).randbytes(48 * MiB + 3)
+    sha256 = "7a" * 32
+    served.layout.blob(sha256).write_bytes(data)
+    request = (f"GET /blobs/sha256/{sha256} HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()  # fmt: skip
+    for _ in range(3):  # read a little, then reset the connection
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+            s.sendall(request)
+            assert s.recv(1024).startswith(b"HTTP/1.1 200")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    status, body, headers = peer_get(served.port, f"/blobs/sha256/{sha256}",
+                                     headers={"Range": f"bytes={MiB}-"})  # fmt: skip
+    assert (status, body == data[MiB:], headers[PIECES]) == (206, True, "all")

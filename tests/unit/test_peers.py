@@ -23,7 +23,15 @@ from weightcache.node.peers import (
     peer_url,
     rank,
 )
-from weightcache.node.peerserver import parse_range, partial_prefix, refusal
+from weightcache.node.peerserver import (
+    Pieces,
+    encode_pieces,
+    parse_pieces,
+    parse_range,
+    partial_pieces,
+    partial_prefix,
+    refusal,
+)
 from weightcache.options import env, peer_settings
 from weightcache.transfer.parts import PartState
 
@@ -201,6 +209,63 @@ def test_partial_prefix_is_the_contiguous_written_parts(tmp_path: Path) -> None:
     assert partial_prefix(state, 100_000) == 0
     state.write_text("not json")
     assert partial_prefix(state, 100_000) == 0
+
+
+def test_pieces_bitmap_round_trips_lsb_first() -> None:
+    held = [True, False, False, True, False, False, False, False, False, True]
+    text = encode_pieces(held)
+    assert text == "CQI="  # byte 0: bits 0 and 3; byte 1: bit 1 (piece 9)
+    assert parse_pieces(text, 10) == held
+    assert parse_pieces("all", 3) == [True] * 3
+    assert encode_pieces([]) == "" and parse_pieces("", 0) == []
+    for n in (1, 7, 8, 9, 64, 333):
+        every = [i % 3 == 0 for i in range(n)]
+        assert parse_pieces(encode_pieces(every), n) == every
+
+
+@pytest.mark.parametrize(
+    ("text", "count"),
+    [
+        ("CQI=", 9),  # bit 9 is past the last of 9 pieces
+        ("CQI=", 17),  # 2 bytes for 17 pieces (3 needed)
+        ("CQ==", 10),  # 1 byte for 10 pieces
+        ("CQI", 10),  # no padding
+        ("CQI=\n", 10),
+        (" CQI=", 10),
+        ("CQJ=", 10),  # non-canonical: the unused bits of the last base64 digit are set
+        ("C-I=", 10),
+        ("ALL", 10),
+        ("all ", 10),
+        ("é", 10),
+    ],
+)
+def test_pieces_parsing_is_strict(text: str, count: int) -> None:
+    with pytest.raises(ValueError):
+        parse_pieces(text, count)
+
+
+def test_pieces_runs_and_cover() -> None:
+    p = Pieces(100, 30, (True, False, True, True))  # [0,30) [30,60) [60,90) [90,100)
+    assert [p.run_end(x) for x in (0, 29, 30, 59, 60, 95)] == [30, 30, 30, 59, 100, 100]
+    assert p.covers(0, 30) and p.covers(60, 100) and p.covers(65, 70)
+    assert not p.covers(0, 31) and not p.covers(29, 61) and not p.covers(59, 60)
+    assert p.covers(10, 10)  # nothing asked, nothing missing
+    complete = Pieces(100)
+    assert complete.header() == "all" and complete.run_end(42) == 100 and complete.covers(0, 100)
+    assert p.header() == encode_pieces([True, False, True, True])
+
+
+def test_partial_pieces_are_the_done_parts(tmp_path: Path) -> None:
+    state = tmp_path / f"{HEX}.part.json"
+    assert partial_pieces(state, 100_000).held == (False,)  # no state: nothing held
+    parts = PartState(100_000, 16384)
+    parts.done[1] = parts.done[6] = True
+    parts.save(state)
+    p = partial_pieces(state, 100_000)
+    assert p.piece_size == 16384 and p.size == 100_000
+    assert p.held == (False, True, False, False, False, False, True)
+    assert p.covers(16384, 2 * 16384) and p.covers(6 * 16384, 100_000)
+    assert not p.covers(0, 1)
 
 
 # -- choosing sources -------------------------------------------------------------------------

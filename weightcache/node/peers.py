@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 #: The peer protocol's one path, and the reasons its server refuses a request (metric labels).
 BLOB_PATH = re.compile(r"/blobs/sha256/([0-9a-f]{64})")
-REFUSAL_REASONS = ("no_token", "bad_token", "bad_path", "not_found", "bad_range", "method",
-                   "busy")  # fmt: skip
+REFUSAL_REASONS = ("no_token", "bad_token", "bad_path", "not_found", "bad_range", "not_held",
+                   "method", "busy")  # fmt: skip
 HEAD_TIMEOUT = 1.0  # a peer that cannot answer a HEAD in a second is not worth waiting for
 #: Failed requests to one peer without progress before the blob goes to the next source.
 PEER_ATTEMPTS = 3

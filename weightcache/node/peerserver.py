@@ -2,17 +2,23 @@
 
 `GET|HEAD /blobs/sha256/<64 hex>` and nothing else, each request with `Authorization:
 Bearer <token>` (constant-time compare), one `Range` honoured. Blobs are read from the blob
-store (regular files, never through a symlink); a blob this node is downloading right now
-(`claim()`ed by its Fetcher) from `tmp/<hex>.part`, only the prefix of parts its `.part.json`
-records as written, a GET ahead of it waiting up to PARTIAL_WAIT for it to grow. One token
-bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the uploads, PEER_LIMITS the
-connections (a cap, idle and header timeouts: weightcache/node/serve.py). The client side
-(discovery, the HEADs, the downloads) is weightcache/node/peers.py.
+store (regular files, never through a symlink) and sent with sendfile(2), in chunks paced
+by the upload limit; a blob this node is downloading right now (`claim()`ed by its Fetcher)
+from `tmp/<hex>.part`, only the pieces (the parts of its `.part.json`) recorded as written,
+streamed through the loop. Every answer advertises the pieces held (`X-Weightcache-Pieces`:
+`all`, or a bitmap with `X-Weightcache-Piece-Size`). A GET of a partial touching a piece not
+held waits up to PARTIAL_WAIT for it, or with `X-Weightcache-Held-Only: 1` is refused at
+once (416, `not_held`). One token bucket (`--peer-upload-limit`) and MAX_REQUESTS bound the
+uploads, PEER_LIMITS the connections (a cap, idle and header timeouts:
+weightcache/node/serve.py). The client side (discovery, the HEADs, the downloads) is
+weightcache/node/peers.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hmac
 import json
@@ -22,8 +28,9 @@ import re
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from aiohttp import web
 
@@ -38,11 +45,19 @@ from weightcache.transfer.sources import READ_TIMEOUT
 
 log = logging.getLogger(__name__)
 
-CHUNK = 256 << 10  # bytes per read and per token-bucket debit when uploading
+CHUNK = 256 << 10  # bytes per read and per token-bucket debit when uploading a partial
+#: Bytes per sendfile(2) call for a complete blob: large enough that the loop's per-call
+#: cost vanishes, small enough to check stopping often; under an upload limit a chunk is
+#: at most the bucket's burst, so the pace stays smooth (`_sendfile_chunk`).
+SENDFILE_CHUNK = 16 << 20
 #: Seconds a GET ahead of a partial's written prefix waits for it to grow before the
 #: response is cut: shorter than the receiver's read timeout, so that the receiver sees a
 #: cut body (and moves on to the next source) rather than a timeout of its own.
 PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
+#: Response headers advertising the pieces held, and the request header asking for held
+#: pieces only (design §8, Peers: requests).
+PIECES, PIECE_SIZE, HELD_ONLY = ("X-Weightcache-Pieces", "X-Weightcache-Piece-Size",
+                                 "X-Weightcache-Held-Only")  # fmt: skip
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 
 
@@ -81,15 +96,82 @@ def refusal(authorization: str | None, token: str) -> str | None:
     return None if scheme.lower() == "bearer" and ok else "bad_token"
 
 
-def partial_prefix(state_path: Path, size: int) -> int:
-    """Bytes at the start of a partial blob that its downloader recorded as written."""
+ALL = "all"  # the pieces header of a complete blob
+
+
+def encode_pieces(held: list[bool]) -> str:
+    """The pieces header for a bitmap: base64 (with padding) of ceil(n / 8) bytes, piece i
+    in bit i % 8 of byte i // 8 (least significant first); unused high bits are zero."""
+    bits = sum(1 << i for i, h in enumerate(held) if h)
+    return base64.b64encode(bits.to_bytes((len(held) + 7) // 8, "little")).decode()
+
+
+def parse_pieces(text: str, count: int) -> list[bool]:
+    """The pieces held, from a pieces header for a blob of `count` pieces (`all`, or what
+    `encode_pieces` writes). Raises ValueError for anything else: other characters, a
+    length that is not exactly ceil(count / 8) bytes, a bit set past the last piece."""
+    if text == ALL:
+        return [True] * count
+    try:
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as e:
+        raise ValueError(f"pieces {text[:40]!r} are not base64") from e
+    if len(raw) != (count + 7) // 8 or base64.b64encode(raw).decode() != text:
+        raise ValueError(f"pieces {text[:40]!r} do not fit {count} pieces")
+    bits = int.from_bytes(raw, "little")
+    if bits >> count:
+        raise ValueError(f"pieces {text[:40]!r} name a piece past the last of {count}")
+    return [bool(bits >> i & 1) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Which pieces of a blob this node holds: every byte (`held` None: a complete blob),
+    or the pieces of `piece_size` bytes (the last one shorter) marked in `held`."""
+
+    size: int
+    piece_size: int = 0
+    held: tuple[bool, ...] | None = None
+
+    def header(self) -> str:
+        return ALL if self.held is None else encode_pieces(list(self.held))
+
+    def run_end(self, pos: int) -> int:
+        """End of the run of held bytes from `pos` (`pos` itself: its piece is not held)."""
+        if self.held is None:
+            return self.size
+        i = pos // self.piece_size
+        while i < len(self.held) and self.held[i]:
+            i += 1
+        return max(pos, min(self.size, i * self.piece_size))
+
+    def covers(self, start: int, end: int) -> bool:
+        """Whether every byte of [start, end) is in a held piece."""
+        pos = start
+        while pos < end:
+            run = self.run_end(pos)
+            if run == pos:
+                return False
+            pos = run
+        return True
+
+
+def partial_pieces(state_path: Path, size: int) -> Pieces:
+    """The pieces of a partial blob its downloader recorded as written: the parts of its
+    part state (weightcache/transfer/parts.py), a part held once done. The one place that
+    reads a part state here."""
     try:
         part_size = int(json.loads(state_path.read_text())["part_size"])
     except (OSError, ValueError, KeyError, TypeError):
-        return 0
+        return Pieces(size, max(size, 1), (False,))
     if part_size < 4096:  # not what the downloader writes; never plan millions of parts
-        return 0
-    return PartState.load(state_path, size, part_size).contiguous_end()
+        return Pieces(size, max(size, 1), (False,))
+    return Pieces(size, part_size, tuple(PartState.load(state_path, size, part_size).done))
+
+
+def partial_prefix(state_path: Path, size: int) -> int:
+    """Bytes at the start of a partial blob that its downloader recorded as written."""
+    return partial_pieces(state_path, size).run_end(0)
 
 
 #: Peer connections: more than MAX_REQUESTS so that HEADs still get in while uploads run;
@@ -168,15 +250,20 @@ class PeerServer:
         where = await asyncio.to_thread(self._where, sha256)
         if where is None:
             return self._refuse(404, "not_found", head)
-        _, size, available, claim = where
+        path, pieces, claim = where
+        size = pieces.size
         try:
             wanted = parse_range(request.headers.get("Range"), size)
         except ValueError:
             return self._refuse(416, "bad_range", head, {"Content-Range": f"bytes */{size}"})
         start, end = wanted or (0, size)
+        advertised = _advertise(pieces)
+        if request.headers.get(HELD_ONLY) == "1" and not pieces.covers(start, end):
+            return self._refuse(416, "not_held", head,
+                                {"Content-Range": f"bytes */{size}", **advertised})  # fmt: skip
         headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
                    "X-Weightcache-Node": self.peers.node_id,
-                   "X-Weightcache-Available": str(available)}  # fmt: skip
+                   "X-Weightcache-Available": str(pieces.run_end(0)), **advertised}  # fmt: skip
         if wanted is not None:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         if claim is not None:
@@ -186,25 +273,56 @@ class PeerServer:
         await resp.prepare(request)
         if not head:
             try:
-                await self._send(resp, sha256, start, end)
+                if pieces.held is None:
+                    await self._sendfile(request, path, start, end)
+                else:
+                    await self._send(resp, sha256, start, end)
+                await resp.write_eof()
             except (_Abort, OSError):
                 request.protocol.force_close()  # the receiver sees a cut body, and retries
         return resp
 
-    def _where(self, sha256: str) -> tuple[Path, int, int, Claim | None] | None:
-        """(file, blob size, bytes readable from its start, claim) now; None: not held."""
+    def _where(self, sha256: str) -> tuple[Path, Pieces, Claim | None] | None:
+        """(file, the pieces held, claim) now; None: not held."""
         blob = self.layout.blob(sha256)
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(blob)
             if stat.S_ISREG(st.st_mode):
-                return blob, st.st_size, st.st_size, None
+                return blob, Pieces(st.st_size), None
         d = self.peers.downloading(sha256)
         if d is None:
             return None
-        return d.partial, d.size, partial_prefix(Layout.part_state(d.partial), d.size), d.claim
+        return d.partial, partial_pieces(Layout.part_state(d.partial), d.size), d.claim
+
+    def _sendfile_chunk(self) -> int:
+        if self.limiter is None:
+            return SENDFILE_CHUNK
+        return max(CHUNK, min(SENDFILE_CHUNK, int(self.limiter.burst)))
+
+    async def _sendfile(self, request: web.BaseRequest, path: Path, start: int, end: int) -> None:
+        """Send [start, end) of a complete blob with sendfile(2) (asyncio falls back to
+        reads and writes where the transport cannot), one paced chunk at a time; raises
+        _Abort or OSError when the file or the connection ends first."""
+        transport = request.transport
+        if transport is None:
+            raise _Abort()
+        loop = asyncio.get_running_loop()
+        with await asyncio.to_thread(_open_regular, path) as f:
+            pos = start
+            while pos < end:
+                n = min(self._sendfile_chunk(), end - pos)
+                if self.limiter is not None:
+                    await asyncio.sleep(self.limiter.reserve(n))
+                if self.stopping.is_set() or transport.is_closing():
+                    raise _Abort()  # (asyncio's sendfile raises RuntimeError on a closing one)
+                sent = await loop.sendfile(transport, f, pos, n)
+                self.observer.peer_uploaded(sent)
+                if sent != n:  # the file is shorter than it was: never pad
+                    raise _Abort()
+                pos += sent
 
     async def _send(self, resp: web.StreamResponse, sha256: str, start: int, end: int) -> None:
-        """Send [start, end), waiting for a partial's prefix to grow; raises _Abort."""
+        """Send [start, end) of a partial, waiting for pieces not yet written; raises _Abort."""
         pos, path, available = start, self.layout.blob(sha256), 0
         idle_since = time.monotonic()
         while pos < end:
@@ -212,7 +330,8 @@ class PeerServer:
                 where = await asyncio.to_thread(self._where, sha256)
                 if where is None:
                     raise _Abort()
-                path, _, available, _ = where
+                path, pieces, _ = where
+                available = pieces.run_end(pos)
             n = min(CHUNK, end - pos, available - pos)
             data = await asyncio.to_thread(_pread, path, n, pos) if n > 0 else None
             if data is None:  # nothing new yet, or the partial was published or dropped
@@ -240,6 +359,26 @@ class PeerServer:
         if close:
             resp.force_close()
         return resp
+
+
+def _advertise(pieces: Pieces) -> dict[str, str]:
+    """The response headers that say which pieces this node holds."""
+    if pieces.held is None:
+        return {PIECES: ALL}
+    return {PIECES: pieces.header(), PIECE_SIZE: str(pieces.piece_size)}
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, never through a symlink; raises _Abort if it is gone or
+    not a regular file (evicted or replaced since it was found)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise _Abort() from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _Abort()
+    return os.fdopen(fd, "rb")
 
 
 def _pread(path: Path, n: int, offset: int) -> bytes | None:
