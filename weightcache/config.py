@@ -181,19 +181,19 @@ _SOURCE_FORMS = (
 )
 
 
-def _split_source(text: str) -> tuple[str, str, list[str]] | None:
-    """(scheme, bucket, path segments) of a source or prefix URL, or None if it is none of
-    the forms. A `file://` URL and a plain absolute path are the same source: bucket "".
-    Segments may be empty or `..` here: the callers refuse those."""
+def _split_source(text: str) -> tuple[str, str, str] | None:
+    """(scheme, bucket, path) of a source or prefix URL, or None if it is none of the forms;
+    the path is "" or starts with "/". A `file://` URL and a plain absolute path are the
+    same source, of bucket "". The callers split the path and refuse bad segments."""
     text = text.strip()
     m = re.fullmatch(_S3 + r"(/.*)?", text)
     if m is not None:
-        return "s3", m.group(1), (m.group(2) or "").strip("/").split("/")
+        return "s3", m.group(1), m.group(2) or ""
     if text.startswith("file://"):
         text = text[len("file://") :]  # file://host/... has no leading slash: refused below
     if not text.startswith("/"):
         return None
-    return "file", "", text.rstrip("/")[1:].split("/")
+    return "file", "", text
 
 
 def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
@@ -217,7 +217,7 @@ class Source:
         """Raises UsageError for anything but the forms above, and for a path with an
         empty, `.` or `..` segment (the same rules for every scheme)."""
         split = _split_source(url)
-        segments = split[2] if split else []
+        segments = split[2][1:].rstrip("/").split("/") if split else []
         if split is None or len(segments) < 2 or _bad_segment(segments):
             raise UsageError(f"invalid source {url!r}: expected {_SOURCE_FORMS}")
         return cls(
@@ -260,12 +260,12 @@ class SourcePrefix:
         """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models` or `/mnt/models`.
         Raises UsageError; a file prefix must name a directory below the root."""
         split = _split_source(str(text))
-        segments = tuple(split[2]) if split else ()
+        segments = tuple(split[2].strip("/").split("/")) if split else ()
         if segments == ("",) and split and split[0] == "s3":
             segments = ()
         if split is None or _bad_segment(segments):
             raise UsageError(
-                f"invalid {what} {text!r}: expected s3://bucket, s3://bucket/prefix or "
+                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, or "
                 "file:///directory, such as s3://models/team-a or file:///mnt/models"
             )
         return cls(split[1], segments, split[0])
