@@ -172,33 +172,66 @@ class OriginSettings:
             raise UsageError("invalid attempt count: it must be at least 1")
 
 
+#: The schemes a source may have; a plain absolute path is a `file://` source.
+SCHEMES = ("s3", "file")
+_S3 = r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])"
+_SOURCE_FORMS = (
+    "s3://bucket/prefix/<name>/<revision>, file:///path/<name>/<revision> or "
+    "/path/<name>/<revision>"
+)
+
+
+def _split_source(text: str) -> tuple[str, str, str] | None:
+    """(scheme, bucket, path) of a source or prefix URL, or None if it is none of the forms;
+    the path is "" or starts with "/". A `file://` URL and a plain absolute path are the
+    same source, of bucket "". The callers split the path and refuse bad segments."""
+    text = text.strip()
+    m = re.fullmatch(_S3 + r"(/.*)?", text)
+    if m is not None:
+        return "s3", m.group(1), m.group(2) or ""
+    if text.startswith("file://"):
+        text = text[len("file://") :]  # file://host/... has no leading slash: refused below
+    if not text.startswith("/"):
+        return None
+    return "file", "", text
+
+
+def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
+    return any(s in ("", ".", "..") or "\0" in s for s in segments)
+
+
 @dataclass(frozen=True)
 class Source:
-    """A model revision in the object store: s3://bucket/prefix/<name>/<revision>."""
+    """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, or a directory
+    on a mounted filesystem, file:///path/<name>/<revision> (bucket "", `prefix` the path
+    without its leading slash). Design §4, Revision sources."""
 
     bucket: str
-    prefix: str  # key prefix of the revision, no leading or trailing slash
+    prefix: str  # key prefix (or path) of the revision, no leading or trailing slash
     name: str
     revision: str
+    scheme: str = "s3"
 
     @classmethod
     def parse(cls, url: str, name: str | None = None, revision: str | None = None) -> Source:
-        m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(.+?)/*", url.strip())
-        segments = m.group(2).split("/") if m else []
-        if m is None or len(segments) < 2 or any(s in ("", ".", "..") for s in segments):
-            raise UsageError(
-                f"invalid source {url!r}: expected s3://bucket/prefix/<name>/<revision>"
-            )
+        """Raises UsageError for anything but the forms above, and for a path with an
+        empty, `.` or `..` segment (the same rules for every scheme)."""
+        split = _split_source(url)
+        segments = split[2][1:].rstrip("/").split("/") if split else []
+        if split is None or len(segments) < 2 or _bad_segment(segments):
+            raise UsageError(f"invalid source {url!r}: expected {_SOURCE_FORMS}")
         return cls(
-            bucket=m.group(1),
+            bucket=split[1],
             prefix="/".join(segments),
             name=name or segments[-2],
             revision=revision or segments[-1],
+            scheme=split[0],
         )
 
     @property
     def url(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
+        """The canonical URL (what markers record): a plain path reads as file:///path."""
+        return f"{self.scheme}://{self.bucket}/{self.prefix}"
 
     @property
     def label(self) -> str:
@@ -210,40 +243,46 @@ class Source:
 
 @dataclass(frozen=True, order=True)
 class SourcePrefix:
-    """A bucket and key prefix the node daemon may fetch under for Pods (`--allow-source`).
+    """A bucket and key prefix (or a directory) the node daemon may fetch under for Pods
+    (`--allow-source`).
 
-    Matching is by whole path segments: s3://models/team covers s3://models/team/llama/v1,
-    never s3://models/teamB/llama/v1 (design §5, who may ask: else the socket is a confused deputy).
+    Matching is by scheme and whole path segments: s3://models/team covers
+    s3://models/team/llama/v1, never s3://models/teamB/llama/v1 nor file:///models/team/...
+    (design §5, who may ask: else the socket is a confused deputy).
     """
 
     bucket: str
     segments: tuple[str, ...] = ()  # () covers the whole bucket
+    scheme: str = "s3"
 
     @classmethod
     def parse(cls, text: str, what: str = "--allow-source") -> SourcePrefix:
-        """`s3://bucket`, `s3://bucket/` or `s3://bucket/a/b/`. Raises UsageError."""
-        m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?", str(text).strip())
-        segments = tuple((m.group(2) or "").strip("/").split("/")) if m else ()
-        if segments == ("",):
+        """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models` or `/mnt/models`.
+        Raises UsageError; a file prefix must name a directory below the root."""
+        split = _split_source(str(text))
+        segments = tuple(split[2].strip("/").split("/")) if split else ()
+        if segments == ("",) and split and split[0] == "s3":
             segments = ()
-        if m is None or any(s in ("", ".", "..") for s in segments):
+        if split is None or _bad_segment(segments):
             raise UsageError(
-                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, such "
-                "as s3://models/team-a"
+                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, or "
+                "file:///directory, such as s3://models/team-a or file:///mnt/models"
             )
-        return cls(m.group(1), segments)
+        return cls(split[1], segments, split[0])
 
     @classmethod
     def parent_of(cls, source: Source) -> SourcePrefix:
         """The source URL without its last segment: every revision of a listed model."""
-        return cls(source.bucket, tuple(source.prefix.split("/"))[:-1])
+        return cls(source.bucket, tuple(source.prefix.split("/"))[:-1], source.scheme)
 
     def covers(self, source: Source) -> bool:
         parts = tuple(source.prefix.split("/"))
-        return source.bucket == self.bucket and parts[: len(self.segments)] == self.segments
+        return (source.scheme, source.bucket) == (self.scheme, self.bucket) and parts[
+            : len(self.segments)
+        ] == self.segments
 
     def __str__(self) -> str:
-        return "/".join((f"s3://{self.bucket}", *self.segments))
+        return "/".join((f"{self.scheme}://{self.bucket}", *self.segments))
 
 
 def parse_allow_sources(

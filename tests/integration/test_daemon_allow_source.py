@@ -112,3 +112,33 @@ def test_by_default_the_daemon_fetches_revisions_of_its_listed_models(
     wait_for("the new models file", lambda: "2 model(s)" in daemon.log(), timeout=30)
     through_the_daemon(wc, gamma, cache_dir)
     assert daemon.alive(), daemon.log()
+
+
+@pytest.mark.timeout(150)
+def test_file_sources_converge_and_are_fetched_for_pods_under_their_prefix(
+    wc: CLI, store: Any, cache_dir: Path, tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """A models file may list a directory on a volume; by default the daemon then fetches
+    other revisions of that model for Pods, and refuses a directory elsewhere."""
+    from tests.support.modelgen import make_model
+
+    volume = tmp_path / "volume"
+    listed = make_model(volume / "llama" / "v1", [1 * MiB], seed="v1")
+    sibling = make_model(volume / "llama" / "v2", [1 * MiB], seed="v2")
+    elsewhere = make_model(tmp_path / "other" / "qwen" / "v1", [1 * MiB], seed="q")
+    models = write_models(tmp_path / "models.yaml", [{"source": f"file://{listed.root}"}])
+    daemon = daemons.start(cache_dir, models, endpoint=store.endpoint_url, allow_source=())
+    wait_for("llama/v1 converged", (cache_dir / "llama" / "v1" / ".weightcache").is_file, 60)
+    assert_revision_ok(cache_dir, "llama", "v1", listed)
+
+    pod = wc.fetch(str(sibling.root), cache_dir)
+    assert_ok_path(pod, cache_dir / "llama" / "v2")
+    assert FELL_BACK not in pod.stderr, describe(pod)
+    assert_revision_ok(cache_dir, "llama", "v2", sibling)
+    assert daemon.metrics()[MISSES] == 2
+
+    alone = wc.fetch(f"file://{elsewhere.root}", cache_dir)
+    assert_ok_path(alone, cache_dir / "qwen" / "v1")
+    lines = [line for line in alone.stderr.splitlines() if FELL_BACK in line]
+    assert len(lines) == 1 and f"does not fetch file://{elsewhere.root} for" in lines[0], lines
+    assert daemon.metrics()[MISSES] == 2

@@ -31,6 +31,12 @@ def covers(prefix: str, source: str) -> bool:
         ("s3://models", "s3://models2/team/llama/v1", False),
         ("s3://models/team", "s3://other/team/llama/v1", False),
         ("s3://models/a/b", "s3://models/a/llama/v1", False),  # shorter than the prefix
+        ("file:///mnt/models", "file:///mnt/models/llama/v1", True),
+        ("/mnt/models/", "/mnt/models/llama/v1", True),
+        ("file:///mnt/models", "/mnt/models/llama/v1", True),
+        ("file:///mnt/models", "file:///mnt/models2/llama/v1", False),
+        ("file:///models", "s3://models/llama/v1", False),  # schemes differ
+        ("s3://models", "file:///models/llama/v1", False),
     ],
 )
 def test_prefixes_match_whole_segments(prefix: str, source: str, expected: bool) -> None:
@@ -40,7 +46,8 @@ def test_prefixes_match_whole_segments(prefix: str, source: str, expected: bool)
 @pytest.mark.parametrize(
     "text",
     ["models/team", "s3://", "s3://Models/team", "s3://models/a//b", "s3://models/../x",
-     "s3://models/./x", "https://models/team", "s3://m"],
+     "s3://models/./x", "https://models/team", "s3://m", "/", "file:///", "file://h/x",
+     "/mnt/../etc", "mnt/models"],
 )  # fmt: skip
 def test_invalid_prefixes_are_refused(text: str) -> None:
     with pytest.raises(UsageError, match="--allow-source"):
@@ -53,6 +60,9 @@ def test_parent_of_a_source_is_every_revision_of_its_model() -> None:
     assert parent.covers(Source.parse("s3://models/team/llama/v2"))
     assert not parent.covers(Source.parse("s3://models/team/qwen/v1"))
     assert str(SourcePrefix.parse("s3://models/")) == "s3://models"
+    on_disk = SourcePrefix.parent_of(Source.parse("/mnt/models/llama/v1"))
+    assert str(on_disk) == "file:///mnt/models/llama"
+    assert on_disk.covers(Source.parse("file:///mnt/models/llama/v2"))
 
 
 def test_no_value_means_the_models_file_default() -> None:

@@ -317,3 +317,30 @@ def test_source_parse_invalid(url: str) -> None:
         Source.parse(url)
     assert repr(url) in str(info.value)
     assert "s3://bucket/prefix/<name>/<revision>" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "path", "name", "revision"),
+    [
+        ("file:///mnt/models/llama/v1", "mnt/models/llama/v1", "llama", "v1"),
+        ("/mnt/models/llama/v1", "mnt/models/llama/v1", "llama", "v1"),
+        ("  /mnt/models/llama/v1//  ", "mnt/models/llama/v1", "llama", "v1"),
+        ("file:///llama/v1/", "llama/v1", "llama", "v1"),
+    ],
+)
+def test_source_parse_file(url: str, path: str, name: str, revision: str) -> None:
+    src = Source.parse(url)
+    assert (src.scheme, src.bucket, src.prefix) == ("file", "", path)
+    assert (src.name, src.revision) == (name, revision)
+    assert src.url == f"file:///{path}"  # what the marker records, whichever form was given
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["file://host/m/llama/v1", "file://", "file:///", "/", "/v1", "llama/v1", "./m/v1",
+     "/m//v1", "//m/v1", "/m/../v1", "/m/./v1", "/m/v1/..", "file:/m/v1", "/m/v\0/x"],
+)  # fmt: skip
+def test_source_parse_file_invalid(url: str) -> None:
+    with pytest.raises(UsageError) as info:
+        Source.parse(url)
+    assert "file:///path/<name>/<revision>" in str(info.value)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from weightcache.transfer.httprange import HttpRanges
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
     from weightcache.transfer.s3 import Origin
-    from weightcache.transfer.sources import BlobSource
+    from weightcache.transfer.sources import BlobSource, RevisionSource
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +164,28 @@ class Fetcher:
                 self._origin = Origin(self.settings)
             return self._origin
 
-    def _origin_blob(self, source: Source, entry: ManifestEntry) -> BlobSource:
-        """The blob of `entry` as the origin's object, read by presigned ranged GETs."""
-        from weightcache.transfer.httprange import HttpRanges, OriginBlob
+    def revision_source(self, source: Source) -> RevisionSource:
+        """The revision at its origin, by the source's scheme (design §4, Revision
+        sources): an s3:// prefix through the shared client, or a directory on a mount."""
+        if source.scheme == "file":
+            from pathlib import Path
+
+            from weightcache.transfer.sources import DirectoryRevision
+
+            return DirectoryRevision(Path("/", source.prefix))
+        from weightcache.transfer.httprange import HttpRanges, S3Revision
 
         origin = self.origin
         with self._build_lock:
             if self._http is None:
                 self._http = HttpRanges()
             http = self._http
-        return OriginBlob(http, origin, source.bucket, source.key(entry.path))
+        return S3Revision(http, origin, source.bucket, source.prefix)
+
+    def _origin_blob(self, source: Source, entry: ManifestEntry) -> BlobSource:
+        """The blob of `entry` at the origin: an object read by presigned ranged GETs, or
+        a file read with preadv."""
+        return self.revision_source(source).blob(entry.path)
 
     def interrupt(self) -> None:
         """Stop running downloads for good (SIGTERM), and those of a downloader still
@@ -252,7 +264,7 @@ class Fetcher:
     def _check_same_content(self, source: Source, marker: Marker) -> None:
         """Prove with one small GET that `source` has the manifest the revision was
         fetched with from `marker.source`; raise UsageError naming both otherwise."""
-        data = self.origin.get_bytes(source.bucket, source.key(MANIFEST_NAME))
+        data = self.revision_source(source).read_bytes(MANIFEST_NAME)
         if hashlib.sha256(data).hexdigest() == marker.manifest_sha256:
             log.info("%s was fetched from %s; %s has the same %s, serving it", source.label,
                      marker.source, source.url, MANIFEST_NAME)  # fmt: skip
@@ -270,15 +282,12 @@ class Fetcher:
 
         The manifest is requested while the listing is read (both come before the first
         data GET); the listing's verdict comes first: its error, or no manifest in it."""
-        where = f"s3://{source.bucket}/{source.key(MANIFEST_NAME)}"
-        origin = self.origin
-        content = _Background(lambda: origin.get_bytes(source.bucket, source.key(MANIFEST_NAME)))
-        sizes = origin.list_sizes(source.bucket, source.prefix)
+        revision = self.revision_source(source)
+        where = f"{revision.url}/{MANIFEST_NAME}"
+        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
+        sizes = revision.list_sizes()
         if MANIFEST_NAME not in sizes:
-            raise SourceError(
-                f"no {MANIFEST_NAME} at {where}; write it with `weightcache manifest {source.url}/"
-                " --write` (or publish with `weightcache publish`) so downloads can be verified"
-            )
+            raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
         manifest = parse(content.result(), where)
         missing = [e.path for e in manifest.entries if e.path not in sizes]
         if missing:

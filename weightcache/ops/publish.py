@@ -71,6 +71,11 @@ def publish(local_dir: Path, dest: Source, settings: OriginSettings) -> bytes:
     """
     from weightcache.transfer.s3 import Origin
 
+    if dest.scheme != "s3":
+        raise UsageError(
+            f"publish uploads to s3:// only, not to {dest.url}; a directory on a volume is "
+            f"a source as it is once it holds a {MANIFEST_NAME} (sha256sum writes one)"
+        )
     files = model_files(local_dir)
     manifest = render([(sha256_file(local_dir / rel), rel) for rel in files])
     store = Origin(settings)

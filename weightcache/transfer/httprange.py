@@ -161,3 +161,32 @@ class OriginBlob:
     ) -> contextlib.AbstractContextManager[RangeReader]:
         url = self._origin.presign_get(self.bucket, self.key)
         return self._http.get(url, {}, start, end, size, timeout, self.where)
+
+
+class S3Revision:
+    """A revision as an s3:// prefix (a RevisionSource): listed and read with the origin's
+    client, its objects read as `OriginBlob`s."""
+
+    def __init__(self, http: HttpRanges, origin: Origin, bucket: str, prefix: str) -> None:
+        self._http, self._origin = http, origin
+        self.bucket, self.prefix = bucket, prefix
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    @property
+    def manifest_hint(self) -> str:
+        return (
+            f"write it with `weightcache manifest {self.url}/ --write` (or publish with "
+            "`weightcache publish`) so downloads can be verified"
+        )
+
+    def list_sizes(self) -> dict[str, int]:
+        return self._origin.list_sizes(self.bucket, self.prefix)
+
+    def read_bytes(self, relpath: str) -> bytes:
+        return self._origin.get_bytes(self.bucket, f"{self.prefix}/{relpath}")
+
+    def blob(self, relpath: str) -> OriginBlob:
+        return OriginBlob(self._http, self._origin, self.bucket, f"{self.prefix}/{relpath}")

@@ -10,12 +10,18 @@ A range read is a `RangeReader` that fills a caller's buffer with at most one bl
 per call, so that the downloader's stall clock and stop switch are checked between reads
 whatever the source: a socket `recv_into` for HTTP sources (httprange.py), a `preadv` for
 a local file (`FileBlob`, below).
+
+One level up, a `RevisionSource` is a revision's directory at its origin, whatever the
+scheme: it lists the files' sizes, reads the manifest, and hands out each file as a
+`BlobSource` (design §4, Revision sources). `DirectoryRevision` (below) is a directory on
+a mounted filesystem (a PVC, NFS); `S3Revision` (httprange.py) is an s3:// prefix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -76,6 +82,102 @@ class BlobSource(Protocol):
         (a connection is kept for reuse only after a clean, complete read). Raises
         RetryRange; IntegrityError if the blob's size is no longer `size`; SourceError if
         it is gone or access is denied."""
+
+
+class RevisionSource(Protocol):
+    """A revision's files at their origin. Not a hit-path object: built on a miss."""
+
+    @property
+    def url(self) -> str:
+        """The revision's URL, as markers record it: s3://bucket/prefix, file:///path."""
+
+    @property
+    def manifest_hint(self) -> str:
+        """What to do when the revision has no SHA256SUMS (the end of an exit-3 message)."""
+
+    def list_sizes(self) -> dict[str, int]:
+        """{relative POSIX path: size} of every file of the revision. Raises SourceError
+        (missing, denied), TransientError."""
+
+    def read_bytes(self, relpath: str) -> bytes:
+        """A small file of the revision (its SHA256SUMS). Raises SourceError if there is
+        none."""
+
+    def blob(self, relpath: str) -> BlobSource:
+        """The file `relpath` (a validated manifest path) as a BlobSource."""
+
+
+class DirectoryRevision:
+    """A revision as a directory on a mounted filesystem (file:///path or /path).
+
+    Sizes come from stat, blobs are `FileBlob`s read in parallel ranges. A symlink is
+    followed only if it resolves inside the revision's directory (after resolving the
+    directory itself): one pointing elsewhere is refused, so that a source cannot make the
+    cache (or the node daemon, design §5) copy files from outside the allowed prefixes."""
+
+    manifest_hint = (
+        "write one beside the files with `find . -type f ! -name SHA256SUMS -printf "
+        "'%P\\0' | xargs -0 sha256sum > SHA256SUMS` run in that directory, or publish the "
+        "model to s3:// with `weightcache publish`"
+    )
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def url(self) -> str:
+        return f"file://{self.root}"
+
+    def list_sizes(self) -> dict[str, int]:
+        real = self._real_root()
+        sizes: dict[str, int] = {}
+        for top, dirs, files in os.walk(real, onerror=_raise):
+            dirs.sort()
+            for name in files:
+                path = Path(top, name)
+                rel = path.relative_to(real).as_posix()
+                st = self._resolve(real, rel).stat()
+                if stat.S_ISREG(st.st_mode):
+                    sizes[rel] = st.st_size
+        return sizes
+
+    def read_bytes(self, relpath: str) -> bytes:
+        path = self._resolve(self._real_root(), relpath)
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise SourceError(f"{self.url}/{relpath}: {e.strerror}") from e
+
+    def blob(self, relpath: str) -> BlobSource:
+        return FileBlob(self._resolve(self._real_root(), relpath))
+
+    def _real_root(self) -> Path:
+        try:
+            real = self.root.resolve(strict=True)
+        except OSError as e:
+            raise SourceError(
+                f"{self.url}: {e.strerror}; check the path and that its volume is mounted"
+            ) from e
+        if not real.is_dir():
+            raise SourceError(f"{self.url} is not a directory")
+        return real
+
+    def _resolve(self, real_root: Path, relpath: str) -> Path:
+        """The real path of `relpath`, which must stay inside the revision's directory."""
+        try:
+            real = (real_root / relpath).resolve(strict=True)
+        except OSError as e:
+            raise SourceError(f"{self.url}/{relpath}: {e.strerror}") from e
+        if not real.is_relative_to(real_root):
+            raise SourceError(
+                f"{self.url}/{relpath} is a symlink to {real}, outside {self.url}: refused; "
+                "copy the file into the revision's directory"
+            )
+        return real
+
+
+def _raise(e: OSError) -> None:
+    raise SourceError(f"cannot list {e.filename}: {e.strerror}") from e
 
 
 class FileBlob:
