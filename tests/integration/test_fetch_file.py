@@ -160,3 +160,18 @@ def test_publish_to_a_directory_is_refused(wc: CLI, tmp_path: Path) -> None:
     model = _model(tmp_path, [1024])
     message = assert_fails(wc.run("publish", model.root, f"file://{tmp_path}/out/m/v1"), 2)
     assert "s3:// only" in message, message
+
+
+def test_manifest_hashes_a_directory_in_place_and_writes_only_to_s3(
+    wc: CLI, tmp_path: Path
+) -> None:
+    """`manifest` reads a directory through the same revision source as a fetch; its
+    SHA256SUMS is printed (the directory may be a read-only volume), never written."""
+    model = _model(tmp_path, [3 * MiB, 0, 100_000])
+    (model.root / MANIFEST).unlink()
+    proc = wc.run("manifest", f"file://{model.root}", "--part-size", "1M")
+    assert proc.returncode == 0, describe(proc)
+    assert proc.stdout == model.manifest_text
+    refused = wc.run("manifest", str(model.root), "--write")
+    assert refused.returncode == 2, describe(refused)
+    assert "s3:// only" in refused.stderr and not (model.root / MANIFEST).exists()

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightcache.cache.index import for_cache
@@ -77,6 +78,21 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
         index.record_access(source.name, source.revision)
     path = str(layout.revision_dir(source.name, source.revision))
     return FetchResult(path, True, 0, time.monotonic() - start)
+
+
+def open_revision(
+    source: Source, origin: Callable[[], Origin], http: HttpRanges | None
+) -> RevisionSource:
+    """The revision at its origin, by the source's scheme (design §4, Revision sources): a
+    directory on a mount, or an s3:// prefix through `origin()` (built only for s3) and the
+    shared keep-alive connections `http` (new ones if None)."""
+    if source.scheme == "file":
+        from weightcache.transfer.sources import DirectoryRevision
+
+        return DirectoryRevision(Path("/", source.prefix))
+    from weightcache.transfer.httprange import HttpRanges, S3Revision
+
+    return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)
 
 
 class _Background:
@@ -168,19 +184,14 @@ class Fetcher:
         """The revision at its origin, by the source's scheme (design §4, Revision
         sources): an s3:// prefix through the shared client, or a directory on a mount."""
         if source.scheme == "file":
-            from pathlib import Path
+            return open_revision(source, lambda: self.origin, None)
+        from weightcache.transfer.httprange import HttpRanges
 
-            from weightcache.transfer.sources import DirectoryRevision
-
-            return DirectoryRevision(Path("/", source.prefix))
-        from weightcache.transfer.httprange import HttpRanges, S3Revision
-
-        origin = self.origin
         with self._build_lock:
             if self._http is None:
                 self._http = HttpRanges()
             http = self._http
-        return S3Revision(http, origin, source.bucket, source.prefix)
+        return open_revision(source, lambda: self.origin, http)
 
     def _origin_blob(self, source: Source, entry: ManifestEntry) -> BlobSource:
         """The blob of `entry` at the origin: an object read by presigned ranged GETs, or

@@ -8,8 +8,8 @@ fetch of that prefix would download: every object under it, recursively, by its 
 relative to the prefix, except the manifest itself and the paths a fetch refuses (design
 §2.1, `cache.manifest.check_path`), which are skipped with one warning each.
 
-Schemes: a prefix is reached through `PrefixStore`; `open_prefix` picks the implementation
-by URL scheme (s3:// only for now), so another scheme is one more class.
+Schemes: a prefix is reached through the fetch's revision source, so every scheme a fetch
+reads can be hashed (s3://, file:// and plain paths); --write puts to s3:// only.
 """
 
 from __future__ import annotations
@@ -18,13 +18,16 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from weightcache.cache.manifest import MANIFEST_NAME, check_path, render
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import SourceError, UsageError
 from weightcache.progress import Progress, human
 from weightcache.transfer.ranged import TransferObserver
+
+if TYPE_CHECKING:
+    from weightcache.transfer.s3 import Origin
 
 log = logging.getLogger(__name__)
 
@@ -54,51 +57,55 @@ class PrefixStore(Protocol):
         ...
 
 
-class S3Prefix:
-    """A prefix in an S3-compatible store: `Origin` lists, presigns and PUTs; the bytes
-    are hashed by `transfer.hashing.ObjectHasher` (parallel ranged reads of `OriginBlob`s,
-    bounded memory)."""
+class RevisionPrefix:
+    """A prefix reached through the fetch's own revision source (design §4, Revision
+    sources): listed and read as a fetch reads it, its files hashed through their blob
+    sources by `transfer.hashing.ObjectHasher` (parallel ranged reads, bounded memory).
+    Writing is an S3 PUT; a directory's SHA256SUMS is written with sha256sum."""
 
     def __init__(self, source: Source, settings: OriginSettings) -> None:
-        from weightcache.transfer.s3 import Origin
+        from weightcache.fetch.revision import open_revision
 
         self.source = source
         self.settings = settings
-        self.origin = Origin(settings)
+        self._origin: Origin | None = None
+        self.revision = open_revision(source, self._client, None)
+
+    def _client(self) -> Origin:
+        from weightcache.transfer.s3 import Origin  # boto3 only if the source is s3://
+
+        if self._origin is None:
+            self._origin = Origin(self.settings)
+        return self._origin
 
     @property
     def url(self) -> str:
         return self.source.url
 
     def list_files(self) -> dict[str, int]:
-        return self.origin.list_sizes(self.source.bucket, self.source.prefix)
+        return self.revision.list_sizes()
 
     def hash_files(self, files: dict[str, int], observer: TransferObserver) -> dict[str, str]:
         from weightcache.transfer.hashing import ObjectHasher, StoredObject
-        from weightcache.transfer.httprange import HttpRanges, OriginBlob
 
-        http = HttpRanges()
-        b, key = self.source.bucket, self.source.key
-        objects = [
-            StoredObject(OriginBlob(http, self.origin, b, key(p)), s, p) for p, s in files.items()
-        ]
+        objects = [StoredObject(self.revision.blob(p), s, p) for p, s in files.items()]
         return ObjectHasher(self.settings, observer).hash_objects(objects)
 
     def read(self, path: str) -> bytes:
-        return self.origin.get_bytes(self.source.bucket, self.source.key(path))
+        return self.revision.read_bytes(path)
 
     def write(self, path: str, data: bytes) -> None:
-        self.origin.put_bytes(data, self.source.bucket, self.source.key(path))
+        if self.source.scheme != "s3":
+            raise UsageError(
+                f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write "
+                f"and save the output as {self.url.removeprefix('file://')}/{MANIFEST_NAME}"
+            )
+        self._client().put_bytes(data, self.source.bucket, self.source.key(path))
 
 
 def open_prefix(url: str, settings: OriginSettings) -> PrefixStore:
-    """The PrefixStore for a source URL, by scheme. Raises UsageError (exit 2)."""
-    if url.strip().startswith("s3://"):
-        return S3Prefix(Source.parse(url), settings)
-    raise UsageError(
-        f"invalid source {url!r}: `weightcache manifest` reads s3://bucket/prefix/<name>/"
-        "<revision> sources"
-    )
+    """The PrefixStore for a source URL (any scheme a fetch reads). Raises UsageError."""
+    return RevisionPrefix(Source.parse(url), settings)
 
 
 # -- deciding (pure) ----------------------------------------------------------------------

@@ -23,13 +23,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from weightcache.config import OriginSettings
 from weightcache.errors import Interrupted, TransientError
 from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
 from weightcache.transfer.parts import plan_parts
-from weightcache.transfer.ranged import BUFFER, PROGRESS_BYTES, NullObserver, TransferObserver
+from weightcache.transfer.ranged import (
+    BUFFER,
+    PROGRESS_BYTES,
+    NullObserver,
+    Run,
+    TransferObserver,
+)
 from weightcache.transfer.sources import READ_TIMEOUT, BlobSource, RangeReader, RetryRange
 
 log = logging.getLogger(__name__)
@@ -42,26 +48,6 @@ class StoredObject:
     source: BlobSource
     size: int
     label: str
-
-
-@dataclass(eq=False)
-class _Run:
-    """One `hash_objects()` call: its stop switch and its stall clock."""
-
-    stop: threading.Event = field(default_factory=threading.Event)
-    last_progress: float = field(default_factory=time.monotonic)
-    unclocked: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def note(self, nbytes: int) -> None:
-        with self.lock:
-            self.unclocked += nbytes
-            if self.unclocked >= PROGRESS_BYTES:
-                self.unclocked = 0
-                self.last_progress = time.monotonic()
-
-    def stalled_for(self) -> float:
-        return time.monotonic() - self.last_progress
 
 
 class _Buffers:
@@ -103,6 +89,7 @@ class ObjectHasher:
         self.gate = AIMDGate(settings.max_concurrency)
         self.backoff = backoff or Backoff()
         self.tokens = TokenBucket(settings.bwlimit) if settings.bwlimit else None
+        self._counter_lock = threading.Lock()
 
     def hash_objects(self, objects: list[StoredObject]) -> dict[str, str]:
         """{label: sha256 hex} of every object, read as it is in the store now.
@@ -111,7 +98,7 @@ class ObjectHasher:
         retries or `--timeout` ran out). On KeyboardInterrupt every GET stops at its next
         read before it propagates.
         """
-        run = _Run()
+        run = Run()
         n = self.settings.max_concurrency
         buffers = _Buffers(n, self.settings.part_size)
         todo: queue.SimpleQueue[StoredObject] = queue.SimpleQueue()
@@ -148,7 +135,7 @@ class ObjectHasher:
         todo: queue.SimpleQueue[StoredObject],
         getters: cf.ThreadPoolExecutor,
         buffers: _Buffers,
-        run: _Run,
+        run: Run,
         digests: dict[str, str],
         errors: list[BaseException],
     ) -> None:
@@ -164,7 +151,7 @@ class ObjectHasher:
             run.stop.set()
 
     def _hash_one(
-        self, obj: StoredObject, getters: cf.ThreadPoolExecutor, buffers: _Buffers, run: _Run
+        self, obj: StoredObject, getters: cf.ThreadPoolExecutor, buffers: _Buffers, run: Run
     ) -> str:
         """Keep GETs of the next parts in flight while hashing each completed one in order.
 
@@ -199,7 +186,7 @@ class ObjectHasher:
 
     # -- GET workers -------------------------------------------------------------------------
 
-    def _get_part(self, obj: StoredObject, start: int, end: int, buf: bytearray, run: _Run) -> None:
+    def _get_part(self, obj: StoredObject, start: int, end: int, buf: bytearray, run: Run) -> None:
         """Fill buf[:end-start] with [start, end) of the object, resuming where a read broke."""
         view = memoryview(buf)
         pos = start
@@ -225,7 +212,7 @@ class ObjectHasher:
                 self.observer.throttled()
             self._wait_before_retry(obj, failures, str(failure), run)
 
-    def _wait_before_retry(self, obj: StoredObject, failures: int, reason: str, run: _Run) -> None:
+    def _wait_before_retry(self, obj: StoredObject, failures: int, reason: str, run: Run) -> None:
         stalled = run.stalled_for()
         attempts = obj.source.attempts or self.settings.max_attempts
         if failures >= attempts or stalled >= self.settings.timeout:
@@ -245,7 +232,7 @@ class ObjectHasher:
         run.stop.wait(delay)
 
     def _read_range(
-        self, obj: StoredObject, pos: int, end: int, into: memoryview, base: int, run: _Run
+        self, obj: StoredObject, pos: int, end: int, into: memoryview, base: int, run: Run
     ) -> tuple[int, RetryRange | None]:
         """Read [pos, end) into into[pos-base:]; (the byte reached, None) or, when the read
         broke, (the byte reached, why) so the caller resumes there."""
@@ -261,7 +248,7 @@ class ObjectHasher:
 
     def _fill(
         self, obj: StoredObject, reader: RangeReader, pos: int, end: int, into: memoryview,
-        base: int, run: _Run,
+        base: int, run: Run,
     ) -> int:  # fmt: skip
         """Read socket read by socket read (each one moves the stall clock); time spent
         waiting for --bwlimit tokens is ours, not a stall of the source."""
@@ -281,7 +268,8 @@ class ObjectHasher:
             if not n:
                 raise _Broke(pos, RetryRange(f"body ended {end - pos} bytes short"))
             pos += n
-            run.note(n)
+            with self._counter_lock:
+                run.note(n, obj.source.kind)
             self.observer.received(n, obj.source.kind)
             stalled = min(run.stalled_for(), time.monotonic() - reading_since)
             if stalled >= self.settings.timeout:

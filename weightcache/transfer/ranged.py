@@ -79,8 +79,9 @@ class BlobJob:
 
 
 @dataclass(eq=False)
-class _Run:
-    """One `download()` call: its stop switch, its stall clock, the bytes it received."""
+class Run:
+    """One transfer call (`download()`, `ObjectHasher.hash_objects()`): its stop switch,
+    its stall clock, the bytes it received by source kind."""
 
     stop: threading.Event = field(default_factory=threading.Event)
     last_progress: float = field(default_factory=time.monotonic)
@@ -112,7 +113,7 @@ class Downloaded:
 class _File:
     job: BlobJob
     partial: PartialFile
-    run: _Run
+    run: Run
 
 
 class RangedDownloader:
@@ -134,7 +135,7 @@ class RangedDownloader:
         #: How long one read from a source may block (`BlobSource.open_range`).
         self.read_timeout = min(settings.timeout, READ_TIMEOUT)
         self._buffers = threading.local()
-        self._runs: set[_Run] = set()
+        self._runs: set[Run] = set()
         self._closing = False
         self._counter_lock = threading.Lock()
 
@@ -147,7 +148,7 @@ class RangedDownloader:
         TransientError, SourceError, IntegrityError (the object changed size), NoSpaceError,
         Interrupted.
         """
-        run = _Run()
+        run = Run()
         with self._counter_lock:
             if self._closing:
                 raise Interrupted("shutting down; the download was not started")
@@ -169,7 +170,7 @@ class RangedDownloader:
             for run in self._runs:
                 run.stop.set()
 
-    def _download_batch(self, jobs: list[BlobJob], run: _Run) -> dict[str, str]:
+    def _download_batch(self, jobs: list[BlobJob], run: Run) -> dict[str, str]:
         files: list[_File] = []
         try:
             for job in jobs:
@@ -182,7 +183,7 @@ class RangedDownloader:
             for f in files:
                 f.partial.close()
 
-    def _download(self, files: list[_File], run: _Run) -> dict[str, str]:
+    def _download(self, files: list[_File], run: Run) -> dict[str, str]:
         tasks: queue.SimpleQueue[tuple[_File, int]] = queue.SimpleQueue()
         # Round-robin over files: every file advances its hash frontier at once, so the
         # hashing left after the last byte is split over files (and cores), not one tail.
@@ -211,7 +212,7 @@ class RangedDownloader:
         return {f.job.label: f.partial.finish(self._buffer()) for f in files}
 
     def _work(
-        self, run: _Run, tasks: queue.SimpleQueue[tuple[_File, int]], errors: list[BaseException]
+        self, run: Run, tasks: queue.SimpleQueue[tuple[_File, int]], errors: list[BaseException]
     ) -> None:
         try:
             while True:
