@@ -10,27 +10,25 @@ a write transaction that finds no lease (`remove_unless_protected`). Write trans
 are serialized, so either the evictor sees the lease, or the fetch finds the revision gone
 and fetches it again.
 
-The file is checked before every use: a state.db replaced or deleted under a long-lived
-process is reopened (its leases carried over), and a corrupt one is moved aside to
-`state.db.corrupt-<time>` and rebuilt from the markers on disk (design §3, the index).
+The file is kept usable by `StateDb` (weightcache/cache/statedb.py): a state.db replaced
+or deleted under a long-lived process is reopened (its leases carried over, `_carry_over`),
+and a corrupt one is moved aside and rebuilt from the markers on disk (`_refill`; design §3,
+the index).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sqlite3
-import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from weightcache.cache.layout import Layout
-from weightcache.cache.locks import FileLock
+from weightcache.cache.statedb import StateDb
 from weightcache.cache.store import Cache
 from weightcache.errors import UsageError
 
@@ -66,11 +64,9 @@ class Entry:
 
 #: (name, revision, source, size, last access) of a revision found on disk, for a rebuild.
 Rebuilt = tuple[str, str, str, int, float]
-#: How a database is told apart from the one a connection holds: (st_dev, st_ino).
-Identity = tuple[int, int]
 
 
-class Index:
+class Index(StateDb):
     """state.db; cheap to construct, connects on first use, one connection per thread.
 
     `rebuild()` lists the revisions on disk; it is called after a corrupt database was
@@ -86,123 +82,8 @@ class Index:
         rebuild: Callable[[], Iterable[Rebuilt]] | None = None,
         read_only: bool = False,
     ) -> None:
-        self.path = path
-        self.timeout = timeout
+        super().__init__(path, _SCHEMA, timeout, read_only)
         self._rebuild = rebuild
-        self.read_only = read_only
-        self._local = threading.local()
-        #: Connections to a database that is no longer at `path`. Never closed: closing
-        #: the last connection to a WAL database unlinks `state.db-wal` and `-shm` by
-        #: name, which are by now the files of the database that replaced it.
-        self._abandoned: list[sqlite3.Connection] = []
-        #: Bumped whenever this process found another database at `path` than the one it
-        #: had open (replaced, deleted or recovered); the daemon then writes its pins again.
-        self.generation = 0
-
-    @property
-    def db(self) -> sqlite3.Connection:
-        """This thread's connection to the database that is at `path` now."""
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if self.read_only:
-            if db is None:
-                db = self._local.db = _connect_read_only(self.path)
-            return db
-        if db is not None and _identity(self.path) == self._local.identity:
-            return db
-        if db is not None:
-            self._abandon(db)
-        fresh = self._connect()
-        if db is not None:
-            log.warning(
-                "%s was replaced or deleted under this process; reopened it and carried "
-                "the leases over",
-                self.path,
-            )
-            _carry_over(db, fresh)
-        return fresh
-
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
-        self._local.identity = _identity(self.path)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            (verdict,) = db.execute("PRAGMA quick_check").fetchone()
-            if verdict != "ok":
-                raise sqlite3.DatabaseError(f"database disk image is malformed: {verdict}")
-            db.executescript(_SCHEMA)
-        except sqlite3.Error as e:
-            if isinstance(e, sqlite3.DatabaseError) and _is_corrupt(e):
-                self._abandoned.append(db)  # not closed: see `_abandoned`
-            else:
-                db.close()  # e.g. busy: still the file at `path`, retried on next use
-            raise
-        self._local.db = db
-        return db
-
-    def _abandon(self, db: sqlite3.Connection) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            # Fold the old WAL into the old file, so that a database put in its place
-            # (the main file only) is not read through the old WAL.
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        self._abandoned.append(db)
-        self._local.db = None
-        self.generation += 1
-
-    def _using(self, op: Callable[[], T]) -> T:
-        """Run `op`; if the database turns out corrupt, recover it and run `op` once more
-        on the new one."""
-        try:
-            return op()
-        except sqlite3.DatabaseError as e:
-            if not _is_corrupt(e):
-                raise
-            self._recover(e)
-            return op()
-
-    def _recover(self, error: sqlite3.DatabaseError) -> None:
-        """Move the corrupt database aside (kept for a post-mortem), start a new one and
-        fill it with the revisions on disk. Raises UsageError if it cannot be moved."""
-        bad = getattr(self._local, "identity", None)
-        old = getattr(self._local, "db", None)
-        if old is not None:
-            self._abandon(old)
-        lock = FileLock(self.path.with_name(self.path.name + ".lock"), str(self.path))
-        try:
-            lock.acquire()
-        except OSError as e:
-            raise UsageError(
-                f"{self.path} is corrupt ({error}) and cannot be repaired here ({e.strerror}); "
-                "run `weightcache ls` where the cache is writable, or delete the file"
-            ) from e
-        try:
-            if bad is None or _identity(self.path) == bad:  # no other process did it yet
-                aside = self._move_aside(error)
-                self.generation += 1
-                log.warning(
-                    "%s is corrupt (%s): moved it to %s and rebuilt the index from the "
-                    "revisions on disk; pins come back from the models file, leases of "
-                    "running Pods are lost",
-                    self.path,
-                    error,
-                    aside,
-                )
-                self._refill()
-        finally:
-            lock.release()
-
-    def _move_aside(self, error: sqlite3.DatabaseError) -> Path:
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-        try:
-            for suffix in ("-wal", "-shm", ""):  # the main file last: it is what others check
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(f"{self.path}{suffix}", f"{aside}{suffix}")
-        except OSError as e:
-            raise UsageError(
-                f"{self.path} is corrupt ({error}) and cannot be moved aside ({e.strerror}); "
-                "delete it (the index is rebuilt from the revisions on disk)"
-            ) from e
-        return aside
 
     def _refill(self) -> None:
         if self._rebuild is None:
@@ -215,23 +96,22 @@ class Index:
                 [(n, r, src, size, last, last) for n, r, src, size, last in rows],
             )
 
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE .. COMMIT on the database that is at `path` once the write lock
-        is held (autocommit mode makes `with db:` a no-op, and readers must never see pins
-        cleared but not yet set again)."""
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        while _identity(self.path) != self._local.identity:  # replaced while we waited
-            db.execute("ROLLBACK")
-            db = self.db
-            db.execute("BEGIN IMMEDIATE")
+    def _carry_over(self, old: sqlite3.Connection, new: sqlite3.Connection) -> None:
+        """Copy leases and entries of the database that was replaced into the new one, so
+        that a Pod leasing before the replacement stays protected. Best effort."""
         try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+            leases = old.execute("SELECT name, revision, pod_uid, since FROM leases").fetchall()
+            entries = old.execute(
+                "SELECT name, revision, source, size, last_access, created FROM entries"
+            ).fetchall()
+            new.execute("BEGIN IMMEDIATE")
+            new.executemany("INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)", leases)
+            new.executemany("INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?)", entries)
+            new.execute("COMMIT")
+        except sqlite3.Error as e:
+            with contextlib.suppress(sqlite3.Error):
+                new.execute("ROLLBACK")
+            log.warning("could not carry the leases over to the new %s: %s", self.path, e)
 
     def record_access(
         self,
@@ -381,55 +261,3 @@ def for_cache(layout: Layout) -> Index:
                 yield name, revision, marker.source, marker.size, mtime
 
     return Index(layout.state_db, rebuild=rebuild, read_only=layout.read_only)
-
-
-def _identity(path: Path) -> Identity | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _is_corrupt(error: sqlite3.DatabaseError) -> bool:
-    code = getattr(error, "sqlite_errorcode", None)
-    if code is None:  # raised by `_connect` on a failed quick_check
-        return "malformed" in str(error)
-    return code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
-
-
-def _carry_over(old: sqlite3.Connection, new: sqlite3.Connection) -> None:
-    """Copy leases and entries of the database that was replaced into the new one, so
-    that a Pod leasing before the replacement stays protected. Best effort."""
-    try:
-        leases = old.execute("SELECT name, revision, pod_uid, since FROM leases").fetchall()
-        entries = old.execute(
-            "SELECT name, revision, source, size, last_access, created FROM entries"
-        ).fetchall()
-        new.execute("BEGIN IMMEDIATE")
-        new.executemany("INSERT OR IGNORE INTO leases VALUES (?, ?, ?, ?)", leases)
-        new.executemany("INSERT OR IGNORE INTO entries VALUES (?, ?, ?, ?, ?, ?)", entries)
-        new.execute("COMMIT")
-    except sqlite3.Error as e:
-        with contextlib.suppress(sqlite3.Error):
-            new.execute("ROLLBACK")
-        log.warning("could not carry the leases over to the new %s: %s", "state.db", e)
-
-
-def _connect_read_only(path: Path) -> sqlite3.Connection:
-    """A connection that never writes: mode=ro sees a running daemon's WAL when it can,
-    immutable=1 reads the main file alone when no WAL index can be opened on a read-only
-    mount, and a missing file reads as an empty index."""
-    if not path.exists():
-        db = sqlite3.connect(":memory:", isolation_level=None)
-        db.executescript(_SCHEMA)
-        return db
-    for flags in ("mode=ro", "immutable=1"):
-        try:
-            uri = f"file:{urllib.parse.quote(str(path))}?{flags}"
-            db = sqlite3.connect(uri, uri=True, isolation_level=None)
-            db.execute("SELECT count(*) FROM entries").fetchone()
-            return db
-        except sqlite3.Error as e:
-            log.debug("opening %s with %s: %s", path, flags, e)
-    raise sqlite3.OperationalError(f"cannot read {path} on a read-only mount")
