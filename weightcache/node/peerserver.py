@@ -17,8 +17,6 @@ weightcache/node/peers.py.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import hmac
 import json
@@ -39,6 +37,7 @@ from weightcache.config import PeerSettings, format_hostport
 from weightcache.errors import UsageError
 from weightcache.node.peers import BLOB_PATH, Claim, Peers
 from weightcache.node.serve import HttpServer, Limits
+from weightcache.node.swarm import Bitmap
 from weightcache.transfer.pacing import TokenBucket
 from weightcache.transfer.parts import PartState
 from weightcache.transfer.sources import READ_TIMEOUT
@@ -100,28 +99,18 @@ ALL = "all"  # the pieces header of a complete blob
 
 
 def encode_pieces(held: list[bool]) -> str:
-    """The pieces header for a bitmap: base64 (with padding) of ceil(n / 8) bytes, piece i
-    in bit i % 8 of byte i // 8 (least significant first); unused high bits are zero."""
-    bits = sum(1 << i for i, h in enumerate(held) if h)
-    return base64.b64encode(bits.to_bytes((len(held) + 7) // 8, "little")).decode()
+    """The pieces header for a bitmap (`swarm.Bitmap.encode`: base64 of ceil(n / 8) bytes,
+    piece i in bit i % 8 of byte i // 8)."""
+    return Bitmap.of(len(held), (i for i, h in enumerate(held) if h)).encode()
 
 
 def parse_pieces(text: str, count: int) -> list[bool]:
     """The pieces held, from a pieces header for a blob of `count` pieces (`all`, or what
-    `encode_pieces` writes). Raises ValueError for anything else: other characters, a
-    length that is not exactly ceil(count / 8) bytes, a bit set past the last piece."""
+    `encode_pieces` writes). Raises ValueError (`BitmapError`) for anything else."""
     if text == ALL:
         return [True] * count
-    try:
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError) as e:
-        raise ValueError(f"pieces {text[:40]!r} are not base64") from e
-    if len(raw) != (count + 7) // 8 or base64.b64encode(raw).decode() != text:
-        raise ValueError(f"pieces {text[:40]!r} do not fit {count} pieces")
-    bits = int.from_bytes(raw, "little")
-    if bits >> count:
-        raise ValueError(f"pieces {text[:40]!r} name a piece past the last of {count}")
-    return [bool(bits >> i & 1) for i in range(count)]
+    held = Bitmap.decode(count, text)
+    return [i in held for i in range(count)]
 
 
 @dataclass(frozen=True)
