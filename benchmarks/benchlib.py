@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python benchmarks/x.py` without an install
@@ -445,18 +446,24 @@ def make_model(directory: Path, size: int, name: str, shards: int = 4) -> Model:
     return Model(name, "r1", directory, files, digests)
 
 
-def upload_model(model: Model, endpoint_url: str, store_env: dict[str, str]) -> float:
-    """Upload with boto3 straight to the store (not measured, not through any proxy)."""
+def s3_client(endpoint_url: str, store_env: dict[str, str]) -> Any:
+    """A boto3 S3 client for the store (the harness's own uploads, never measured)."""
     import boto3
-    from boto3.s3.transfer import TransferConfig
 
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=endpoint_url,
         aws_access_key_id=store_env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=store_env["AWS_SECRET_ACCESS_KEY"],
         region_name=store_env.get("AWS_REGION", "us-east-1"),
     )
+
+
+def upload_model(model: Model, endpoint_url: str, store_env: dict[str, str]) -> float:
+    """Upload with boto3 straight to the store (not measured, not through any proxy)."""
+    from boto3.s3.transfer import TransferConfig
+
+    client = s3_client(endpoint_url, store_env)
     config = TransferConfig(
         multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4
     )

@@ -21,7 +21,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import BUCKET, REPO, _aws_binary, fmt_size, log, parse_size, peer_env
+from benchlib import (
+    BUCKET,
+    REPO,
+    _aws_binary,
+    fmt_size,
+    log,
+    parse_size,
+    peer_env,
+    s3_client,
+)
 from measure import Run, fmt_num, md_table, median, run_measured
 
 PREFIX = "bench-manifest/m/r1"
@@ -40,16 +49,9 @@ def make_object(path: Path, size: int) -> str:
 
 
 def upload(path: Path, endpoint: str, env: dict[str, str]) -> None:
-    import boto3
     from boto3.s3.transfer import TransferConfig
 
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-        region_name=env.get("AWS_REGION", "us-east-1"),
-    )
+    client = s3_client(endpoint, env)
     config = TransferConfig(multipart_chunksize=64 << 20, max_concurrency=4)
     client.upload_file(str(path), BUCKET, f"{PREFIX}/model.bin", Config=config)
 
