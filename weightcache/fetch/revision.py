@@ -32,6 +32,7 @@ from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import SourceError, UsageError
 from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled
+from weightcache.fetch.vouched import VouchedFetch, plan_vouched
 from weightcache.progress import human
 
 if TYPE_CHECKING:
@@ -155,6 +156,10 @@ class Fetcher:
         verify_failed = observer.verify_failed if observer is not None else _nothing
         self.blobs = BlobFetch(layout, self.cache, settings.timeout, lambda: self.downloader,
                                self._origin_blob, verify_failed, reserve, peers)  # fmt: skip
+        self.vouched = VouchedFetch(layout, self.cache, settings.timeout,
+                                    lambda: self.downloader,
+                                    lambda s, path: self.revision_source(s).blob(path),
+                                    verify_failed, reserve)  # fmt: skip
 
     @property
     def downloader(self) -> RangedDownloader:
@@ -225,10 +230,10 @@ class Fetcher:
             hit = self._hit_under_lock(source, start)
             if hit is not None:
                 return hit
-            manifest = self.read_manifest(source)
+            manifest, verified, fetched = self._contents(source, lock)
             if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
-            fetched = self.blobs.bring(source, manifest)
+            fetched += self.blobs.bring(source, manifest)
             marker = Marker(
                 name=source.name,
                 revision=source.revision,
@@ -236,6 +241,7 @@ class Fetcher:
                 manifest_sha256=manifest.digest,
                 files={e.path: (e.sha256, e.size) for e in manifest.entries},
                 created=time.time(),
+                verified=verified,
             )
             path = self._assemble(source, marker, manifest)
         finally:
@@ -294,11 +300,40 @@ class Fetcher:
         The manifest is requested while the listing is read (both come before the first
         data GET); the listing's verdict comes first: its error, or no manifest in it."""
         revision = self.revision_source(source)
-        where = f"{revision.url}/{MANIFEST_NAME}"
         content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
         sizes = revision.list_sizes()
         if MANIFEST_NAME not in sizes:
+            where = f"{revision.url}/{MANIFEST_NAME}"
             raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
+        return self._parsed(source, revision, content, sizes)
+
+    def _contents(self, source: Source, lock: FileLock) -> tuple[Manifest, dict[str, str], int]:
+        """(the manifest, {path: how verified} for files not verified by SHA256SUMS, bytes
+        downloaded to learn it). Without SHA256SUMS, what the source vouches for decides
+        (design §4, Verification without SHA256SUMS): the files whose sha256 only their
+        bytes tell are downloaded and published here, under the revision's `lock`."""
+        revision = self.revision_source(source)
+        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
+        sizes = revision.list_sizes()
+        if MANIFEST_NAME in sizes:
+            return self._parsed(source, revision, content, sizes), {}, 0
+        if not sizes:
+            where = f"{revision.url}/{MANIFEST_NAME}"
+            raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
+        plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)
+
+        def note(hashes: list[str]) -> None:
+            if lock.held:  # spares the blobs published so far (Cache.orphans)
+                lock.note("".join(f"{h}\n" for h in hashes))
+
+        sha256s, fetched = self.vouched.bring(source, plan.pending, note)
+        return plan.manifest(sha256s), plan.verified, fetched
+
+    def _parsed(
+        self, source: Source, revision: RevisionSource, content: _Background, sizes: dict[str, int]
+    ) -> Manifest:
+        """The SHA256SUMS `content` parsed, validated against the listing `sizes`."""
+        where = f"{revision.url}/{MANIFEST_NAME}"
         manifest = parse(content.result(), where)
         missing = [e.path for e in manifest.entries if e.path not in sizes]
         if missing:

@@ -39,6 +39,8 @@ def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
                 "leases": list(entry.leases) if entry else [],
                 "ready": cache.ready(name, revision) is not None,
                 "source": marker.source if marker else (entry.source if entry else ""),
+                # how its files were verified, counted by method: design §3, the marker
+                "verified": marker.verification() if marker else None,
             }
         )
     return rows

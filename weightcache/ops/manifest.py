@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from weightcache.cache.manifest import MANIFEST_NAME, check_path, render
+from weightcache.cache.manifest import MANIFEST_NAME, Selection, render, select_files
 from weightcache.config import OriginSettings, Source
-from weightcache.errors import SourceError, UsageError
+from weightcache.errors import UsageError
 from weightcache.progress import Progress, human
 from weightcache.transfer.ranged import TransferObserver
 
@@ -109,52 +107,6 @@ def open_prefix(url: str, settings: OriginSettings) -> PrefixStore:
 
 
 # -- deciding (pure) ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Selection:
-    """What the manifest of a prefix lists, and what it leaves out and why."""
-
-    files: dict[str, int]  # relative path -> size
-    skipped: tuple[tuple[str, str], ...]  # (relative path, why a fetch would refuse it)
-    existing: bool  # the prefix already holds a SHA256SUMS
-
-
-def select_files(listing: dict[str, int], url: str) -> Selection:
-    """The files a fetch of `url` would download if its manifest listed everything.
-
-    Raises SourceError when nothing is left (an empty or mistyped prefix), or when one
-    path is both a file and a folder (a fetch refuses such a manifest; no choice is safe).
-    """
-    files: dict[str, int] = {}
-    skipped: list[tuple[str, str]] = []
-    for path, size in sorted(listing.items()):
-        if path == MANIFEST_NAME:
-            continue
-        if path.endswith("/") and size == 0:
-            skipped.append((path, "a folder marker, not a file"))
-            continue
-        try:
-            files[check_path(path, url)] = size
-        except SourceError as e:
-            skipped.append((path, str(e).removeprefix(f"{url} ")))
-    if not files:
-        raise SourceError(
-            f"no files under {url}/ to list in a {MANIFEST_NAME}; check the source URL "
-            "(bucket and prefix)"
-        )
-    _check_no_file_dir_clash(files, url)
-    return Selection(files, tuple(skipped), MANIFEST_NAME in listing)
-
-
-def _check_no_file_dir_clash(files: dict[str, int], url: str) -> None:
-    for path in files:
-        for parent in PurePosixPath(path).parents:
-            if str(parent) in files:
-                raise SourceError(
-                    f"{url}/{parent} is a file and also the folder of {url}/{path}; a "
-                    "cache directory cannot hold both: rename or remove one of them"
-                )
 
 
 WriteAction = Literal["create", "replace", "same"]

@@ -12,13 +12,16 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import re
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from weightcache.errors import IntegrityError, SourceError
+from weightcache.transfer.checksums import available, b64_to_hex
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 if TYPE_CHECKING:
@@ -170,6 +173,7 @@ class S3Revision:
     def __init__(self, http: HttpRanges, origin: Origin, bucket: str, prefix: str) -> None:
         self._http, self._origin = http, origin
         self.bucket, self.prefix = bucket, prefix
+        self._sizes: dict[str, int] | None = None  # the last listing, for vouches()
 
     @property
     def url(self) -> str:
@@ -183,10 +187,51 @@ class S3Revision:
         )
 
     def list_sizes(self) -> dict[str, int]:
-        return self._origin.list_sizes(self.bucket, self.prefix)
+        self._sizes = self._origin.list_sizes(self.bucket, self.prefix)
+        return self._sizes
 
     def read_bytes(self, relpath: str) -> bytes:
         return self._origin.get_bytes(self.bucket, f"{self.prefix}/{relpath}")
 
     def blob(self, relpath: str) -> OriginBlob:
         return OriginBlob(self._http, self._origin, self.bucket, f"{self.prefix}/{relpath}")
+
+    def vouches(self) -> dict[str, tuple[str, str]]:
+        """The full-object checksum of each object (one HeadObject with ChecksumMode=ENABLED
+        per object, HEAD_CONCURRENCY at once), by `s3_vouched`."""
+        sizes = self._sizes if self._sizes is not None else self.list_sizes()
+        paths = sorted(sizes)
+
+        def head(relpath: str) -> dict[str, str]:
+            return self._origin.head_checksums(self.bucket, f"{self.prefix}/{relpath}")
+
+        with ThreadPoolExecutor(HEAD_CONCURRENCY) as pool:
+            found = zip(paths, pool.map(head, paths), strict=True)
+            return {p: v for p, headers in found if (v := s3_vouched(headers)) is not None}
+
+
+#: HeadObject requests in flight while `S3Revision.vouches` asks for every object's checksum.
+HEAD_CONCURRENCY = 16
+#: HeadObject's checksum fields weightcache can verify, strongest first.
+_S3_CHECKSUMS = (
+    ("ChecksumSHA256", "sha256"), ("ChecksumCRC64NVME", "crc64nvme"), ("ChecksumCRC32C", "crc32c"),
+)  # fmt: skip
+_COMPOSITE = re.compile(r".*-\d+")  # "<base64>-<parts>": a checksum of part checksums
+
+
+def s3_vouched(headers: Mapping[str, str]) -> tuple[str, str] | None:
+    """(algorithm, hex) of the strongest full-object checksum among HeadObject's fields, or
+    None. A COMPOSITE checksum (of a multipart upload: a checksum of the parts' checksums,
+    "<base64>-<parts>") is not of the content and is ignored: its part boundaries are not
+    in the HEAD. A store that sends no ChecksumType (SeaweedFS) has a full-object checksum
+    when the value has no "-<parts>" suffix. crc32 (boto3's default) is not used."""
+    if headers.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return None
+    for field, algorithm in _S3_CHECKSUMS:
+        value = headers.get(field)
+        if value and not _COMPOSITE.fullmatch(value) and available(algorithm):
+            try:
+                return algorithm, b64_to_hex(value)
+            except ValueError:
+                continue  # a store's garbage is "not vouched", never a crash
+    return None

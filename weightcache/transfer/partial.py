@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from weightcache.errors import NoSpaceError, WeightcacheError
+from weightcache.transfer.checksums import Hasher, new_hasher
 from weightcache.transfer.parts import PartState
 
 log = logging.getLogger(__name__)
@@ -41,22 +42,31 @@ class PartialFile:
     """An open partial blob, shared by the download's worker threads (its lock guards
     the part state and the hash frontier). `open` it, `write` parts (`wrote` after each
     write), `mark_done` each, `advance_hash` after each, `close` it; `digest` is set once
-    every byte is hashed and the file is fsynced."""
+    every byte is hashed and the file is fsynced, and with it `check_digest`, the file's
+    digest by the `check` algorithm (checksums.py) when one was asked for."""
 
-    def __init__(self, path: Path, label: str, fd: int, state: PartState) -> None:
+    def __init__(
+        self, path: Path, label: str, fd: int, state: PartState, check: str | None = None
+    ) -> None:
         self.path, self.label, self.fd, self.state = path, label, fd, state
         self.size = state.size
         self.hasher = hashlib.sha256()
+        # A source's own checksum, computed over the same read-back as the sha256.
+        self.checker: Hasher | None = new_hasher(check, self.size) if check else None
         self.hashed = 0
         self.digest: str | None = None
+        self.check_digest: str | None = None
         self.lock = threading.Lock()
         self._hashing = False
         self._saved_at = 0.0  # when the part state was last written
 
     @classmethod
-    def open(cls, path: Path, label: str, size: int, part_size: int) -> PartialFile:
+    def open(
+        cls, path: Path, label: str, size: int, part_size: int, check: str | None = None
+    ) -> PartialFile:
         """Open (or create and preallocate) `path` for a `size`-byte blob, resuming the
-        bytes its saved state records. Raises NoSpaceError when the disk cannot hold it."""
+        bytes its saved state records (and rehashing them: both digests start at byte 0).
+        Raises NoSpaceError when the disk cannot hold it."""
         state = PartState.load(state_path(path), size, part_size)
         _make_writable(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -72,7 +82,7 @@ class PartialFile:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, label, fd, state)
+        return cls(path, label, fd, state, check)
 
     def close(self) -> None:
         """Persist the bytes written since the last periodic save if the download stopped
@@ -144,6 +154,8 @@ class PartialFile:
                     if end <= self.hashed:
                         if self.hashed == self.size and self.digest is None:
                             os.fsync(self.fd)  # here, in a worker, while others download
+                            if self.checker is not None:
+                                self.check_digest = self.checker.hexdigest()
                             self.digest = self.hasher.hexdigest()
                         self._hashing = False
                         return
@@ -159,6 +171,8 @@ class PartialFile:
             if not n:
                 raise WeightcacheError(f"internal error: {self.path} is short")
             self.hasher.update(view[:n])
+            if self.checker is not None:
+                self.checker.update(view[:n])
             self.hashed += n
 
     def finish(self, buf: bytearray) -> str:

@@ -70,12 +70,14 @@ class NullObserver:
 @dataclass
 class BlobJob:
     """One blob to bring from `source` into `partial`; `label` (the manifest path) names
-    it in messages and in `Downloaded.digests`."""
+    it in messages and in `Downloaded.digests`. With `check` (an algorithm of
+    checksums.py), its digest by that algorithm is computed too (`Downloaded.checks`)."""
 
     source: BlobSource
     size: int
     partial: Path
     label: str
+    check: str | None = None
 
 
 @dataclass(eq=False)
@@ -103,10 +105,12 @@ class Run:
 @dataclass(frozen=True)
 class Downloaded:
     """What one `download()` call did: each job's actual sha256 by label, and the bytes
-    this call received by source kind ("origin", "peer"), whatever other calls do meanwhile."""
+    this call received by source kind ("origin", "peer"), whatever other calls do meanwhile;
+    `checks`: the actual digest by its `check` algorithm of each job that asked for one."""
 
     digests: dict[str, str]
     received: dict[str, int]
+    checks: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -155,9 +159,10 @@ class RangedDownloader:
             self._runs.add(run)
         try:
             digests: dict[str, str] = {}
+            checks: dict[str, str] = {}
             for i in range(0, len(jobs), MAX_OPEN_FILES):
-                digests.update(self._download_batch(jobs[i : i + MAX_OPEN_FILES], run))
-            return Downloaded(digests, dict(run.received))
+                digests.update(self._download_batch(jobs[i : i + MAX_OPEN_FILES], run, checks))
+            return Downloaded(digests, dict(run.received), checks)
         finally:
             run.stop.set()
             with self._counter_lock:
@@ -170,15 +175,22 @@ class RangedDownloader:
             for run in self._runs:
                 run.stop.set()
 
-    def _download_batch(self, jobs: list[BlobJob], run: Run) -> dict[str, str]:
+    def _download_batch(
+        self, jobs: list[BlobJob], run: Run, checks: dict[str, str]
+    ) -> dict[str, str]:
+        """The batch's sha256 digests; the `check` digests go into `checks`."""
         files: list[_File] = []
         try:
             for job in jobs:
                 partial = PartialFile.open(
-                    job.partial, job.label, job.size, self.settings.part_size
+                    job.partial, job.label, job.size, self.settings.part_size, job.check
                 )
                 files.append(_File(job, partial, run))
-            return self._download(files, run)
+            digests = self._download(files, run)
+            for f in files:
+                if f.partial.check_digest is not None:
+                    checks[f.job.label] = f.partial.check_digest
+            return digests
         finally:
             for f in files:
                 f.partial.close()

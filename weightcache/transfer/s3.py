@@ -170,12 +170,25 @@ class Origin:
 
         return self.call(f"LIST s3://{bucket}/{prefix}", list_all)
 
+    def head_checksums(self, bucket: str, key: str) -> dict[str, str]:
+        """The object's checksums as HeadObject with ChecksumMode=ENABLED returns them:
+        {"ChecksumSHA256": base64, "ChecksumType": "FULL_OBJECT", ...} (none: {})."""
+
+        def head() -> dict[str, str]:
+            resp = self._client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+            return {k: str(v) for k, v in resp.items() if k.startswith("Checksum")}
+
+        return self.call(f"HEAD s3://{bucket}/{key}", head)
+
     def upload_file(self, path: Path, bucket: str, key: str) -> None:
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(
             multipart_chunksize=self.settings.part_size,
             max_concurrency=self.settings.max_concurrency,
+            # awscrt (a dependency, for checksums) would otherwise switch boto3 to the CRT
+            # transfer client on the EC2 GPU instance types, with other retries and limits.
+            preferred_transfer_client="classic",
         )
         self.call(
             f"PUT s3://{bucket}/{key}",

@@ -106,6 +106,12 @@ class RevisionSource(Protocol):
     def blob(self, relpath: str) -> BlobSource:
         """The file `relpath` (a validated manifest path) as a BlobSource."""
 
+    def vouches(self) -> dict[str, tuple[str, str]]:
+        """{relpath: (algorithm, lowercase hex digest)} of what the source itself vouches for
+        each file's content; files it vouches nothing for are absent. Algorithms:
+        "sha256", "crc32c", "md5", "crc64nvme", "git-sha1" (a git blob id). Called only when
+        the revision has no SHA256SUMS (design §4, Verification without SHA256SUMS)."""
+
 
 class DirectoryRevision:
     """A revision as a directory on a mounted filesystem (file:///path or /path).
@@ -150,6 +156,10 @@ class DirectoryRevision:
 
     def blob(self, relpath: str) -> BlobSource:
         return FileBlob(self._resolve(self._real_root(), relpath))
+
+    def vouches(self) -> dict[str, tuple[str, str]]:
+        """Nothing: a filesystem records no checksum of a file's content."""
+        return {}
 
     def _real_root(self) -> Path:
         try:

@@ -1,0 +1,244 @@
+"""A revision without SHA256SUMS, verified by the checksums its source vouches for (design
+§4, Verification without SHA256SUMS).
+
+Deciding (`plan_vouched`, pure): every file a fetch would take (`select_files`, the same
+selection as `weightcache manifest`) must be vouched for by its source with an algorithm
+computable here, else the fetch is exit 3 naming the command that writes a manifest. Files
+vouched for by sha256 are ordinary manifest entries. The others are `Vouched`: their sha256,
+the blob store's key, is known only once their bytes have landed.
+
+Doing (`VouchedFetch.bring`): each such file is downloaded like any blob (parallel ranged
+reads, resumable) into a partial named by its vouched checksum, with that checksum computed
+beside the sha256 as the prefix grows; a mismatch is downloaded once more and is exit 4 the
+second time (nothing published, the partial discarded); a match is published under the
+computed sha256, so the same content from any scheme, or from a SHA256SUMS, is stored once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weightcache.cache.layout import Layout
+from weightcache.cache.locks import FileLock
+from weightcache.cache.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestEntry,
+    render,
+    select_files,
+)
+from weightcache.cache.store import Cache
+from weightcache.config import Source
+from weightcache.errors import IntegrityError, NoSpaceError, SourceError
+from weightcache.fetch.blobs import LOCK_BATCH, holder_stalled
+from weightcache.progress import human
+from weightcache.transfer.checksums import available
+from weightcache.transfer.sources import BlobSource
+
+if TYPE_CHECKING:
+    from weightcache.transfer.ranged import RangedDownloader
+
+log = logging.getLogger(__name__)
+#: Hex digits of each algorithm's digest: anything else from a source is not a checksum.
+_HEX_DIGITS = {"sha256": 64, "md5": 32, "crc32c": 8, "crc64nvme": 16, "git-sha1": 40}
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+@dataclass(frozen=True)
+class Vouched:
+    """A file whose content its source vouches for with a checksum other than sha256."""
+
+    path: str
+    size: int
+    algorithm: str
+    digest: str  # lowercase hex
+
+    @property
+    def key(self) -> str:
+        """Names its partial and its lock: one download per content, whatever its path."""
+        return f"{self.algorithm}-{self.digest}-{self.size}"
+
+
+@dataclass(frozen=True)
+class VouchedPlan:
+    """What a fetch of a revision without SHA256SUMS brings, and how each file is verified."""
+
+    known: tuple[ManifestEntry, ...]  # vouched for by sha256: ordinary manifest entries
+    pending: tuple[Vouched, ...]  # sha256 known once downloaded
+    verified: dict[str, str]  # path -> "<scheme>:<algorithm>"
+
+    def manifest(self, sha256s: Mapping[str, str]) -> Manifest:
+        """The revision's manifest once `sha256s` ({path: sha256}) covers `pending`; its
+        digest is that of the SHA256SUMS `weightcache manifest` would write for it."""
+        entries = [*self.known, *(ManifestEntry(v.path, sha256s[v.path], v.size)
+                                  for v in self.pending)]  # fmt: skip
+        entries.sort(key=lambda e: e.path)
+        digest = hashlib.sha256(render([(e.sha256, e.path) for e in entries])).hexdigest()
+        # with_sizes: two files vouched for by one sha256 at two sizes are exit 4
+        return Manifest(tuple(entries), digest).with_sizes({e.path: e.size for e in entries})
+
+
+def plan_vouched(
+    url: str, sizes: Mapping[str, int], vouches: Mapping[str, tuple[str, str]], hint: str
+) -> VouchedPlan:
+    """The plan for the revision at `url` without SHA256SUMS, from its listing `sizes` and
+    what its source vouches for. Raises SourceError (exit 3) naming a file vouched for by
+    nothing usable (and `hint`, what to do), or when the listing holds no file."""
+    scheme = url.partition("://")[0]
+    if not any(_is_checksum(*v) for v in vouches.values()):
+        raise SourceError(f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}; {hint}")
+    files = select_files(dict(sizes), url).files
+    known: list[ManifestEntry] = []
+    pending: list[Vouched] = []
+    unvouched: list[str] = []
+    for path, size in files.items():
+        algorithm, digest = vouches.get(path, ("", ""))
+        if not _is_checksum(algorithm, digest):
+            unvouched.append(path)
+        elif algorithm == "sha256":
+            known.append(ManifestEntry(path, digest, size))
+        else:
+            pending.append(Vouched(path, size, algorithm, digest))
+    if unvouched:
+        raise SourceError(
+            f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}, and the store vouches for the "
+            f"content of {len(unvouched)} of its {len(files)} file(s) with no checksum "
+            f"weightcache can verify (e.g. {unvouched[0]!r}); {hint}"
+        )
+    verified = {e.path: f"{scheme}:sha256" for e in known}
+    verified.update({v.path: f"{scheme}:{v.algorithm}" for v in pending})
+    return VouchedPlan(tuple(known), tuple(pending), verified)
+
+
+def _is_checksum(algorithm: str, digest: str) -> bool:
+    """A digest of an algorithm computable here, of that algorithm's length."""
+    if len(digest) != _HEX_DIGITS.get(algorithm, -1) or not _HEX.fullmatch(digest):
+        return False
+    return available(algorithm)
+
+
+class VouchedFetch:
+    """Brings the files of a `VouchedPlan` whose sha256 is unknown into one cache."""
+
+    def __init__(
+        self, layout: Layout, cache: Cache, timeout: float,
+        downloader: Callable[[], RangedDownloader],
+        origin_blob: Callable[[Source, str], BlobSource],
+        verify_failed: Callable[[], None], reserve: Callable[[int], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.layout, self.cache, self.timeout = layout, cache, timeout
+        self._downloader, self._origin_blob = downloader, origin_blob
+        self._verify_failed, self._reserve = verify_failed, reserve
+
+    def bring(
+        self, source: Source, pending: tuple[Vouched, ...], note: Callable[[list[str]], None]
+    ) -> tuple[dict[str, str], int]:
+        """({path: sha256}, bytes from the origin) for every pending file, each published
+        as a blob; `note(sha256s)` is told of the blobs published so far (the revision lock
+        spares them from orphan collection). Raises IntegrityError, NoSpaceError, SourceError
+        and the downloader's errors."""
+        by_key: dict[str, list[Vouched]] = {}
+        for v in pending:
+            by_key.setdefault(v.key, []).append(v)
+        firsts = [same[0] for same in by_key.values()]
+        self._check_space(firsts)
+        sha256s: dict[str, str] = {}
+        fetched = 0
+        for i in range(0, len(firsts), LOCK_BATCH):  # each lock held is an fd
+            got, n = self._bring_batch(source, firsts[i : i + LOCK_BATCH])
+            fetched += n
+            for key, sha256 in got.items():
+                sha256s.update({v.path: sha256 for v in by_key[key]})
+            note(sorted(set(sha256s.values())))
+        self.cache.sync_blobs()
+        return sha256s, fetched
+
+    def _bring_batch(self, source: Source, batch: list[Vouched]) -> tuple[dict[str, str], int]:
+        """({key: sha256}, bytes) for one batch, holding each one's lock (a lock whose
+        holder stalls is given up on: then the download goes to a private partial)."""
+        locks: list[FileLock] = []
+        try:
+            private: dict[str, bool] = {}
+            for v in batch:
+                lock = FileLock(self.layout.blob_lock(v.key), v.path)
+                held = lock.acquire(give_up=holder_stalled(self.cache, self.timeout))
+                private[v.key] = not held
+                if held:
+                    locks.append(lock)
+            return self._download_verified(source, batch, private)
+        finally:
+            for lock in locks:
+                lock.release()
+
+    def _download_verified(
+        self, source: Source, todo: list[Vouched], private: dict[str, bool]
+    ) -> tuple[dict[str, str], int]:
+        from weightcache.transfer.ranged import BlobJob
+
+        sha256s: dict[str, str] = {}
+        fetched = 0
+        strikes: set[str] = set()
+        while todo:
+            partials = {v.key: self.layout.vouched_partial(v.key, private[v.key]) for v in todo}
+            jobs = [BlobJob(self._origin_blob(source, v.path), v.size, partials[v.key], v.path,
+                            check=v.algorithm) for v in todo]  # fmt: skip
+            done = self._downloader().download(jobs)
+            fetched += done.received.get("origin", 0)
+            bad = []
+            for v in todo:
+                got = done.checks[v.path]
+                if got == v.digest:
+                    sha256s[v.key] = self._publish(partials[v.key], done.digests[v.path], v.size)
+                    continue
+                self.cache.discard_partial(partials[v.key])
+                self._verify_failed()
+                self._strike(source, v, got, strikes)
+                bad.append(v)
+            todo = bad
+        return sha256s, fetched
+
+    def _publish(self, partial: Path, sha256: str, size: int) -> str:
+        if self.cache.has_blob(sha256, size):  # the same content came another way
+            self.cache.discard_partial(partial)
+        else:
+            self.cache.publish_blob(partial, sha256)
+        return sha256
+
+    @staticmethod
+    def _strike(source: Source, v: Vouched, got: str, strikes: set[str]) -> None:
+        """Log a mismatch; raise IntegrityError at the file's second."""
+        log.warning("%s mismatch for %s (the store vouches for %s, got %s)",
+                    v.algorithm, v.path, v.digest, got)  # fmt: skip
+        if v.key in strikes:
+            raise IntegrityError(
+                f"{v.algorithm} mismatch for {v.path} in {source.label}: the store vouches "
+                f"for {v.digest}, got {got}; the object in {source.url}/{v.path} differs from "
+                "the checksum its store recorded for it (checked twice)"
+            )
+        strikes.add(v.key)
+
+    def _check_space(self, files: list[Vouched]) -> None:
+        need = sum(v.size - _allocated(self.layout.vouched_partial(v.key), v.size) for v in files)
+        if self._reserve is not None:
+            self._reserve(need)
+        _, free = self.layout.disk_space()
+        if need > free:
+            raise NoSpaceError(
+                f"the cache disk at {self.layout.root} has {human(free)} free but the "
+                f"download needs {human(need)} more; free space or evict old revisions "
+                "(weightcache gc)"
+            )
+
+
+def _allocated(partial: Path, size: int) -> int:
+    """Bytes already reserved on disk by a partial (0 if none)."""
+    try:
+        return min(partial.stat().st_blocks * 512, size)
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,107 @@
+"""The checksums a source vouches for a file's content with, computed while the bytes land.
+
+A revision without SHA256SUMS can still be verified when its store recorded a checksum of
+each whole file (design §4, Verification without SHA256SUMS): S3's full-object sha256,
+crc64nvme and crc32c, GCS's crc32c, Azure's Content-MD5, the Hub's LFS sha256 and git blob
+ids. Ranged GETs carry no whole-object checksum, so the downloader computes the vouched one
+itself beside the sha256 that keys the blob (partial.py). Digests are lowercase hex; a CRC
+is the hex of its big-endian bytes, as the stores' base64 values encode it.
+
+crc32c and crc64nvme need a native library (a pure-Python CRC runs at a few MB/s, which
+would make the hash the bottleneck of a fetch): both come from `awscrt` (a dependency;
+botocore's crt extra), crc32c also from `google-crc32c` (gcsfs depends on it). Measured on
+this project's 2-core CI machine, 256 KiB reads: awscrt crc32c 7694 MiB/s, crc64nvme 7329
+MiB/s, google-crc32c 4780 MiB/s, sha256 1050 MiB/s, a pure-Python crc32c 2.6 MiB/s. Without
+a library an algorithm is not `available()`, and a file vouched for only by it counts as
+not vouched for.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import importlib.util
+from typing import Protocol
+
+#: The algorithms a RevisionSource may vouch with (`RevisionSource.vouches`).
+ALGORITHMS = ("sha256", "crc32c", "md5", "crc64nvme", "git-sha1")
+
+
+class Hasher(Protocol):
+    def update(self, data: memoryview) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class _Crc:
+    """A running CRC from a library function `fn(data, previous) -> int`."""
+
+    def __init__(self, fn: _CrcFn, bits: int) -> None:
+        self._fn, self._bits, self._value = fn, bits, 0
+
+    def update(self, data: memoryview) -> None:
+        self._value = self._fn(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:0{self._bits // 4}x}"
+
+
+class _CrcFn(Protocol):
+    def __call__(self, data: memoryview, previous: int, /) -> int: ...
+
+
+def _crc32c_fn() -> _CrcFn | None:
+    if importlib.util.find_spec("awscrt") is not None:
+        from awscrt import checksums
+
+        return lambda data, previous: int(checksums.crc32c(data, previous))
+    if importlib.util.find_spec("google_crc32c") is not None:
+        import google_crc32c
+
+        # It takes read-only buffers only: one copy per read (still ~4.8 GB/s measured).
+        return lambda data, previous: int(google_crc32c.extend(previous, bytes(data)))
+    return None
+
+
+def _crc64nvme_fn() -> _CrcFn | None:
+    if importlib.util.find_spec("awscrt") is None:
+        return None
+    from awscrt import checksums
+
+    return lambda data, previous: int(checksums.crc64nvme(data, previous))
+
+
+def available(algorithm: str) -> bool:
+    """Whether `algorithm` can be computed here (at a speed that keeps up with a fetch)."""
+    if algorithm == "crc32c":
+        return _crc32c_fn() is not None
+    if algorithm == "crc64nvme":
+        return _crc64nvme_fn() is not None
+    return algorithm in ALGORITHMS
+
+
+def new_hasher(algorithm: str, size: int) -> Hasher:
+    """A running digest of a `size`-byte file by `algorithm` (one of ALGORITHMS, and
+    `available`); ValueError otherwise. git-sha1 is a git blob id: sha1 over the header
+    b"blob <size>\\0" and the content."""
+    if algorithm in ("sha256", "md5"):
+        return hashlib.new(algorithm)
+    if algorithm == "git-sha1":
+        h = hashlib.sha1(usedforsecurity=False)
+        h.update(b"blob %d\0" % size)
+        return h
+    fn = _crc32c_fn() if algorithm == "crc32c" else None
+    fn = _crc64nvme_fn() if algorithm == "crc64nvme" else fn
+    if fn is None:
+        raise ValueError(f"cannot compute checksum {algorithm!r} here")
+    return _Crc(fn, 64 if algorithm == "crc64nvme" else 32)
+
+
+def b64_to_hex(value: str) -> str:
+    """A store's base64 digest (S3 x-amz-checksum-*, GCS crc32c, Content-MD5) as lowercase
+    hex; ValueError if it is not base64."""
+    try:
+        return base64.b64decode(value, validate=True).hex()
+    except binascii.Error as e:
+        raise ValueError(f"not a base64 digest: {value!r}") from e
