@@ -28,8 +28,16 @@ def botocore_url(
     import botocore.auth
     import botocore.config
     import botocore.session
+    from botocore.compat import HAS_CRT
 
-    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: NOW.replace(tzinfo=None))
+    def frozen(remove_tzinfo: bool = True) -> dt.datetime:
+        return NOW.replace(tzinfo=None) if remove_tzinfo else NOW
+
+    monkeypatch.setattr(botocore.auth, "get_current_datetime", frozen)
+    if HAS_CRT:  # awscrt (a dependency) makes botocore sign with the CRT's signers
+        import botocore.crt.auth
+
+        monkeypatch.setattr(botocore.crt.auth, "get_current_datetime", frozen)
     client = botocore.session.get_session().create_client(
         "s3",
         endpoint_url=endpoint,

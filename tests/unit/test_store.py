@@ -61,7 +61,7 @@ def test_marker_json_round_trip() -> None:
     d = json.loads(text)
     assert d["version"] == 1
     assert list(d["files"]) == ["a/x.bin", "b.bin"]  # sorted, stable on disk
-    assert d["files"]["b.bin"] == {"sha256": "1" * 64, "size": 20}
+    assert d["files"]["b.bin"] == {"sha256": "1" * 64, "size": 20, "verified": "sha256sums"}
     assert marker.size == 20
 
 

@@ -1,0 +1,164 @@
+"""A prefix without SHA256SUMS whose store vouches for every file (design §4, Verification
+without SHA256SUMS), against the real SeaweedFS: it stores the checksums given on upload
+(x-amz-checksum-sha256 / -crc32c / -crc64nvme) and returns them to HeadObject with
+ChecksumMode=ENABLED, so no other S3 server is needed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import BUCKET, CLI, Published
+from tests.support.checks import assert_fails, assert_ok_path, blobs_dir, describe
+from tests.support.faultproxy import FaultProxy
+from tests.support.modelgen import random_bytes, sha256_bytes
+
+MiB = 1024 * 1024
+
+
+def _bytes(size: int, seed: str) -> bytes:
+    return b"".join(random_bytes(size, seed))
+
+
+@pytest.fixture(scope="module")
+def bare_s3(store: Any) -> Any:
+    """A boto3 client that sends no checksum unless one is asked for (boto3 adds crc32 to
+    every upload by default)."""
+    import boto3
+    from botocore.config import Config
+
+    env = store.env
+    return boto3.client(
+        "s3", endpoint_url=store.endpoint_url, region_name=env["AWS_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        config=Config(request_checksum_calculation="when_required"),
+    )  # fmt: skip
+
+
+def put_vouched(bare: Any, prefix: str, files: dict[str, tuple[bytes, str | None]]) -> None:
+    """Put each file with the checksum algorithm given (None: no checksum at all)."""
+    for relpath, (data, algorithm) in files.items():
+        extra = {"ChecksumAlgorithm": algorithm} if algorithm else {}
+        bare.put_object(Bucket=BUCKET, Key=f"{prefix}/{relpath}", Body=data, **extra)
+
+
+def marker_of(path: Path) -> dict[str, Any]:
+    return json.loads((path / ".weightcache").read_text())  # type: ignore[no-any-return]
+
+
+FILES = {
+    "model-00001-of-00002.safetensors": (_bytes(3 * MiB + 7, "one"), "CRC64NVME"),
+    "model-00002-of-00002.safetensors": (_bytes(2 * MiB + 3, "two"), "CRC32C"),
+    "config.json": (b'{"hidden_size": 8}\n', "SHA256"),
+}
+
+
+@pytest.mark.timeout(120)
+def test_checksum_only_prefix_misses_then_hits(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    put_vouched(bare_s3, prefix, FILES)
+    source = f"s3://{BUCKET}/{prefix}"
+
+    miss = wc.fetch(source, cache_dir, "--part-size", "1M", "--json")
+    assert miss.returncode == 0, describe(miss)
+    assert json.loads(miss.stdout)["hit"] is False
+    root = cache_dir / "m" / "r1"
+    for relpath, (data, _) in FILES.items():
+        assert (root / relpath).read_bytes() == data
+        assert (blobs_dir(cache_dir) / sha256_bytes(data)).stat().st_ino == (
+            (root / relpath).stat().st_ino
+        ), relpath
+    files = marker_of(root)["files"]
+    assert {p: f["verified"] for p, f in files.items()} == {
+        "model-00001-of-00002.safetensors": "s3:crc64nvme",
+        "model-00002-of-00002.safetensors": "s3:crc32c",
+        "config.json": "s3:sha256",
+    }
+    assert not list((cache_dir / ".weightcache" / "tmp").glob("*.part*"))
+
+    hit = wc.fetch(source, cache_dir, "--json")
+    assert hit.returncode == 0, describe(hit)
+    assert json.loads(hit.stdout)["hit"] is True
+
+    ls = wc.run("ls", "--cache-dir", cache_dir, "--json")
+    assert ls.returncode == 0, describe(ls)
+    (row,) = map(json.loads, ls.stdout.splitlines())
+    assert row["verified"] == {"s3:crc32c": 1, "s3:crc64nvme": 1, "s3:sha256": 1}
+
+
+@pytest.mark.timeout(120)
+def test_object_not_matching_its_checksum_is_exit_4_and_nothing_is_published(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    put_vouched(bare_s3, prefix, {"w.bin": (_bytes(MiB + 5, "w"), "CRC64NVME")})
+    proxy.configure(corrupt_rate=1.0, scope="ranged")  # every byte range has one byte flipped
+
+    proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url)
+    message = assert_fails(proc, 4)
+    assert "crc64nvme mismatch for w.bin" in message, message
+    assert not (cache_dir / "m" / "r1").exists()
+    assert list(blobs_dir(cache_dir).iterdir()) == []
+    assert not list((cache_dir / ".weightcache" / "tmp").glob("*.part*"))
+
+
+@pytest.mark.timeout(120)
+def test_file_without_checksum_and_no_manifest_is_exit_3_naming_the_manifest_command(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    put_vouched(bare_s3, prefix, {"a.bin": (b"a" * 100, "CRC64NVME"), "b.bin": (b"b" * 100, None)})
+    source = f"s3://{BUCKET}/{prefix}"
+
+    message = assert_fails(wc.fetch(source, cache_dir), 3)
+    assert "'b.bin'" in message and "no SHA256SUMS" in message, message
+    assert f"weightcache manifest {source}/ --write" in message, message
+    assert list(blobs_dir(cache_dir).iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_same_content_from_a_manifest_and_from_checksums_is_stored_once(
+    wc: CLI, bare_s3: Any, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    pub = publish([2 * MiB + 1], name="m", rev="r1", seed="dedup")
+    shard = pub.model.shard_names()[0]
+    data = (pub.model.root / shard).read_bytes()
+    prefix = f"{pub.prefix.rsplit('/', 2)[0]}/m/r2"
+    put_vouched(bare_s3, prefix, {shard: (data, "CRC32C")})
+
+    assert_ok_path(wc.fetch(pub.source, cache_dir), pub.local_path(cache_dir))
+    assert_ok_path(wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir), cache_dir / "m" / "r2")
+
+    a, b = cache_dir / "m" / "r1" / shard, cache_dir / "m" / "r2" / shard
+    assert a.stat().st_ino == b.stat().st_ino
+    blob = blobs_dir(cache_dir) / sha256_bytes(data)
+    assert blob.stat().st_ino == a.stat().st_ino
+    assert marker_of(cache_dir / "m" / "r1")["files"][shard]["verified"] == "sha256sums"
+    assert marker_of(cache_dir / "m" / "r2")["files"][shard]["verified"] == "s3:crc32c"
+
+
+@pytest.mark.timeout(120)
+def test_marker_written_before_verified_existed_still_reads(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    pub = publish([MiB], seed="old")
+    assert_ok_path(wc.fetch(pub.source, cache_dir), pub.local_path(cache_dir))
+    marker = pub.local_path(cache_dir) / ".weightcache"
+    old = json.loads(marker.read_text())
+    for entry in old["files"].values():
+        del entry["verified"]  # as weightcache wrote it before
+    marker.write_text(json.dumps(old))
+
+    hit = wc.fetch(pub.source, cache_dir, "--json")
+    assert hit.returncode == 0 and json.loads(hit.stdout)["hit"] is True, describe(hit)
+    ls = wc.run("ls", "--cache-dir", cache_dir, "--json")
+    (row,) = map(json.loads, ls.stdout.splitlines())
+    assert row["ready"] is True
+    assert row["verified"] == {"sha256sums": len(pub.model.files)}

@@ -1,0 +1,127 @@
+"""Source checksums (design §4, Verification without SHA256SUMS): the digest converters, the
+algorithms against reference values, S3's HeadObject fields, the fetch's plan, the marker."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from weightcache.cache.marker import Marker
+from weightcache.errors import IntegrityError, SourceError
+from weightcache.fetch.vouched import Vouched, plan_vouched
+from weightcache.transfer.checksums import b64_to_hex, new_hasher
+from weightcache.transfer.httprange import s3_vouched
+
+CHECK = b"123456789"  # the CRC catalogue's check input
+
+
+def digest(algorithm: str, data: bytes, chunk: int = 4) -> str:
+    """`data` hashed in `chunk`-byte pieces, as the downloader feeds it."""
+    h = new_hasher(algorithm, len(data))
+    for i in range(0, len(data), chunk):
+        h.update(memoryview(bytearray(data[i : i + chunk])))
+    return h.hexdigest()
+
+
+def test_b64_to_hex() -> None:
+    assert b64_to_hex("4waSgw==") == "e3069283"
+    sha = hashlib.sha256(b"x").digest()
+    assert b64_to_hex(base64.b64encode(sha).decode()) == sha.hex()
+    with pytest.raises(ValueError):
+        b64_to_hex("not base64!")
+
+
+def test_crcs_match_the_catalogue_check_values() -> None:
+    assert digest("crc32c", CHECK) == "e3069283"  # CRC-32C/ISCSI
+    assert digest("crc64nvme", CHECK) == "ae8b14860a799888"  # CRC-64/NVME
+    assert digest("md5", CHECK) == hashlib.md5(CHECK).hexdigest()
+    assert digest("sha256", CHECK) == hashlib.sha256(CHECK).hexdigest()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+@pytest.mark.parametrize("data", [b"", b"hello\n", bytes(range(256)) * 40])
+def test_git_sha1_is_the_git_blob_id(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    expected = subprocess.run(["git", "hash-object", str(path)], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    assert digest("git-sha1", data, chunk=7) == expected
+
+
+def test_s3_full_object_checksums_are_vouched_composite_ones_are_not() -> None:
+    sha = base64.b64encode(hashlib.sha256(b"x").digest()).decode()
+    assert s3_vouched({"ChecksumSHA256": sha}) == ("sha256", hashlib.sha256(b"x").hexdigest())
+    crc64 = {"ChecksumCRC64NVME": "Fg5AiE8Eaws=", "ChecksumType": "FULL_OBJECT"}
+    assert s3_vouched(crc64) == ("crc64nvme", "160e40884f046b0b")
+    # sha256 is preferred: it needs no second digest
+    assert s3_vouched({**crc64, "ChecksumSHA256": sha}) == s3_vouched({"ChecksumSHA256": sha})
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2", "ChecksumType": "COMPOSITE"}) is None
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2"}) is None  # no type: the suffix tells
+    assert s3_vouched({"ChecksumCRC32": "iH6F8A=="}) is None  # crc32 is not used
+    assert s3_vouched({"ChecksumCRC32C": "@@@"}) is None
+    assert s3_vouched({}) is None
+
+
+HINT = "write it with `weightcache manifest s3://b/m/r/ --write`"
+
+
+def test_plan_sorts_files_by_what_vouches_for_them() -> None:
+    sha = "ab" * 32
+    plan = plan_vouched(
+        "s3://b/m/r",
+        {"a": 10, "b": 20, "c/d": 30},
+        {"a": ("sha256", sha), "b": ("crc32c", "0123abcd"), "c/d": ("git-sha1", "1" * 40)},
+        HINT,
+    )
+    assert [e.path for e in plan.known] == ["a"]
+    assert plan.pending == (Vouched("b", 20, "crc32c", "0123abcd"),
+                            Vouched("c/d", 30, "git-sha1", "1" * 40))  # fmt: skip
+    assert plan.verified == {"a": "s3:sha256", "b": "s3:crc32c", "c/d": "s3:git-sha1"}
+    manifest = plan.manifest({"b": "cd" * 32, "c/d": "ef" * 32})
+    assert [(e.path, e.sha256, e.size) for e in manifest.entries] == [
+        ("a", sha, 10), ("b", "cd" * 32, 20), ("c/d", "ef" * 32, 30)
+    ]  # fmt: skip
+    text = f"{sha}  a\n{'cd' * 32}  b\n{'ef' * 32}  c/d\n".encode()
+    assert manifest.digest == hashlib.sha256(text).hexdigest()  # `weightcache manifest`'s
+
+
+def test_plan_refuses_a_file_vouched_for_by_nothing_usable() -> None:
+    vouches = {"a": ("crc32c", "0123abcd"), "b": ("crc32c", "not hex!"), "c": ("xxh", "00")}
+    with pytest.raises(SourceError) as e:
+        plan_vouched("s3://b/m/r", {"a": 1, "b": 1, "c": 1, "d": 1}, vouches, HINT)
+    assert "3 of its 4 file(s)" in str(e.value) and "'b'" in str(e.value)
+    assert str(e.value).endswith(HINT)
+    with pytest.raises(SourceError, match=r"^no SHA256SUMS at s3://b/m/r/SHA256SUMS; write"):
+        plan_vouched("s3://b/m/r", {"a": 1}, {}, HINT)  # a source that vouches nothing
+
+
+def test_one_sha256_at_two_sizes_is_an_integrity_error() -> None:
+    sha = "ab" * 32
+    plan = plan_vouched("s3://b/m/r", {"a": 1, "b": 2},
+                        {"a": ("sha256", sha), "b": ("crc32c", "0123abcd")}, HINT)  # fmt: skip
+    with pytest.raises(IntegrityError):
+        plan.manifest({"b": sha})
+
+
+def test_marker_records_how_each_file_was_verified_and_reads_old_ones() -> None:
+    files = {"a": ("1" * 64, 1), "b": ("2" * 64, 2)}
+    marker = Marker("m", "r", "s3://b/m/r", "d" * 64, files, 0.0, {"b": "s3:crc64nvme"})
+    back = Marker.from_json(marker.to_json())
+    assert back == marker
+    assert json.loads(marker.to_json())["files"]["a"]["verified"] == "sha256sums"
+    assert back.verification() == {"s3:crc64nvme": 1, "sha256sums": 1}
+
+    old = json.loads(marker.to_json())
+    for entry in old["files"].values():
+        del entry["verified"]
+    assert Marker.from_json(json.dumps(old)).verification() == {"sha256sums": 2}
+
+    old["files"]["a"]["verified"] = "../x"
+    with pytest.raises(ValueError, match="verified by"):
+        Marker.from_json(json.dumps(old))
