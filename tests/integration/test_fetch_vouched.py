@@ -6,6 +6,7 @@ ChecksumMode=ENABLED, so no other S3 server is needed."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from tests.conftest import BUCKET, CLI, Published
 from tests.support.checks import assert_fails, assert_ok_path, blobs_dir, describe
 from tests.support.faultproxy import FaultProxy
 from tests.support.modelgen import random_bytes, sha256_bytes
+from weightcache.transfer.partial import SAVE_INTERVAL
 
 MiB = 1024 * 1024
 
@@ -162,3 +164,36 @@ def test_marker_written_before_verified_existed_still_reads(
     (row,) = map(json.loads, ls.stdout.splitlines())
     assert row["ready"] is True
     assert row["verified"] == {"sha256sums": len(pub.model.files)}
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_checksum_only_download_resumes_from_its_partial(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy
+) -> None:
+    size = 8 * MiB
+    data = _bytes(size, "resume")
+    prefix = f"{uniq}/m/r1"
+    put_vouched(bare_s3, prefix, {"w.bin": (data, "CRC64NVME")})
+    source = f"s3://{BUCKET}/{prefix}"
+    proxy.configure(rate_limit=4 * MiB)
+
+    running = wc.fetch_popen(source, cache_dir, "--part-size", "1M", endpoint=proxy.url)
+    deadline = time.monotonic() + 60
+    while proxy.stats(settle=0).body_bytes < size // 2 and time.monotonic() < deadline:
+        assert running.poll() is None, "the fetch ended before it could be killed"
+        time.sleep(0.01)
+    time.sleep(3 * SAVE_INTERVAL)  # the part state is saved at least this often
+    running.kill9()
+    (partial,) = (cache_dir / ".weightcache" / "tmp").glob("crc64nvme-*-8388608.part")
+    assert partial.stat().st_size == size
+
+    proxy.configure(rate_limit=None)
+    proxy.reset_stats()
+    again = wc.fetch(source, cache_dir, "--part-size", "1M", endpoint=proxy.url)
+    assert_ok_path(again, cache_dir / "m" / "r1")
+    assert "resuming w.bin" in again.stderr, describe(again)
+    resent = proxy.stats().body_bytes
+    assert resent <= size - size // 4, f"{resent} of {size} bytes downloaded again"
+    assert (cache_dir / "m" / "r1" / "w.bin").read_bytes() == data
+    assert marker_of(cache_dir / "m" / "r1")["files"]["w.bin"]["verified"] == "s3:crc64nvme"
+    assert not partial.exists()

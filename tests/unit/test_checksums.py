@@ -45,7 +45,9 @@ def test_crcs_match_the_catalogue_check_values() -> None:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-@pytest.mark.parametrize("data", [b"", b"hello\n", bytes(range(256)) * 40])
+@pytest.mark.parametrize(
+    "data", [b"", b"hello\n", bytes(range(256)) * 40], ids=["empty", "text", "binary"]
+)
 def test_git_sha1_is_the_git_blob_id(tmp_path: Path, data: bytes) -> None:
     path = tmp_path / "f"
     path.write_bytes(data)
