@@ -148,7 +148,7 @@ class Layout:
     def vouched_partial(self, key: str, private: bool = False) -> Path:
         """The partial of a file known only by its source's checksum until its bytes land
         (design §4, Verification without SHA256SUMS): `key` is "<algorithm>-<hex>-<size>"
-        (`vouched_key`); the blob lock of that key guards it as a blob's lock guards its
+        (`fetch.vouched.Vouched.key`); the blob lock of that key guards it as a blob's lock guards its
         partial."""
         if not _VOUCHED_KEY.fullmatch(key):
             raise ValueError(f"not a vouched checksum key: {key!r}")
