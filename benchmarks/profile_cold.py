@@ -80,7 +80,7 @@ RULES: list[tuple[str, str | None, str | None]] = [
     ("presign", r"(presign_get|OriginBlob\.open_range)$", None),
     (
         "listing + manifest (boto3 calls)",
-        r"(Origin\.(list_sizes|get_bytes)|read_manifest)$",
+        r"(Origin\.(list_sizes|get_bytes)|read_contents)$",
         None,
     ),
     ("boto3 client", r"Origin\.__init__$", None),

@@ -148,8 +148,7 @@ class Layout:
     def vouched_partial(self, key: str, private: bool = False) -> Path:
         """The partial of a file known only by its source's checksum until its bytes land
         (design §4, Verification without SHA256SUMS): `key` is "<algorithm>-<hex>-<size>"
-        (`fetch.vouched.Vouched.key`); the blob lock of that key guards it as a blob's lock guards its
-        partial."""
+        (`fetch.vouched.Vouched.key`), and the blob lock of that key guards it."""
         if not _VOUCHED_KEY.fullmatch(key):
             raise ValueError(f"not a vouched checksum key: {key!r}")
         return self.tmp / (f"{key}.{os.getpid()}.part" if private else f"{key}.part")

@@ -230,7 +230,7 @@ class Fetcher:
             hit = self._hit_under_lock(source, start)
             if hit is not None:
                 return hit
-            manifest, verified, fetched = self._contents(source, lock)
+            manifest, verified, fetched = self.read_contents(source, lock)
             if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
             fetched += self.blobs.bring(source, manifest)
@@ -294,24 +294,15 @@ class Fetcher:
             f"(rm -rf {root})"
         )
 
-    def read_manifest(self, source: Source) -> Manifest:
-        """SHA256SUMS of the revision, validated, with each file's size from the listing.
+    def read_contents(self, source: Source, lock: FileLock) -> tuple[Manifest, dict[str, str], int]:
+        """(the manifest with each file's size from the listing, {path: how verified} of the
+        files not verified by SHA256SUMS, bytes downloaded to learn it).
 
-        The manifest is requested while the listing is read (both come before the first
-        data GET); the listing's verdict comes first: its error, or no manifest in it."""
-        revision = self.revision_source(source)
-        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
-        sizes = revision.list_sizes()
-        if MANIFEST_NAME not in sizes:
-            where = f"{revision.url}/{MANIFEST_NAME}"
-            raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
-        return self._parsed(source, revision, content, sizes)
-
-    def _contents(self, source: Source, lock: FileLock) -> tuple[Manifest, dict[str, str], int]:
-        """(the manifest, {path: how verified} for files not verified by SHA256SUMS, bytes
-        downloaded to learn it). Without SHA256SUMS, what the source vouches for decides
-        (design §4, Verification without SHA256SUMS): the files whose sha256 only their
-        bytes tell are downloaded and published here, under the revision's `lock`."""
+        SHA256SUMS is requested while the listing is read (both come before the first data
+        GET); the listing's verdict comes first: its error, or no manifest in it. Without
+        one, what the source vouches for decides (design §4, Verification without
+        SHA256SUMS): the files whose sha256 only their bytes tell are downloaded and
+        published here, under the revision's `lock`."""
         revision = self.revision_source(source)
         content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
         sizes = revision.list_sizes()
