@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CLI, Published
+from tests.conftest import CLI, Published, cli_env
+from tests.integration.test_fetch_hit_miss import WITH_MODULES
 from tests.support.azurite import ACCOUNT, Azurite, connection_string, find_binary, upload_dir
 from tests.support.checks import (
     assert_blobs_valid,
@@ -95,6 +98,30 @@ def test_miss_then_hit_from_az_and_abfs(
     assert other["bytes_from_origin"] == 0, other  # same content: its blobs are here
     assert_revision_ok(cache_dir, "m", "r2", model)
     assert json.loads((cache_dir / "m" / "r2" / ".weightcache").read_text())["source"] == abfs
+
+
+def test_a_hit_loads_no_azure_library_and_a_miss_no_boto(
+    wc: CLI, azurite: Azurite, upload: Callable[..., tuple[Model, str]], cache_dir: Path
+) -> None:
+    """adlfs and the Azure SDK load on a miss of an az:// source only; boto3 never does."""
+    _, url = upload([1024], small_files=False)
+    env = _env(azurite)
+    miss, hit = (_loaded(wc, url, cache_dir, env) for _ in range(2))
+    assert {"adlfs", "azure", "fsspec"} <= miss and not {"boto3", "botocore"} & miss, miss
+    assert not {"adlfs", "azure", "fsspec", "aiohttp", "boto3"} & hit, hit
+
+
+def _loaded(wc: CLI, url: str, cache_dir: Path, env: dict[str, Any]) -> set[str]:
+    """The top-level packages `fetch url` loaded, measured inside its own process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WITH_MODULES, "fetch", url, "--cache-dir", str(cache_dir),
+         "--no-daemon"],
+        env=cli_env(wc.store, env), cwd=wc.cwd, capture_output=True, text=True, timeout=120,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, describe(proc)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("modules: "))
+    return {m.split(".")[0] for m in json.loads(line.removeprefix("modules: "))}
 
 
 @pytest.mark.timeout(180)

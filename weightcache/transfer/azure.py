@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
@@ -126,21 +127,35 @@ def translate(e: BaseException, where: str) -> WeightcacheError | RetryRange:
     return WeightcacheError(f"{where}: unexpected {type(e).__name__}: {e}")
 
 
+_FILESYSTEMS: dict[tuple[str | None, str | None], Any] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
 def _filesystem(account: str | None) -> Any:
-    """adlfs's AzureBlobFileSystem for `account` (None: from the environment); fsspec keeps
-    one instance per arguments, so every blob of a fetch shares its client and loop."""
-    try:
-        import adlfs
-    except ImportError as e:
-        raise UsageError(
-            "az:// and abfs:// sources need adlfs: pip install 'weightcache[azure]'"
-        ) from e
+    """adlfs's AzureBlobFileSystem for `account` (None: from the environment), one per
+    account and connection string in the process: every blob of every fetch (and every
+    thread: fsspec's own instance cache is per thread) shares its client, its connection
+    pool and its credential's token."""
     named = connection_string_account(os.environ)
     if account is not None and named is not None and named != account:
         raise UsageError(
             f"AZURE_STORAGE_CONNECTION_STRING is for the account {named!r}, the source names "
             f"{account!r}: unset it, or use the source's account"
         )
+    key = (account, os.environ.get("AZURE_STORAGE_CONNECTION_STRING"))
+    with _FILESYSTEMS_LOCK:
+        if key not in _FILESYSTEMS:
+            _FILESYSTEMS[key] = _connect(account)
+        return _FILESYSTEMS[key]
+
+
+def _connect(account: str | None) -> Any:
+    try:
+        import adlfs
+    except ImportError as e:
+        raise UsageError(
+            "az:// and abfs:// sources need adlfs: pip install 'weightcache[azure]'"
+        ) from e
     # azure-core logs every request and response at INFO: the fetch's log is ours.
     logging.getLogger("azure").setLevel(logging.WARNING)
     try:
