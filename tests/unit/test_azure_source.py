@@ -3,11 +3,19 @@ source's account comes from, which refusal is retried, throttled or final)."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+
 import pytest
 
 from weightcache.config import Source, SourcePrefix
-from weightcache.errors import SourceError, UsageError
-from weightcache.transfer.azure import connection_string_account, refused, split_location
+from weightcache.errors import IntegrityError, SourceError, UsageError
+from weightcache.transfer import azure
+from weightcache.transfer.azure import (
+    _AzureRange,
+    connection_string_account,
+    refused,
+    split_location,
+)
 from weightcache.transfer.sources import RetryRange
 
 ABFS = "abfs://models@acct01.dfs.core.windows.net"
@@ -97,3 +105,73 @@ def test_refusals(status: int, code: str, kind: type, throttle: bool | None) -> 
         assert "AZURE_STORAGE_CONNECTION_STRING" in str(
             error
         ) and "Storage Blob Data Reader" in str(error)
+
+
+class _Blob:
+    """An AzureBlob's `submit` over bytes in memory: each GET's future is done at once,
+    except those listed in `hold` (never answered)."""
+
+    where = "az://models/m/r1/x.bin"
+
+    def __init__(self, data: bytes, total: int | None = None, short: int = 0) -> None:
+        self.data, self.total, self.short = data, total, short
+        self.asked: list[tuple[int, int]] = []
+        self.futures: list[cf.Future[tuple[bytes, int]]] = []
+        self.hold: set[int] = set()
+
+    def submit(self, offset: int, length: int) -> cf.Future[tuple[bytes, int]]:
+        self.asked.append((offset, length))
+        future: cf.Future[tuple[bytes, int]] = cf.Future()
+        if offset not in self.hold:
+            body = self.data[offset : offset + length - self.short]
+            future.set_result((body, len(self.data) if self.total is None else self.total))
+        self.futures.append(future)
+        return future
+
+
+def _read_all(reader: _AzureRange, step: int) -> bytes:
+    out = bytearray()
+    buf = memoryview(bytearray(step))
+    while n := reader.readinto(buf):
+        out += buf[:n]
+    return bytes(out)
+
+
+@pytest.mark.parametrize("step", [1, 3, 10, 64])
+def test_a_range_is_read_in_chunks_one_ahead(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    monkeypatch.setattr(azure, "CHUNK", 10)
+    data = bytes(range(100))
+    blob = _Blob(data)
+    reader = _AzureRange(blob, 5, 47, 100, 1.0)  # type: ignore[arg-type]
+    assert blob.asked == [(5, 10)]  # the first GET leaves before the first read
+    assert _read_all(reader, step) == data[5:47]
+    assert blob.asked == [(5, 10), (15, 10), (25, 10), (35, 10), (45, 2)]
+
+
+def test_a_blob_of_another_size_is_an_integrity_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(azure, "CHUNK", 10)
+    reader = _AzureRange(_Blob(bytes(100), total=101), 0, 30, 100, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(IntegrityError, match="101 bytes now but was 100"):
+        reader.readinto(memoryview(bytearray(10)))
+
+
+def test_a_short_chunk_is_retried_not_stitched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(azure, "CHUNK", 10)
+    reader = _AzureRange(_Blob(bytes(100), short=1), 0, 30, 100, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(RetryRange, match="9 bytes of a 10-byte range"):
+        reader.readinto(memoryview(bytearray(10)))
+
+
+def test_a_chunk_that_never_comes_is_retried_and_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(azure, "CHUNK", 10)
+    blob = _Blob(bytes(100))
+    blob.hold = {10}
+    reader = _AzureRange(blob, 0, 30, 100, 0.05)  # type: ignore[arg-type]
+    assert reader.readinto(memoryview(bytearray(10))) == 10
+    with pytest.raises(RetryRange, match="no answer"):
+        reader.readinto(memoryview(bytearray(10)))
+    assert blob.futures[1].cancelled()
+    reader.close()
+    assert all(f.done() for f in blob.futures)
