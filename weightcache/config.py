@@ -173,11 +173,18 @@ class OriginSettings:
 
 
 #: The schemes a source may have; a plain absolute path is a `file://` source.
-SCHEMES = ("s3", "file")
+SCHEMES = ("s3", "file", "az", "abfs")
 _S3 = r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])"
+# Azure: a container name (3-63 of a-z 0-9 -, no "--"), abfs:// with its account's host.
+_CONTAINER = r"[a-z0-9](?:[a-z0-9]|-(?!-)){1,61}[a-z0-9]"
+_AZURE = (
+    ("az", rf"az://({_CONTAINER})"),
+    ("abfs", rf"abfs://({_CONTAINER}@[a-z0-9]{{3,24}}\.dfs\.core\.windows\.net)"),
+)
 _SOURCE_FORMS = (
-    "s3://bucket/prefix/<name>/<revision>, file:///path/<name>/<revision> or "
-    "/path/<name>/<revision>"
+    "s3://bucket/prefix/<name>/<revision>, az://container/prefix/<name>/<revision>, "
+    "abfs://container@account.dfs.core.windows.net/prefix/<name>/<revision>, "
+    "file:///path/<name>/<revision> or /path/<name>/<revision>"
 )
 
 
@@ -189,6 +196,10 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
     m = re.fullmatch(_S3 + r"(/.*)?", text)
     if m is not None:
         return "s3", m.group(1), m.group(2) or ""
+    for scheme, pattern in _AZURE:
+        m = re.fullmatch(pattern + r"(/.*)?", text)
+        if m is not None:
+            return scheme, m.group(1), m.group(2) or ""
     if text.startswith("file://"):
         text = text[len("file://") :]  # file://host/... has no leading slash: refused below
     if not text.startswith("/"):
@@ -202,9 +213,11 @@ def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True)
 class Source:
-    """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, or a directory
-    on a mounted filesystem, file:///path/<name>/<revision> (bucket "", `prefix` the path
-    without its leading slash). Design §4, Revision sources."""
+    """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, an Azure
+    container's az://container/... or abfs://container@account.dfs.core.windows.net/...
+    (bucket: the part before the first slash), or a directory on a mounted filesystem,
+    file:///path/<name>/<revision> (bucket "", `prefix` the path without its leading
+    slash). Design §4, Revision sources."""
 
     bucket: str
     prefix: str  # key prefix (or path) of the revision, no leading or trailing slash
@@ -261,12 +274,13 @@ class SourcePrefix:
         Raises UsageError; a file prefix must name a directory below the root."""
         split = _split_source(str(text))
         segments = tuple(split[2].strip("/").split("/")) if split else ()
-        if segments == ("",) and split and split[0] == "s3":
+        if segments == ("",) and split and split[0] != "file":
             segments = ()
         if split is None or _bad_segment(segments):
             raise UsageError(
-                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, or "
-                "file:///directory, such as s3://models/team-a or file:///mnt/models"
+                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, "
+                "az://container/prefix, or file:///directory, such as s3://models/team-a "
+                "or file:///mnt/models"
             )
         return cls(split[1], segments, split[0])
 

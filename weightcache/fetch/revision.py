@@ -85,12 +85,17 @@ def open_revision(
     source: Source, origin: Callable[[], Origin], http: HttpRanges | None
 ) -> RevisionSource:
     """The revision at its origin, by the source's scheme (design §4, Revision sources): a
-    directory on a mount, or an s3:// prefix through `origin()` (built only for s3) and the
-    shared keep-alive connections `http` (new ones if None)."""
+    directory on a mount, an Azure container's prefix (adlfs), or an s3:// prefix through
+    `origin()` (built only for s3) and the shared keep-alive connections `http` (new ones
+    if None)."""
     if source.scheme == "file":
         from weightcache.transfer.sources import DirectoryRevision
 
         return DirectoryRevision(Path("/", source.prefix))
+    if source.scheme in ("az", "abfs"):
+        from weightcache.transfer.azure import AzureRevision
+
+        return AzureRevision(source.url, source.bucket, source.prefix)
     from weightcache.transfer.httprange import HttpRanges, S3Revision
 
     return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)
@@ -187,8 +192,8 @@ class Fetcher:
 
     def revision_source(self, source: Source) -> RevisionSource:
         """The revision at its origin, by the source's scheme (design §4, Revision
-        sources): an s3:// prefix through the shared client, or a directory on a mount."""
-        if source.scheme == "file":
+        sources): an s3:// prefix through the shared client, or another scheme's own."""
+        if source.scheme != "s3":
             return open_revision(source, lambda: self.origin, None)
         from weightcache.transfer.httprange import HttpRanges
 
