@@ -14,6 +14,7 @@ it into place with its marker inside.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
-from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
+from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse, render
 from weightcache.cache.marker import Marker
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
@@ -84,15 +85,36 @@ def open_revision(
     source: Source, origin: Callable[[], Origin], http: HttpRanges | None
 ) -> RevisionSource:
     """The revision at its origin, by the source's scheme (design §4, Revision sources): a
-    directory on a mount, or an s3:// prefix through `origin()` (built only for s3) and the
-    shared keep-alive connections `http` (new ones if None)."""
+    directory on a mount, an s3:// prefix through `origin()` (built only for s3), or a Hub
+    repository, over the shared keep-alive connections `http` (new ones if None)."""
     if source.scheme == "file":
         from weightcache.transfer.sources import DirectoryRevision
 
         return DirectoryRevision(Path("/", source.prefix))
     from weightcache.transfer.httprange import HttpRanges, S3Revision
 
+    if source.scheme == "hf":
+        from weightcache.transfer.hub import HubRevision
+
+        return HubRevision(http or HttpRanges(), source.prefix, source.revision)
+
     return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)
+
+
+def resolve(source: Source) -> Source:
+    """The source with a revision that names one content for good: an hf:// branch or tag
+    becomes its commit, with one call to the Hub (so such a fetch is never offline, even
+    when it is a hit; a commit given in the URL is a hit with no network), and the commit
+    is the cache's revision. Others are returned as they are. Raises SourceError,
+    TransientError."""
+    if source.pinned:
+        return source
+    from weightcache.transfer.httprange import HttpRanges
+    from weightcache.transfer.hub import HubRevision
+
+    commit = HubRevision(HttpRanges(), source.prefix, source.revision).commit
+    log.info("%s is commit %s", source.url, commit)
+    return dataclasses.replace(source, revision=commit)
 
 
 class _Background:
@@ -210,6 +232,8 @@ class Fetcher:
     def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
         """Make the revision ready; raises a WeightcacheError subclass on failure."""
         start = time.monotonic()
+        if not source.pinned:  # the caller resolves it: the cache's revision is a commit
+            raise UsageError(f"{source.url}: fetch its commit, not a branch or tag")
         self.layout.revision_dir(source.name, source.revision)  # validates, refuses symlinks
         hit = check_hit(self.layout, source, pod_uid)
         if hit is not None:
@@ -297,9 +321,12 @@ class Fetcher:
         where = f"{revision.url}/{MANIFEST_NAME}"
         content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
         sizes = revision.list_sizes()
-        if MANIFEST_NAME not in sizes:
-            raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
-        manifest = parse(content.result(), where)
+        if MANIFEST_NAME in sizes:
+            data = content.result()
+        else:
+            data = vouched_manifest(revision, sizes)
+            where = f"{revision.url} (the sha256 of its LFS files)"
+        manifest = parse(data, where)
         missing = [e.path for e in manifest.entries if e.path not in sizes]
         if missing:
             raise SourceError(
@@ -318,6 +345,24 @@ class Fetcher:
             )
             self.blobs.bring(source, manifest)
             return str(self.cache.assemble(marker, manifest))
+
+
+def vouched_manifest(revision: RevisionSource, sizes: dict[str, int]) -> bytes:
+    """A SHA256SUMS made of the sha256 the source vouches for, when it vouches for the
+    sha256 of every file (a Hub revision whose files are all in LFS): the same blobs, the
+    same verification as a published one. Raises SourceError naming what to do otherwise."""
+    vouched = revision.vouches()
+    sha256 = {p: d for p, (algorithm, d) in vouched.items() if algorithm == "sha256"}
+    unvouched = sorted(p for p in sizes if p not in sha256)
+    if not unvouched:
+        return render([(sha256[p], p) for p in sizes])
+    where = f"{revision.url}/{MANIFEST_NAME}"
+    if not vouched:
+        raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
+    raise SourceError(
+        f"no {MANIFEST_NAME} at {where}, and {revision.url} vouches for no sha256 of "
+        f"{len(unvouched)} file(s), e.g. {unvouched[0]!r}; {revision.manifest_hint}"
+    )
 
 
 def _nothing() -> None:

@@ -14,7 +14,8 @@ a local file (`FileBlob`, below).
 One level up, a `RevisionSource` is a revision's directory at its origin, whatever the
 scheme: it lists the files' sizes, reads the manifest, and hands out each file as a
 `BlobSource` (design §4, Revision sources). `DirectoryRevision` (below) is a directory on
-a mounted filesystem (a PVC, NFS); `S3Revision` (httprange.py) is an s3:// prefix.
+a mounted filesystem (a PVC, NFS); `S3Revision` (httprange.py) is an s3:// prefix;
+`HubRevision` (hub.py) a Hugging Face Hub repository at a revision.
 """
 
 from __future__ import annotations
@@ -106,6 +107,10 @@ class RevisionSource(Protocol):
     def blob(self, relpath: str) -> BlobSource:
         """The file `relpath` (a validated manifest path) as a BlobSource."""
 
+    def vouches(self) -> dict[str, tuple[str, str]]:
+        """{relpath: (algorithm, lowercase hex digest)} the source itself vouches for
+        (algorithms "sha256", "crc32c", "md5", "crc64nvme", "git-sha1"); {} if none."""
+
 
 class DirectoryRevision:
     """A revision as a directory on a mounted filesystem (file:///path or /path).
@@ -150,6 +155,9 @@ class DirectoryRevision:
 
     def blob(self, relpath: str) -> BlobSource:
         return FileBlob(self._resolve(self._real_root(), relpath))
+
+    def vouches(self) -> dict[str, tuple[str, str]]:
+        return {}  # a filesystem keeps no checksums
 
     def _real_root(self) -> Path:
         try:
