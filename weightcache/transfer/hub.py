@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import logging
 import threading
 import time
 import urllib.parse
@@ -126,11 +127,10 @@ class HubRevision:
         if found is not None:
             return found
         listing = self._read_listing()
-        if HUB_COMMIT.fullmatch(self.revision):
-            with _pinned_lock:
-                if len(_pinned) >= _PINNED_KEEP:
-                    _pinned.pop(next(iter(_pinned)))
-                _pinned[key] = listing
+        with _pinned_lock:  # under its commit: what a branch resolved to is read once
+            while len(_pinned) >= _PINNED_KEEP:
+                _pinned.pop(next(iter(_pinned)))
+            _pinned[(key[0], self.repo_id, listing.commit)] = listing
         return listing
 
     def _read_listing(self) -> HubListing:
@@ -334,4 +334,6 @@ def _hub() -> Any:
     import huggingface_hub.errors
     import huggingface_hub.utils
 
+    for name in ("httpx", "httpx2", "httpcore"):  # its transport logs each request at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
     return huggingface_hub
