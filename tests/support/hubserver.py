@@ -4,6 +4,7 @@ made in the test (no network, no mirror of the real Hub).
 
 - `GET /api/models/{org}/{repo}/revision/{rev}[?blobs=true]`: the model info (`sha`, the
   commit; `siblings` with `size`, `blobId` and, for an LFS file, `lfs.sha256`/`size`).
+- `GET /api/models/{org}/{repo}/tree/{rev}?recursive=true`: the files (`hf download`).
 - `HEAD|GET /{org}/{repo}/resolve/{rev}/{path}`: a small file is served here (ETag: its git
   blob id, Range -> 206); an LFS file answers 302 to its storage with `X-Linked-Etag` (its
   sha256), `X-Linked-Size`, and `X-Repo-Commit` as the Hub does.
@@ -133,6 +134,7 @@ class HubServer:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         app.router.add_get("/api/models/{org}/{name}/revision/{rev:.+}", self._info)
+        app.router.add_get("/api/models/{org}/{name}/tree/{rev:.+}", self._tree)
         app.router.add_route("*", "/{org}/{name}/resolve/{rev}/{path:.+}", self._resolve)
         app.router.add_route("*", "/lfs/{sha}", self._lfs)
         runner = web.AppRunner(app, access_log=None)
@@ -173,6 +175,22 @@ class HubServer:
                 "gated": "auto" if repo.gated_token else False, "siblings": siblings,
                 "lastModified": "2026-01-01T00:00:00.000Z"}  # fmt: skip
         return web.json_response(body)
+
+    async def _tree(self, request: web.Request) -> web.Response:
+        """The files of the revision, recursively (what `hf download` lists)."""
+        found = self._access(request)
+        if isinstance(found, web.Response):
+            return found
+        repo, commit = found
+        entries = []
+        for path in sorted(repo.commits[commit]):
+            s = self._sibling(repo, commit, path, True)
+            entry = {"type": "file", "oid": s["blobId"], "size": s["size"], "path": path}
+            if "lfs" in s:
+                entry["lfs"] = {"oid": s["lfs"]["sha256"], "size": s["size"],
+                                "pointerSize": s["lfs"]["pointerSize"]}  # fmt: skip
+            entries.append(entry)
+        return web.json_response(entries)
 
     def _sibling(self, repo: HubRepo, commit: str, path: str, blobs: bool) -> dict[str, Any]:
         if not blobs:
