@@ -5,6 +5,7 @@ huggingface_hub's metadata and ranged GETs of its files, against a small Hub on 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,7 +43,7 @@ def hf_env(hub: HubServer, tmp_path: Path) -> dict[str, str | None]:
 
 def _repo(hub: HubServer, uniq: str, model: Model, **kwargs: object) -> tuple[str, str]:
     """Commit the model's files to org/<uniq> on the Hub; (repo id, commit)."""
-    repo_id = f"org/{uniq}"
+    repo_id = f"org/{re.sub('-+', '-', uniq)}"  # the Hub refuses `--` in a name
     files = {p.relative_to(model.root).as_posix(): p.read_bytes()
              for p in model.root.rglob("*") if p.is_file()}  # fmt: skip
     return repo_id, hub.add_commit(repo_id, files, **kwargs)  # type: ignore[arg-type]
@@ -207,3 +208,20 @@ def test_the_same_file_from_s3_and_from_the_hub_is_stored_once(
     assert from_hub["bytes_from_origin"] == 0, from_hub
     assert_revision_ok(cache_dir, repo_id.replace("/", "--"), commit, pub.model)
     assert assert_blobs_valid(cache_dir) == len(set(pub.model.hashes.values()))
+
+
+def test_a_revision_from_a_directory_serves_the_hub_commit_with_the_same_content(
+    wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
+    cache_dir: Path,
+) -> None:  # fmt: skip
+    """One name/revision holds one content: a directory whose SHA256SUMS is the manifest
+    the Hub's sha256 make serves hf:// of that commit without a download."""
+    model = _lfs_model(tmp_path, [1 * MiB, 40_000], seed=uniq)
+    repo_id, commit = _repo(hub, uniq, model)
+    name = repo_id.replace("/", "--")
+    volume = make_model(tmp_path / "volume" / "m" / "v1", [1 * MiB, 40_000], seed=uniq,
+                        small_files=False)  # fmt: skip
+    _fetch_json(wc, str(volume.root), cache_dir, hf_env, "--name", name, "--revision", commit)
+    served = _fetch_json(wc, f"hf://{repo_id}@main", cache_dir, hf_env)
+    assert served["hit"] is True and served["bytes_from_origin"] == 0, served
+    assert_revision_ok(cache_dir, name, commit, model)
