@@ -13,6 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CLI, Published, dead_endpoint
+from tests.integration.daemon_helpers import (
+    Daemons,
+    daemons,  # noqa: F401 - fixture
+    wait_for,
+    write_models,
+)
 from tests.support.checks import (
     assert_blobs_valid,
     assert_fails,
@@ -225,3 +231,29 @@ def test_a_revision_from_a_directory_serves_the_hub_commit_with_the_same_content
     served = _fetch_json(wc, f"hf://{repo_id}@main", cache_dir, hf_env)
     assert served["hit"] is True and served["bytes_from_origin"] == 0, served
     assert_revision_ok(cache_dir, name, commit, model)
+
+
+@pytest.mark.timeout(150)
+def test_the_daemon_fetches_hf_commits_with_its_token_for_pods_without_one(
+    wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
+    cache_dir: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """The node daemon holds HF_TOKEN; a Pod asks for a pinned commit through the socket
+    and needs neither the token nor the Hub. The models file prefetches hf:// commits."""
+    listed = _lfs_model(tmp_path, [1 * MiB], seed=f"{uniq}-listed")
+    listed_repo, listed_commit = _repo(hub, f"{uniq}-listed", listed, gated_token="hf_node")
+    asked = _lfs_model(tmp_path, [1 * MiB, 60_000], seed=f"{uniq}-asked")
+    asked_repo, asked_commit = _repo(hub, f"{uniq}-asked", asked, gated_token="hf_node")
+    listing = [{"source": f"hf://{listed_repo}@{listed_commit}", "pin": True}]
+    models = write_models(tmp_path / "models.yaml", listing)
+    daemons.start(cache_dir, models, endpoint=dead_endpoint(), allow_source=["hf://org"],
+                  env={**hf_env, "HF_TOKEN": "hf_node"})  # fmt: skip
+    listed_dir = cache_dir / listed_repo.replace("/", "--") / listed_commit
+    wait_for("the prefetch of the listed commit", (listed_dir / ".weightcache").is_file)
+    assert_revision_ok(cache_dir, listed_repo.replace("/", "--"), listed_commit, listed)
+    pod = {**hf_env, "HF_ENDPOINT": dead_endpoint()}  # no token, no Hub
+    proc = wc.fetch(f"hf://{asked_repo}@{asked_commit}", cache_dir, env=pod)
+    assert proc.returncode == 0, describe(proc)
+    assert proc.stdout.strip() == str(cache_dir / asked_repo.replace("/", "--") / asked_commit)
+    assert "fetching alone" not in proc.stderr, describe(proc)
+    assert_revision_ok(cache_dir, asked_repo.replace("/", "--"), asked_commit, asked)
