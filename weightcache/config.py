@@ -173,7 +173,7 @@ class OriginSettings:
 
 
 #: The schemes a source may have; a plain absolute path is a `file://` source.
-SCHEMES = ("s3", "file", "az", "abfs")
+SCHEMES = ("s3", "file", "az", "abfs", "hf")
 _S3 = r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])"
 # Azure: a container name (3-63 of a-z 0-9 -, no "--"), abfs:// with its account's host.
 _CONTAINER = r"[a-z0-9](?:[a-z0-9]|-(?!-)){1,61}[a-z0-9]"
@@ -184,8 +184,13 @@ _AZURE = (
 _SOURCE_FORMS = (
     "s3://bucket/prefix/<name>/<revision>, az://container/prefix/<name>/<revision>, "
     "abfs://container@account.dfs.core.windows.net/prefix/<name>/<revision>, "
-    "file:///path/<name>/<revision> or /path/<name>/<revision>"
+    "file:///path/<name>/<revision>, /path/<name>/<revision> or hf://org/repo@revision"
 )
+#: A Hub repository's owner or name (the Hub's own rule: letters, digits, . _ -, not
+#: starting or ending with . or -, no `--` or `..`).
+_HUB_PART = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
+#: A full git commit id: the only Hub revision that names one content for good.
+HUB_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def _split_source(text: str) -> tuple[str, str, str] | None:
@@ -200,6 +205,8 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
         m = re.fullmatch(pattern + r"(/.*)?", text)
         if m is not None:
             return scheme, m.group(1), m.group(2) or ""
+    if text.startswith("hf://"):
+        return "hf", "", "/" + text[len("hf://") :]
     if text.startswith("file://"):
         text = text[len("file://") :]  # file://host/... has no leading slash: refused below
     if not text.startswith("/"):
@@ -215,9 +222,12 @@ def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
 class Source:
     """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, an Azure
     container's az://container/... or abfs://container@account.dfs.core.windows.net/...
-    (bucket: the part before the first slash), or a directory on a mounted filesystem,
+    (bucket: the part before the first slash), a directory on a mounted filesystem,
     file:///path/<name>/<revision> (bucket "", `prefix` the path without its leading
-    slash). Design §4, Revision sources."""
+    slash), or a model repository of the Hugging Face Hub, hf://org/repo@revision (bucket
+    "", `prefix` the repo id, name `org--repo`, revision the branch, tag or commit:
+    `resolve` pins it to its commit before the cache is looked at). Design §4, Revision
+    sources."""
 
     bucket: str
     prefix: str  # key prefix (or path) of the revision, no leading or trailing slash
@@ -230,6 +240,8 @@ class Source:
         """Raises UsageError for anything but the forms above, and for a path with an
         empty, `.` or `..` segment (the same rules for every scheme)."""
         split = _split_source(url)
+        if split is not None and split[0] == "hf":
+            return cls._parse_hub(url, split[2][1:], name, revision)
         segments = split[2][1:].rstrip("/").split("/") if split else []
         if split is None or len(segments) < 2 or _bad_segment(segments):
             raise UsageError(f"invalid source {url!r}: expected {_SOURCE_FORMS}")
@@ -241,9 +253,32 @@ class Source:
             scheme=split[0],
         )
 
+    @classmethod
+    def _parse_hub(cls, url: str, path: str, name: str | None, revision: str | None) -> Source:
+        """hf://org/repo[@revision]: the revision is `revision`, else the URL's, else main."""
+        repo, _, ref = path.partition("@")
+        parts = repo.rstrip("/").split("/")
+        ref = revision or ref or "main"
+        if len(parts) != 2 or not all(_HUB_PART.fullmatch(p) for p in parts) or (
+            not ref.isprintable() or " " in ref or ".." in ref.split("/")
+        ):  # fmt: skip
+            raise UsageError(
+                f"invalid source {url!r}: expected hf://org/repo@revision (a branch, a tag or "
+                "a commit; main if omitted), such as hf://Qwen/Qwen3-8B@main"
+            )
+        return cls("", "/".join(parts), name or "--".join(parts), ref, "hf")
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the revision names one content for good: always, except an hf:// branch
+        or tag (a full commit id is pinned), which `fetch.revision.resolve` pins."""
+        return self.scheme != "hf" or HUB_COMMIT.fullmatch(self.revision) is not None
+
     @property
     def url(self) -> str:
         """The canonical URL (what markers record): a plain path reads as file:///path."""
+        if self.scheme == "hf":
+            return f"hf://{self.prefix}@{self.revision}"
         return f"{self.scheme}://{self.bucket}/{self.prefix}"
 
     @property
@@ -270,24 +305,28 @@ class SourcePrefix:
 
     @classmethod
     def parse(cls, text: str, what: str = "--allow-source") -> SourcePrefix:
-        """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models` or `/mnt/models`.
-        Raises UsageError; a file prefix must name a directory below the root."""
+        """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models`, `/mnt/models`,
+        `hf://org` or `hf://org/repo` (every revision). Raises UsageError; a file prefix
+        must name a directory below the root."""
         split = _split_source(str(text))
         segments = tuple(split[2].strip("/").split("/")) if split else ()
         if segments == ("",) and split and split[0] != "file":
             segments = ()
-        if split is None or _bad_segment(segments):
+        hub_bad = bool(split and split[0] == "hf" and (len(segments) > 2 or "@" in text))
+        if split is None or _bad_segment(segments) or hub_bad:
             raise UsageError(
                 f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, "
-                "az://container/prefix, or file:///directory, such as s3://models/team-a "
-                "or file:///mnt/models"
+                "az://container/prefix, file:///directory, or hf://org or hf://org/repo, such "
+                "as s3://models/team-a, file:///mnt/models or hf://Qwen"
             )
         return cls(split[1], segments, split[0])
 
     @classmethod
     def parent_of(cls, source: Source) -> SourcePrefix:
-        """The source URL without its last segment: every revision of a listed model."""
-        return cls(source.bucket, tuple(source.prefix.split("/"))[:-1], source.scheme)
+        """The source URL without its last segment: every revision of a listed model (an
+        hf:// source's repository)."""
+        keep = None if source.scheme == "hf" else -1
+        return cls(source.bucket, tuple(source.prefix.split("/"))[:keep], source.scheme)
 
     def covers(self, source: Source) -> bool:
         parts = tuple(source.prefix.split("/"))
@@ -296,6 +335,8 @@ class SourcePrefix:
         ] == self.segments
 
     def __str__(self) -> str:
+        if self.scheme == "hf":
+            return "hf://" + "/".join(self.segments)
         return "/".join((f"{self.scheme}://{self.bucket}", *self.segments))
 
 

@@ -212,6 +212,16 @@ def initcontainer() -> Rendered:
 
 
 @pytest.fixture(scope="session")
+def initcontainer_hf(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
+    """The example with its hf:// component on, as a user turns it on."""
+    directory = tmp_path_factory.mktemp("hf-source-overlay")
+    component = INITCONTAINER / "components" / "hf-source"
+    return Rendered(
+        "initcontainer+hf-source", kustomize(overlay(directory, INITCONTAINER, (component,)))
+    )
+
+
+@pytest.fixture(scope="session")
 def daemonset() -> Rendered:
     return Rendered("daemonset", kustomize(DAEMONSET))
 
@@ -222,7 +232,10 @@ def daemonset_node_labels(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     return Rendered("daemonset+node-labels", kustomize(overlay))
 
 
-@pytest.fixture(scope="session", params=["initcontainer", "daemonset", "daemonset_node_labels"])
+@pytest.fixture(
+    scope="session",
+    params=["initcontainer", "initcontainer_hf", "daemonset", "daemonset_node_labels"],
+)
 def rendered(request: pytest.FixtureRequest) -> Rendered:
     """Each shipped kustomization (and the daemonset with its optional component) in turn."""
     result: Rendered = request.getfixturevalue(request.param)

@@ -94,6 +94,28 @@ def test_read_write_fallback_is_an_explicit_component(tmp_path: Path) -> None:
     assert changed == [(fetch.where, fetch.where)], changed
 
 
+def test_the_hf_component_serves_the_commit_it_fetches(
+    initcontainer: Any, initcontainer_hf: Any
+) -> None:
+    """hf:// (design §4): a pinned commit (a hit needs no network), the engine reading the
+    directory the fetch fills, HF_TOKEN from an optional Secret, and nothing else changed."""
+    from weightcache.config import Source
+
+    fetch = _fetch(initcontainer_hf)
+    argv = fetch.argv
+    source = Source.parse(argv[argv.index("fetch") + 1])
+    assert source.scheme == "hf" and source.pinned, source
+    expected = f"{fetch.option('--cache-dir')}/{source.name}/{source.revision}"
+    assert _engine(initcontainer_hf).option("--model") == expected
+    assert fetch.mount_holding(fetch.option("--cache-dir")).get("readOnly") is True
+    refs = [e["secretRef"] for e in fetch.spec.get("envFrom", []) if "secretRef" in e]
+    assert refs == [{"name": "weightcache-hf", "optional": True}], refs
+    assert fetch.env("HF_TOKEN") is None, "a token belongs in the Secret, not the manifest"
+    pairs = zip(initcontainer.containers(), initcontainer_hf.containers(), strict=True)
+    changed = [a.where for a, b in pairs if a.spec != b.spec]
+    assert changed == [fetch.where, _engine(initcontainer_hf).where], changed
+
+
 def test_fetch_records_its_pod_for_the_lease(initcontainer: Any) -> None:
     env = _fetch(initcontainer).env("POD_UID")
     assert env is not None, "init container lacks POD_UID (the lease would never end)"

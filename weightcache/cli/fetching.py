@@ -34,8 +34,8 @@ log = logging.getLogger("weightcache")
 @click.command()
 @click.argument("source")
 @cache_dir_option
-@option("--name", help="Model name (default: SOURCE's next-to-last segment).")
-@option("--revision", help="Revision (default: SOURCE's last segment).")
+@option("--name", help="Model name (default: SOURCE's next-to-last segment; hf://: org--repo).")
+@option("--revision", help="Revision (default: SOURCE's last segment; hf://: after the @).")
 @store_options
 @option(
     "--json",
@@ -80,6 +80,10 @@ def fetch(
     from weightcache.fetch import check_hit
 
     src = Source.parse(source, name, revision)
+    if not src.pinned:  # an hf:// branch or tag: its commit is the cache's revision
+        from weightcache.fetch import resolve
+
+        src = resolve(src)
     check_revision(src.name, src.revision)
     settings = origin_settings(store)
     layout = Layout.open(cache_dir)

@@ -14,6 +14,7 @@ it into place with its marker inside.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
-from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
+from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse, render
 from weightcache.cache.marker import Marker
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
@@ -85,9 +86,9 @@ def open_revision(
     source: Source, origin: Callable[[], Origin], http: HttpRanges | None
 ) -> RevisionSource:
     """The revision at its origin, by the source's scheme (design §4, Revision sources): a
-    directory on a mount, an Azure container's prefix (adlfs), or an s3:// prefix through
-    `origin()` (built only for s3) and the shared keep-alive connections `http` (new ones
-    if None)."""
+    directory on a mount, an Azure container's prefix (adlfs), a Hub repository, or an
+    s3:// prefix through `origin()` (built only for s3); the Hub and s3 over the shared
+    keep-alive connections `http` (new ones if None)."""
     if source.scheme == "file":
         from weightcache.transfer.sources import DirectoryRevision
 
@@ -98,7 +99,28 @@ def open_revision(
         return AzureRevision(source.url, source.bucket, source.prefix)
     from weightcache.transfer.httprange import HttpRanges, S3Revision
 
+    if source.scheme == "hf":
+        from weightcache.transfer.hub import HubRevision
+
+        return HubRevision(http or HttpRanges(), source.prefix, source.revision)
+
     return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)
+
+
+def resolve(source: Source) -> Source:
+    """The source with a revision that names one content for good: an hf:// branch or tag
+    becomes its commit, with one call to the Hub (so such a fetch is never offline, even
+    when it is a hit; a commit given in the URL is a hit with no network), and the commit
+    is the cache's revision. Others are returned as they are. Raises SourceError,
+    TransientError."""
+    if source.pinned:
+        return source
+    from weightcache.transfer.httprange import HttpRanges
+    from weightcache.transfer.hub import HubRevision
+
+    commit = HubRevision(HttpRanges(), source.prefix, source.revision).commit
+    log.info("%s is commit %s", source.url, commit)
+    return dataclasses.replace(source, revision=commit)
 
 
 class _Background:
@@ -220,6 +242,8 @@ class Fetcher:
     def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
         """Make the revision ready; raises a WeightcacheError subclass on failure."""
         start = time.monotonic()
+        if not source.pinned:  # the caller resolves it: the cache's revision is a commit
+            raise UsageError(f"{source.url}: fetch its commit, not a branch or tag")
         self.layout.revision_dir(source.name, source.revision)  # validates, refuses symlinks
         hit = check_hit(self.layout, source, pod_uid)
         if hit is not None:
@@ -286,7 +310,11 @@ class Fetcher:
     def _check_same_content(self, source: Source, marker: Marker) -> None:
         """Prove with one small GET that `source` has the manifest the revision was
         fetched with from `marker.source`; raise UsageError naming both otherwise."""
-        data = self.revision_source(source).read_bytes(MANIFEST_NAME)
+        revision = self.revision_source(source)
+        try:
+            data = revision.read_bytes(MANIFEST_NAME)
+        except SourceError:  # none: the one made of the sha256 it vouches for, if any
+            data = vouched_manifest(revision, revision.list_sizes())
         if hashlib.sha256(data).hexdigest() == marker.manifest_sha256:
             log.info("%s was fetched from %s; %s has the same %s, serving it", source.label,
                      marker.source, source.url, MANIFEST_NAME)  # fmt: skip
@@ -349,6 +377,21 @@ class Fetcher:
             )
             self.blobs.bring(source, manifest)
             return str(self.cache.assemble(marker, manifest))
+
+
+def vouched_manifest(revision: RevisionSource, sizes: dict[str, int]) -> bytes:
+    """The SHA256SUMS `weightcache manifest` would write for a revision without one whose
+    source vouches for the sha256 of every file (a Hub revision all in LFS), known without
+    reading a byte: it tells whether another source's revision has the same content.
+    Raises SourceError when some file's sha256 only its bytes would tell."""
+    plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)
+    if plan.pending:
+        raise SourceError(
+            f"{revision.url} vouches for no sha256 of {len(plan.pending)} file(s), e.g. "
+            f"{plan.pending[0].path!r}; the content is known only once downloaded: add a "
+            f"{MANIFEST_NAME} ({revision.manifest_hint})"
+        )
+    return render([(e.sha256, e.path) for e in plan.known])
 
 
 def _nothing() -> None:

@@ -91,6 +91,11 @@ def parse_entry(raw: Any) -> ModelSpec:
         raise UsageError(f"'pin' must be true or false, not {pin!r}")
     name, revision = _text(raw, "name"), _text(raw, "revision")
     source = Source.parse(str(raw["source"]), name, revision)
+    if not source.pinned:  # a prefetch keeps one content per entry: no moving branch
+        raise UsageError(
+            f"{source.url}: an hf:// entry names its commit (hf://org/repo@<40 hex digits>), "
+            "not a branch or tag"
+        )
     check_revision(source.name, source.revision)
     return ModelSpec(source, pin)
 

@@ -9,7 +9,7 @@ relative to the prefix, except the manifest itself and the paths a fetch refuses
 §2.1, `cache.manifest.check_path`), which are skipped with one warning each.
 
 Schemes: a prefix is reached through the fetch's revision source, so every scheme a fetch
-reads can be hashed (s3://, file:// and plain paths); --write puts to s3:// only.
+reads can be hashed (s3://, file://, plain paths, hf://); --write puts to s3:// only.
 """
 
 from __future__ import annotations
@@ -93,6 +93,12 @@ class RevisionPrefix:
         return self.revision.read_bytes(path)
 
     def write(self, path: str, data: bytes) -> None:
+        if self.source.scheme == "hf":
+            raise UsageError(
+                f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write, "
+                f"save the output as {MANIFEST_NAME} and commit it to the repository with "
+                f"`hf upload {self.source.prefix} {MANIFEST_NAME}`"
+            )
         if self.source.scheme != "s3":
             raise UsageError(
                 f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write "
