@@ -33,11 +33,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from weightcache.config import PeerSettings, format_hostport
+from weightcache.node.swarm import Bitmap
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.sources import RangeReader
+from weightcache.transfer.sources import BlobSource, RangeReader
+
+if TYPE_CHECKING:
+    from weightcache.node.swarmfetch import Outcome
+    from weightcache.transfer.ranged import RangedDownloader
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +108,20 @@ def peer_url(host: str, port: int) -> str:
 
 Resolve = Callable[[str, int], Sequence[tuple[Any, ...]]]
 Clock = Callable[[], float]
+#: The request header naming the asking peer's URL, so that a node downloading a blob
+#: learns of a newcomer at its first HEAD, before the newcomer claims anything.
+ASKER = "X-Weightcache-Peer"
+
+
+class Live(Protocol):
+    """A running swarm download (weightcache/node/swarmfetch.py), as its node's peer
+    server sees it."""
+
+    def pieces(self) -> tuple[int, Bitmap, Bitmap]:
+        """(piece size, pieces written, pieces in flight)."""
+
+    def joined(self, peer: str) -> None:
+        """A peer asked about the blob: count it in the membership now."""
 
 
 class Discovery:
@@ -117,6 +136,7 @@ class Discovery:
         self._resolve = resolve
         self._clock = clock
         self._own = own if own is not None else _own_addresses(settings.listen[0])
+        self.own = frozenset(self._own)
         self._cached: list[str] = []
         self._resolved_at = float("-inf")
 
@@ -174,6 +194,8 @@ class Peers:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._avoid: dict[str, float] = {}  # peer -> until (clock)
+        self._bad: dict[str, float] = {}  # peer -> until (clock): it served wrong bytes
+        self._live: dict[str, Live] = {}  # blob -> what the swarm downloading it holds
         self._self: set[str] = set()
         self._downloads: dict[str, _Download] = {}
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer-head")
@@ -218,13 +240,16 @@ class Peers:
         """Avoid `peer` for BAD_PEER_SECONDS: it served bytes that did not verify."""
         log.warning("avoiding peer %s for %.0fs: %s", peer, BAD_PEER_SECONDS, why)
         self._avoid_for(peer, BAD_PEER_SECONDS)
+        with self._lock:
+            self._bad[peer] = self._clock() + BAD_PEER_SECONDS
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _skipped(self, peer: str) -> bool:
+    def _skipped(self, peer: str, lying_only: bool = False) -> bool:
         with self._lock:
-            return peer in self._self or self._avoid.get(peer, float("-inf")) > self._clock()
+            avoid = (self._bad if lying_only else self._avoid).get(peer, float("-inf"))
+            return peer in self._self or avoid > self._clock()
 
     def _avoid_for(self, peer: str, seconds: float) -> None:
         with self._lock:
@@ -233,16 +258,25 @@ class Peers:
 
     def _head(self, peer: str, sha256: str, size: int) -> Holding | None:
         """Ask one peer about a blob; None if it does not hold it or does not answer."""
+        answer = self.probe(peer, sha256)
+        if answer is None:
+            self._avoid_for(peer, DOWN_PEER_SECONDS)
+            return None
+        status, headers = answer
+        return _holding(peer, headers, size) if status == 200 else None
+
+    def probe(self, peer: str, sha256: str) -> tuple[int, dict[str, str]] | None:
+        """(status, headers) of one HEAD of the blob at `peer`; None if it did not answer,
+        refused our token, or is this node itself (learnt from its node id)."""
         url = peer.removeprefix("http://")
         conn = http.client.HTTPConnection(url, timeout=HEAD_TIMEOUT)
-        auth = {"Authorization": f"Bearer {self.settings.token}"}
+        auth = {"Authorization": f"Bearer {self.settings.token}", ASKER: self.own_url()}
         try:
             conn.request("HEAD", f"/blobs/sha256/{sha256}", headers=auth)
             resp = conn.getresponse()
             resp.read()
         except (OSError, http.client.HTTPException) as e:
             log.debug("peer %s did not answer (%s)", peer, e)
-            self._avoid_for(peer, DOWN_PEER_SECONDS)
             return None
         finally:
             conn.close()
@@ -255,14 +289,73 @@ class Peers:
             with self._lock:
                 self._self.add(peer)
             return None
-        return _holding(peer, resp, size) if resp.status == 200 else None
+        return resp.status, dict(resp.getheaders())
+
+    # -- the swarm (weightcache/node/swarmfetch.py) -------------------------------------------
+
+    def probe_all(self, sha256: str) -> dict[str, tuple[int, dict[str, str]] | None]:
+        """`probe` of every peer discovered now, not this node nor one avoided for lying,
+        in parallel; {} once the daemon is stopping."""
+        peers = [p for p in self.discovery.peers() if not self._skipped(p, lying_only=True)]
+        try:
+            answers = list(self._pool.map(lambda p: self.probe(p, sha256), peers))
+        except RuntimeError:  # closed: the daemon is stopping
+            return {}
+        return dict(zip(peers, answers, strict=True))
+
+    def own_url(self) -> str:
+        """This node's URL as its peers list it (for its rank in the membership)."""
+        host, port = self.settings.listen
+        if host in _WILDCARDS:
+            host = min(self.discovery.own, default=host)
+        return peer_url(host, port)
+
+    def blob(
+        self, peer: str, sha256: str, on_response: Callable[[http.client.HTTPResponse], None]
+    ) -> PeerBlob:
+        """The blob at `peer`, asking for held pieces only; `on_response` sees every
+        response (its advertisement)."""
+        return PeerBlob(self._http, peer, self.settings.token, sha256, held_only=True,
+                        on_response=on_response)  # fmt: skip
+
+    def advertise(self, sha256: str, live: Live) -> None:
+        """Serve the pieces `live()` says are held (and advertise those in flight) while
+        the swarm downloads the blob; without it the server reads the partial's state."""
+        with self._lock:
+            self._live[sha256] = live
+
+    def unadvertise(self, sha256: str, live: Live) -> None:
+        with self._lock:
+            if self._live.get(sha256) is live:  # not a newer download's
+                del self._live[sha256]
+
+    def live(self, sha256: str) -> Live | None:
+        with self._lock:
+            return self._live.get(sha256)
+
+    def asked_by(self, sha256: str, asker: str | None) -> None:
+        """A peer request named its asker (ASKER): tell the blob's swarm download, if one
+        runs, of a discovered peer (only those: the header is a hint, not an identity)."""
+        live = self.live(sha256) if asker else None
+        if live is not None and asker in self.discovery.peers():
+            live.joined(asker)
+
+    def swarm(
+        self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
+        downloader: RangedDownloader,
+    ) -> Outcome:  # fmt: skip
+        """Download one blob piece by piece from the peers and the store into `partial`
+        (weightcache/node/swarmfetch.py); the fetch layer sees only this method."""
+        from weightcache.node.swarmfetch import SwarmDownload
+
+        return SwarmDownload(self, sha256, size, partial, label, origin, downloader).run()
 
 
-def _holding(peer: str, resp: http.client.HTTPResponse, size: int) -> Holding | None:
+def _holding(peer: str, headers: dict[str, str], size: int) -> Holding | None:
     try:
-        length = int(resp.getheader("Content-Length", "-1"))
-        available = int(resp.getheader("X-Weightcache-Available", "0"))
-        claim_text = resp.getheader("X-Weightcache-Claim")
+        length = int(headers.get("Content-Length", "-1"))
+        available = int(headers.get("X-Weightcache-Available", "0"))
+        claim_text = headers.get("X-Weightcache-Claim")
         claim = Claim.parse(claim_text) if claim_text else None
     except ValueError:
         return None
@@ -280,9 +373,13 @@ class PeerBlob:
     attempts: int | None = PEER_ATTEMPTS
     throttles = False
 
-    def __init__(self, http: HttpRanges, peer: str, token: str, sha256: str) -> None:
-        self._http, self._token = http, token
+    def __init__(
+        self, ranges: HttpRanges, peer: str, token: str, sha256: str, held_only: bool = False,
+        on_response: Callable[[http.client.HTTPResponse], None] | None = None,
+    ) -> None:  # fmt: skip
+        self._http, self._token = ranges, token
         self.peer, self.sha256 = peer, sha256
+        self._held_only, self._on_response = held_only, on_response
 
     @property
     def where(self) -> str:
@@ -291,5 +388,8 @@ class PeerBlob:
     def open_range(
         self, start: int, end: int, size: int, timeout: float
     ) -> contextlib.AbstractContextManager[RangeReader]:
-        auth = {"Authorization": f"Bearer {self._token}"}
-        return self._http.get(self.where, auth, start, end, size, timeout, self.where)
+        headers = {"Authorization": f"Bearer {self._token}"}
+        if self._held_only:  # a piece it lacks is refused at once (416), not waited for
+            headers["X-Weightcache-Held-Only"] = "1"
+        return self._http.get(self.where, headers, start, end, size, timeout, self.where,
+                              self._on_response)  # fmt: skip

@@ -15,7 +15,7 @@ import os
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from weightcache.errors import IntegrityError, SourceError
@@ -67,9 +67,12 @@ class HttpRanges:
     def get(
         self, location: str, headers: dict[str, str], start: int, end: int, size: int,
         timeout: float, where: str,
+        on_response: Callable[[http.client.HTTPResponse], None] | None = None,
     ) -> Iterator[RangeReader]:  # fmt: skip
         """GET bytes [start, end) of the `size`-byte object at `location` (the
-        `BlobSource.open_range` contract; `where` names the object in messages)."""
+        `BlobSource.open_range` contract; `where` names the object in messages).
+        `on_response` sees every response's status and headers before they are checked
+        (a peer's advertisement rides on its refusals too)."""
         url = urllib.parse.urlsplit(location)
         target = f"{url.path}?{url.query}" if url.query else url.path
         conn = self._connection(url, timeout)
@@ -82,6 +85,8 @@ class HttpRanges:
             except (OSError, http.client.HTTPException) as e:
                 raise RetryRange(f"{type(e).__name__}: {e}") from e
             assert isinstance(resp, _Response)
+            if on_response is not None:
+                on_response(resp)
             check_status(resp, start, end, size, where)
             yield _HttpRange(resp)
         except BaseException:
