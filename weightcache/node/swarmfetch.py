@@ -248,11 +248,11 @@ class SwarmDownload:
         with self.lock:
             by = collections.Counter(s if s in (ORIGIN, "resumed") else "peer"
                                      for s in self.sources.values())  # fmt: skip
-            peers, store = len(self.views), self.store
-        log.info("swarm: %s in %d pieces: %d from the store, %d from peers, %d resumed; "
-                 "%d peers in view, store window %d, room %s", self.label, self.count,
-                 by[ORIGIN], by["peer"], by["resumed"], peers, store.window,
-                 store.room)  # fmt: skip
+            senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
+            store = self.store
+        log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers, %d resumed; "
+                 "store window %d, room %s", self.label, self.count, by[ORIGIN], by["peer"],
+                 len(senders), by["resumed"], store.window, store.room)  # fmt: skip
 
     def _check(self) -> None:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
@@ -430,6 +430,7 @@ class SwarmDownload:
             self.file.write(memoryview(data), start)
             self.file.wrote(piece, end)
             self.file.mark_done(piece)
+            self.file.save()  # a kill from now on does not lose this piece
             with self.lock:
                 self.sources[piece] = source
         self.file.advance_hash(self._buffer())
@@ -476,7 +477,8 @@ class SwarmDownload:
                 return
             peer = self.per_request.get("peer")
             recent = time.monotonic() - self.throttled_at < 2 * RATE_WINDOW
-            room = peer is not None and not recent and rate >= ROOM_FACTOR * peer
+            faster = rate >= ROOM_FACTOR * peer if peer is not None else not self.views
+            room = not recent and faster  # alone, nothing is lost by asking the store more
             self.store = StoreView(room, next_window(self.store.window, room, self.limits))
 
     # -- the integrity re-check --------------------------------------------------------------

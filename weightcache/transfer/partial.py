@@ -117,6 +117,16 @@ class PartialFile:
             snapshot = self._snapshot_if_due()
         self._save(snapshot)
 
+    def save(self) -> None:
+        """Persist the part state now, whatever SAVE_INTERVAL says (the swarm records each
+        piece as it lands: a kill then loses only the pieces in flight). Callers that save
+        from several threads serialise their calls: a stale snapshot renamed last would
+        under-report."""
+        with self.lock:
+            snapshot = self.state.snapshot()
+            self._saved_at = time.monotonic()
+        self._save(snapshot)
+
     def _snapshot_if_due(self) -> list[int] | None:
         """The state to save now, if SAVE_INTERVAL has passed since the last one; call it
         under the lock."""
