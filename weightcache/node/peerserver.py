@@ -267,7 +267,7 @@ class PeerServer:
         await resp.prepare(request)
         if not head:
             try:
-                if pieces.held is None:
+                if pieces.covers(start, end):  # final bytes on disk: no copy through Python
                     await self._sendfile(request, path, start, end)
                 else:
                     await self._send(resp, sha256, start, end)

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
 PIECES_WANTED = 64  # pieces per blob at least, blob size allowing: enough to spread early
-VIEW_EVERY = 0.15  # seconds between HEAD rounds: a claim is seen by the others this late
+VIEW_EVERY = 0.4  # seconds between HEAD rounds (every answer to a piece request refreshes too)
 TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
