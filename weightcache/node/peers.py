@@ -293,10 +293,13 @@ class Peers:
 
     # -- the swarm (weightcache/node/swarmfetch.py) -------------------------------------------
 
-    def probe_all(self, sha256: str) -> dict[str, tuple[int, dict[str, str]] | None]:
-        """`probe` of every peer discovered now, not this node nor one avoided for lying,
-        in parallel; {} once the daemon is stopping."""
-        peers = [p for p in self.discovery.peers() if not self._skipped(p, lying_only=True)]
+    def probe_all(
+        self, sha256: str, skip: frozenset[str] = frozenset()
+    ) -> dict[str, tuple[int, dict[str, str]] | None]:
+        """`probe` of every peer discovered now but those in `skip`, this node and those
+        avoided for lying, in parallel; {} once the daemon is stopping."""
+        peers = [p for p in self.discovery.peers()
+                 if p not in skip and not self._skipped(p, lying_only=True)]  # fmt: skip
         try:
             answers = list(self._pool.map(lambda p: self.probe(p, sha256), peers))
         except RuntimeError:  # closed: the daemon is stopping

@@ -64,8 +64,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
-PIECES_WANTED = 64  # pieces per blob at least, blob size allowing: enough to spread early
-VIEW_EVERY = 0.4  # seconds between HEAD rounds (every answer to a piece request refreshes too)
+PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
+VIEW_EVERY = 0.5  # seconds between HEAD rounds (an answer to a piece request stands for one)
 TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
@@ -178,6 +178,7 @@ class SwarmDownload:
         self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
         self.views: dict[str, PeerView] = {}
         self.alive: set[str] = set()  # peers that answered the last HEAD round
+        self.heard_at: dict[str, float] = {}  # peer -> when it last answered a piece request
         #: `views` holds the peers that hold or download the blob (they advertise pieces):
         #: with this node, the membership whose stripes split the store's copy.
         self.shunned: dict[str, float] = {}
@@ -319,16 +320,20 @@ class SwarmDownload:
     # -- views -------------------------------------------------------------------------------
 
     def _refresh_views(self) -> None:
-        """One HEAD round: every candidate peer's advertisement, or its absence."""
+        """One HEAD round: every candidate peer's advertisement, or its absence; not of
+        the peers that answered a piece request since the last round (that answer was one)."""
+        now = time.monotonic()
+        with self.lock:
+            fresh = frozenset(u for u, t in self.heard_at.items() if now - t < VIEW_EVERY)
         try:
-            answers = self.peers.probe_all(self.sha256)
+            answers = self.peers.probe_all(self.sha256, fresh)
         except Exception:  # a view is an optimisation: never let it end the download
             log.exception("refreshing the swarm's view of %s", self.label)
             return
         finally:
             self.refreshing.clear()
         with self.lock:
-            self.alive = {url for url, a in answers.items() if a is not None}
+            self.alive = {url for url, a in answers.items() if a is not None} | fresh
             self.views = {u: v for u, v in self.views.items() if u in self.alive}
             now = time.monotonic()
             self.shunned = {u: t for u, t in self.shunned.items() if t > now and u not in
@@ -354,6 +359,8 @@ class SwarmDownload:
     def _on_response(self, url: str) -> Callable[[http.client.HTTPResponse], None]:
         def heard(resp: http.client.HTTPResponse) -> None:
             self.local.status = resp.status
+            with self.lock:
+                self.heard_at[url] = time.monotonic()
             self._heard(url, dict(resp.getheaders()))
 
         return heard
