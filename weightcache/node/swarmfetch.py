@@ -70,6 +70,7 @@ TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
+MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membership
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 ROOM_FACTOR = 3.0  # a store request this much faster than a peer's: the store has room
 HASH_BUFFER = 256 << 10
@@ -178,7 +179,8 @@ class SwarmDownload:
         self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
         self.views: dict[str, PeerView] = {}
         self.alive: set[str] = set()  # peers that answered the last HEAD round
-        self.heard_at: dict[str, float] = {}  # peer -> when it last answered a piece request
+        self.heard_at: dict[str, float] = {}  # peer -> when it last answered anything
+        self.answered_at: dict[str, float] = {}  # peer -> when it last answered a piece request
         #: `views` holds the peers that hold or download the blob (they advertise pieces):
         #: with this node, the membership whose stripes split the store's copy.
         self.shunned: dict[str, float] = {}
@@ -324,7 +326,7 @@ class SwarmDownload:
         the peers that answered a piece request since the last round (that answer was one)."""
         now = time.monotonic()
         with self.lock:
-            fresh = frozenset(u for u, t in self.heard_at.items() if now - t < VIEW_EVERY)
+            fresh = frozenset(u for u, t in self.answered_at.items() if now - t < VIEW_EVERY)
         try:
             answers = self.peers.probe_all(self.sha256, fresh)
         except Exception:  # a view is an optimisation: never let it end the download
@@ -333,11 +335,17 @@ class SwarmDownload:
         finally:
             self.refreshing.clear()
         with self.lock:
-            self.alive = {url for url, a in answers.items() if a is not None} | fresh
-            self.views = {u: v for u, v in self.views.items() if u in self.alive}
             now = time.monotonic()
+            for url, answer in answers.items():
+                if answer is not None:
+                    self.heard_at[url] = now
+            # A peer stays a member until it has not answered for MEMBER_TTL: a HEAD that
+            # timed out on a busy host must not reshuffle everyone's stripes.
+            self.alive = {u for u, t in self.heard_at.items() if now - t < MEMBER_TTL}
+            self.views = {u: v for u, v in self.views.items() if u in self.alive}
+            answered = {u for u, a in answers.items() if a is not None}
             self.shunned = {u: t for u, t in self.shunned.items() if t > now and u not in
-                            self.alive}  # fmt: skip
+                            answered}  # fmt: skip
         for url, answer in answers.items():
             if answer is not None:
                 self._heard(url, answer[1])
@@ -360,7 +368,7 @@ class SwarmDownload:
         def heard(resp: http.client.HTTPResponse) -> None:
             self.local.status = resp.status
             with self.lock:
-                self.heard_at[url] = time.monotonic()
+                self.heard_at[url] = self.answered_at[url] = time.monotonic()
             self._heard(url, dict(resp.getheaders()))
 
         return heard
