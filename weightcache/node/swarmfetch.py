@@ -72,7 +72,8 @@ SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
 MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membership
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
-ROOM_FACTOR = 3.0  # a store request this much faster than a peer's: the store has room
+ROOM_FACTOR = 5.0  # a store request this much faster than a peer's: the store has room
+ALONE_GRACE = 1.0  # seconds alone before the store window may grow
 HASH_BUFFER = 256 << 10
 
 
@@ -185,7 +186,7 @@ class SwarmDownload:
         #: with this node, the membership whose stripes split the store's copy.
         self.shunned: dict[str, float] = {}
         self.store = StoreView()
-        self.idle_since = time.monotonic()
+        self.idle_since = self.started = time.monotonic()
         self.per_request: dict[str, float] = {}  # bytes/s of one request, by kind (EWMA)
         self.throttled_at = float("-inf")
         self.origin_failures = 0
@@ -492,8 +493,11 @@ class SwarmDownload:
                 return
             peer = self.per_request.get("peer")
             recent = time.monotonic() - self.throttled_at < 2 * RATE_WINDOW
-            faster = rate >= ROOM_FACTOR * peer if peer is not None else not self.views
-            room = not recent and faster  # alone, nothing is lost by asking the store more
+            # Alone for a while (no peer holds or fetches the blob), nothing is lost by
+            # asking the store more; sooner, peers may be about to show up.
+            alone = not self.views and time.monotonic() - self.started >= ALONE_GRACE
+            faster = rate >= ROOM_FACTOR * peer if peer is not None else alone
+            room = not recent and faster
             self.store = StoreView(room, next_window(self.store.window, room, self.limits))
 
     # -- the integrity re-check --------------------------------------------------------------
