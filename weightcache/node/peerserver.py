@@ -35,7 +35,17 @@ from aiohttp import web
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings, format_hostport
 from weightcache.errors import UsageError
-from weightcache.node.peers import ASKER, BLOB_PATH, Claim, Peers
+from weightcache.node.peers import (
+    ASKER,
+    BLOB_PATH,
+    FETCHING,
+    HELD_ONLY,
+    LOAD,
+    PIECE_SIZE,
+    PIECES,
+    Claim,
+    Peers,
+)  # fmt: skip
 from weightcache.node.serve import HttpServer, Limits
 from weightcache.node.swarm import Bitmap
 from weightcache.transfer.pacing import TokenBucket
@@ -53,13 +63,6 @@ SENDFILE_CHUNK = 16 << 20
 #: response is cut: shorter than the receiver's read timeout, so that the receiver sees a
 #: cut body (and moves on to the next source) rather than a timeout of its own.
 PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
-#: Response headers advertising the pieces held, and the request header asking for held
-#: pieces only (design §8, Peers: requests).
-PIECES, PIECE_SIZE, HELD_ONLY = ("X-Weightcache-Pieces", "X-Weightcache-Piece-Size",
-                                 "X-Weightcache-Held-Only")  # fmt: skip
-#: Response headers of a blob the swarm downloads: the pieces in flight (from peers or, its
-#: claims, from the store; a bitmap as PIECES), and the uploads this server is serving.
-FETCHING, LOAD = "X-Weightcache-Fetching", "X-Weightcache-Load"
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import http.client
 import logging
 import os
@@ -32,28 +31,29 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightcache.errors import Interrupted, TransientError, WeightcacheError
-from weightcache.node.peerserver import FETCHING, LOAD, PIECE_SIZE, PIECES
+
+# fmt: off
 from weightcache.node.swarm import (
     ORIGIN,
     Bitmap,
-    BitmapError,
     Limits,
     Local,
-    PeerView,
     Request,
     StoreView,
     choose,
     next_window,
-    piece_count,
     piece_ranges,
-)  # fmt: skip
+)
+
+# fmt: on
+from weightcache.node.swarmviews import VIEW_EVERY, PeerViews
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
 
@@ -65,12 +65,9 @@ log = logging.getLogger(__name__)
 
 PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
 PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
-VIEW_EVERY = 0.5  # seconds between HEAD rounds (an answer to a piece request stands for one)
 TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
-SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
-MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membership
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 ROOM_FACTOR = 5.0  # a store request this much faster than a peer's: the store has room
 ALONE_GRACE = 1.0  # seconds alone before the store window may grow
@@ -85,62 +82,28 @@ def piece_size_for(size: int) -> int:
     return max(PIECE_MIN, min(PIECE_MAX, want))
 
 
-def regrid(theirs: Bitmap, their_size: int, our_size: int, size: int) -> Bitmap:
-    """A bitmap of pieces of `their_size` bytes as one of `our_size` pieces: ours is held
-    when every byte of it is in one of theirs."""
-    bits = 0
-    for j, (a, b) in enumerate(piece_ranges(size, our_size)):
-        first, last = a // their_size, (b - 1) // their_size
-        mask = ((1 << (last + 1)) - 1) ^ ((1 << first) - 1)
-        if theirs.bits & mask == mask:
-            bits |= 1 << j
-    return Bitmap(piece_count(size, our_size), bits)
-
-
-def parse_view(url: str, headers: Mapping[str, str], size: int, piece_size: int) -> PeerView:
-    """A peer's view from its response headers; nothing held if it advertises nothing.
-    Raises ValueError (BitmapError) for headers that do not parse."""
-    count = piece_count(size, piece_size)
-    empty = Bitmap(count)
-    pieces = headers.get(PIECES)
-    if pieces is None:
-        return PeerView(url, empty, empty)
-    if pieces == "all":
-        return PeerView(url, Bitmap.full(count), empty, int(headers.get(LOAD, "0")))
-    theirs = int(headers.get(PIECE_SIZE, "0"))
-    if theirs < 4096:
-        raise BitmapError(f"piece size {theirs} from {url}")
-    have = regrid(Bitmap.decode(piece_count(size, theirs), pieces), theirs, piece_size, size)
-    fetching = empty
-    if FETCHING in headers and theirs == piece_size:
-        fetching = Bitmap.decode(count, headers[FETCHING])
-    return PeerView(url, have, fetching, int(headers.get(LOAD, "0")))
-
-
 class Rates:
-    """Bytes received in the last RATE_WINDOW seconds, by source kind, and the best total
-    rate seen (this node's link, as far as it has shown). Thread-safe."""
+    """Bytes received in the last RATE_WINDOW seconds, and the best rate seen (this node's
+    link, as far as it has shown). Thread-safe."""
 
     def __init__(self) -> None:
-        self._events: collections.deque[tuple[float, int, str]] = collections.deque()
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
         self._start = time.monotonic()
         self.best = 0.0
 
-    def note(self, nbytes: int, kind: str) -> None:
+    def note(self, nbytes: int) -> None:
         with self._lock:
-            self._events.append((time.monotonic(), nbytes, kind))
+            self._events.append((time.monotonic(), nbytes))
 
-    def rate(self, kind: str | None = None) -> float:
+    def rate(self) -> float:
         now = time.monotonic()
         with self._lock:
             while self._events and self._events[0][0] < now - RATE_WINDOW:
                 self._events.popleft()
-            total = sum(n for _, n, k in self._events if kind is None or k == kind)
-        rate = total / max(0.2, min(RATE_WINDOW, now - self._start))
-        if kind is None:
-            self.best = max(self.best, rate)
-        return rate
+            total = sum(n for _, n in self._events)
+        self.best = max(self.best, total / max(0.2, min(RATE_WINDOW, now - self._start)))
+        return total / max(0.2, min(RATE_WINDOW, now - self._start))
 
 
 class _Dropped(Exception):
@@ -178,13 +141,7 @@ class SwarmDownload:
         self.lock = threading.Lock()  # the fields below, from the loop and the workers
         self.inflight: dict[int, set[str]] = {}
         self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
-        self.views: dict[str, PeerView] = {}
-        self.alive: set[str] = set()  # peers that answered the last HEAD round
-        self.heard_at: dict[str, float] = {}  # peer -> when it last answered anything
-        self.answered_at: dict[str, float] = {}  # peer -> when it last answered a piece request
-        #: `views` holds the peers that hold or download the blob (they advertise pieces):
-        #: with this node, the membership whose stripes split the store's copy.
-        self.shunned: dict[str, float] = {}
+        self.views = PeerViews(peers, sha256, size, self.piece_size)
         self.store = StoreView()
         self.idle_since = self.started = time.monotonic()
         self.per_request: dict[str, float] = {}  # bytes/s of one request, by kind (EWMA)
@@ -198,7 +155,6 @@ class SwarmDownload:
         self.stop = threading.Event()
         self.local = threading.local()
         self.file: PartialFile | None = None
-        self.refreshing = threading.Event()  # a HEAD round is running
 
     # -- the whole download ------------------------------------------------------------------
 
@@ -224,7 +180,7 @@ class SwarmDownload:
                         "pieces peers sent again from the store", self.label, digest,
                         self.sha256)  # fmt: skip
             liars = self._recheck(pool)
-            return Outcome(self._rehash(), True, self.origin_bytes, liars)
+            return Outcome(self.file.rehash(self._buffer()), True, self.origin_bytes, liars)
         finally:
             self.stop.set()
             self.peers.unadvertise(self.sha256, self)
@@ -232,14 +188,14 @@ class SwarmDownload:
             self.file.close()
 
     def _loop(self, pool: ThreadPoolExecutor) -> None:
-        self.refreshing.set()
-        self._refresh_views()  # the first choice with a view: who holds it already
+        self.views.refreshing.set()
+        self.views.refresh()  # the first choice with a view: who holds it already
         next_view = time.monotonic() + VIEW_EVERY
         while len(self._held()) < self.count:
             self._check()
-            if time.monotonic() >= next_view and not self.refreshing.is_set():
+            if time.monotonic() >= next_view and not self.views.refreshing.is_set():
                 next_view = time.monotonic() + VIEW_EVERY
-                self.refreshing.set()
+                self.views.refreshing.set()
                 pool.submit(self._refresh_views)
             for request in self._choose():
                 with self.lock:
@@ -277,12 +233,10 @@ class SwarmDownload:
         now = time.monotonic()
         with self.lock:
             inflight = {p: frozenset(s) for p, s in self.inflight.items()}
-            views = [v for u, v in self.views.items() if self.shunned.get(u, 0.0) <= now]
-            members = sorted(self.views.keys() | {self.peers.own_url()})
             store = self.store
+        views, rank, members = self.views.current()
         spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
-        local = Local(self._held(), inflight, members.index(self.peers.own_url()),
-                      len(members), spare)  # fmt: skip
+        local = Local(self._held(), inflight, rank, members, spare)
         requests = choose(local, views, store, self.limits, self.rng)
         if requests or inflight:
             self.idle_since = now
@@ -314,63 +268,17 @@ class SwarmDownload:
         return self.piece_size, self._held(), fetching
 
     def joined(self, peer: str) -> None:
-        """A peer asked about the blob (`peers.Live`): a member from now on, holding
-        nothing yet, until its own advertisement says more."""
-        empty = Bitmap(self.count)
-        with self.lock:
-            self.views.setdefault(peer, PeerView(peer, empty, empty))
-
-    # -- views -------------------------------------------------------------------------------
+        """A peer asked about the blob (`peers.Live`): see `PeerViews.joined`."""
+        self.views.joined(peer)
 
     def _refresh_views(self) -> None:
-        """One HEAD round: every candidate peer's advertisement, or its absence; not of
-        the peers that answered a piece request since the last round (that answer was one)."""
-        now = time.monotonic()
-        with self.lock:
-            fresh = frozenset(u for u, t in self.answered_at.items() if now - t < VIEW_EVERY)
-        try:
-            answers = self.peers.probe_all(self.sha256, fresh)
-        except Exception:  # a view is an optimisation: never let it end the download
-            log.exception("refreshing the swarm's view of %s", self.label)
-            return
-        finally:
-            self.refreshing.clear()
-        with self.lock:
-            now = time.monotonic()
-            for url, answer in answers.items():
-                if answer is not None:
-                    self.heard_at[url] = now
-            # A peer stays a member until it has not answered for MEMBER_TTL: a HEAD that
-            # timed out on a busy host must not reshuffle everyone's stripes.
-            self.alive = {u for u, t in self.heard_at.items() if now - t < MEMBER_TTL}
-            self.views = {u: v for u, v in self.views.items() if u in self.alive}
-            answered = {u for u, a in answers.items() if a is not None}
-            self.shunned = {u: t for u, t in self.shunned.items() if t > now and u not in
-                            answered}  # fmt: skip
-        for url, answer in answers.items():
-            if answer is not None:
-                self._heard(url, answer[1])
+        self.views.refresh()
         self.events.put(None)
-
-    def _heard(self, url: str, headers: Mapping[str, str]) -> None:
-        """A peer's answer: its view, or (no pieces advertised: 404) none."""
-        try:
-            view = parse_view(url, headers, self.size, self.piece_size)
-        except ValueError as e:
-            log.debug("peer %s advertised %s badly (%s)", url, self.label, e)
-            view = None
-        with self.lock:
-            if view is None or PIECES not in headers:
-                self.views.pop(url, None)
-            else:
-                self.views[url] = view
 
     def _on_response(self, url: str) -> Callable[[http.client.HTTPResponse], None]:
         def heard(resp: http.client.HTTPResponse) -> None:
             self.local.status = resp.status
-            with self.lock:
-                self.heard_at[url] = self.answered_at[url] = time.monotonic()
-            self._heard(url, dict(resp.getheaders()))
+            self.views.heard(url, dict(resp.getheaders()), piece_answer=True)
 
         return heard
 
@@ -423,7 +331,7 @@ class SwarmDownload:
                     if not n:
                         raise RetryRange(f"the body ended {len(data) - pos} bytes short")
                     pos += n
-                    self.rates.note(n, kind)
+                    self.rates.note(n)
                     self.observer.received(n, kind)
                     self.last_progress = time.monotonic()
         except _Dropped:
@@ -457,8 +365,7 @@ class SwarmDownload:
         if source != ORIGIN:
             log.info("peer %s failed a piece of %s (%s); choosing again", source, self.label,
                      error)  # fmt: skip
-            with self.lock:
-                self.shunned[source] = time.monotonic() + SHUN_SECONDS
+            self.views.shun(source)
             return
         if not isinstance(error, (RetryRange, OSError)):
             self.errors.append(error)  # the store refuses (403, 404, size changed): fatal
@@ -495,7 +402,7 @@ class SwarmDownload:
             recent = time.monotonic() - self.throttled_at < 2 * RATE_WINDOW
             # Alone for a while (no peer holds or fetches the blob), nothing is lost by
             # asking the store more; sooner, peers may be about to show up.
-            alone = not self.views and time.monotonic() - self.started >= ALONE_GRACE
+            alone = self.views.alone() and time.monotonic() - self.started >= ALONE_GRACE
             faster = rate >= ROOM_FACTOR * peer if peer is not None else alone
             room = not recent and faster
             self.store = StoreView(room, next_window(self.store.window, room, self.limits))
@@ -551,19 +458,6 @@ class SwarmDownload:
             if self.file.digest is None:
                 time.sleep(0.005)
         return self.file.digest
-
-    def _rehash(self) -> str:
-        assert self.file is not None
-        os.fsync(self.file.fd)
-        hasher, pos, buf = hashlib.sha256(), 0, self._buffer()
-        view = memoryview(buf)
-        while pos < self.size:
-            n = os.preadv(self.file.fd, [view[: min(len(buf), self.size - pos)]], pos)
-            if not n:
-                raise WeightcacheError(f"internal error: {self.partial_path} is short")
-            hasher.update(view[:n])
-            pos += n
-        return hasher.hexdigest()
 
     def _buffer(self) -> bytearray:
         buf: bytearray | None = getattr(self.local, "buf", None)

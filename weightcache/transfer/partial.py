@@ -171,6 +171,19 @@ class PartialFile:
             self.hasher.update(view[:n])
             self.hashed += n
 
+    def rehash(self, buf: bytearray) -> str:
+        """The sha256 of the whole file as it is now, read back through `buf` (after parts
+        were rewritten in place: the running hash no longer describes them)."""
+        os.fsync(self.fd)
+        hasher, pos, view = hashlib.sha256(), 0, memoryview(buf)
+        while pos < self.size:
+            n = os.preadv(self.fd, [view[: min(len(buf), self.size - pos)]], pos)
+            if not n:
+                raise WeightcacheError(f"internal error: {self.path} is short")
+            hasher.update(view[:n])
+            pos += n
+        return hasher.hexdigest()
+
     def finish(self, buf: bytearray) -> str:
         """The sha256 of the complete file (every part must be done)."""
         self.advance_hash(buf)
