@@ -56,9 +56,13 @@ class _HttpRange:
             raise RetryRange(f"{type(e).__name__}: {e}") from e
 
 
+#: Hosts one thread keeps a connection to: the swarm's workers ask several peers in turn.
+MAX_HOSTS_PER_THREAD = 16
+
+
 class HttpRanges:
-    """Ranged GETs over keep-alive connections: one per worker thread (http.client
-    connections are not thread-safe), reused while that thread asks the same host."""
+    """Ranged GETs over keep-alive connections: per worker thread (http.client connections
+    are not thread-safe) one per host it asks, up to MAX_HOSTS_PER_THREAD."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -96,25 +100,39 @@ class HttpRanges:
     def _connection(
         self, url: urllib.parse.SplitResult, timeout: float
     ) -> http.client.HTTPConnection:
+        """This thread's connection to `url`'s host, kept alive across ranges (a thread
+        may alternate between hosts: the swarm asks several peers and the store)."""
         key = (url.scheme, url.netloc, timeout)
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is not None and getattr(self._local, "conn_key", None) == key:
+        conns: dict[tuple[str, str, float], http.client.HTTPConnection] = self._conns()
+        self._local.conn_key = key
+        conn = conns.get(key)
+        if conn is not None:
             return conn
-        self._drop_connection()
+        if len(conns) >= MAX_HOSTS_PER_THREAD:
+            oldest = next(iter(conns))
+            conns.pop(oldest).close()
         if url.scheme == "https":
             context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
             conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
         else:
             conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
         conn.response_class = _Response
-        self._local.conn, self._local.conn_key = conn, key
+        conns[key] = conn
         return conn
 
+    def _conns(self) -> dict[tuple[str, str, float], http.client.HTTPConnection]:
+        conns: dict[tuple[str, str, float], http.client.HTTPConnection] | None
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        return conns
+
     def _drop_connection(self) -> None:
-        conn = getattr(self._local, "conn", None)
+        """Close the connection of this thread's current range (its state is unknown)."""
+        key: tuple[str, str, float] | None = getattr(self._local, "conn_key", None)
+        conn = self._conns().pop(key, None) if key is not None else None
         if conn is not None:
             conn.close()
-        self._local.conn = None
 
 
 def check_status(
