@@ -2,10 +2,10 @@
 
 Each blob is claimed by its lock (one download per node; a blob another process is
 downloading is waited for, bounded by that process's progress, then re-checked). In the
-daemon, each blob is first asked of the peers holding it, each of them a `BlobSource`
-(weightcache/node/peers.py), then whatever they lacked, failed or served wrong comes from
-the origin's object. Every blob is verified against the manifest's sha256 before it is
-published, whatever its source.
+daemon, each blob is downloaded by the node's swarm (`NodePeers.swarm`, weightcache/node/
+swarmfetch.py: pieces from several peers and the origin at once); without peers, or for a
+private partial, by the ranged downloader from the origin alone. Every blob is verified
+against the manifest's sha256 before it is published, whatever its source.
 """
 
 from __future__ import annotations
