@@ -182,11 +182,12 @@ def test_one_warm_and_four_cold_nodes_take_one_copy_from_the_store(
         assert_node_ok(node, pub)
         m = node.d.metrics()
         assert m[PEER_BYTES] >= size and m[ORIGIN_BYTES] == 0, (node.name, m)
-    # Every peer byte was uploaded by some node: the warm one, or a cold one passing on a
-    # blob it already holds (complete holders share the load).
+    # Every peer byte was uploaded by some node: the warm one, or a cold one passing on
+    # pieces it holds. (Uploads may exceed what arrived: a piece's second source in the
+    # endgame is cut off when the first lands, with bytes in flight.)
     uploaded = [n.d.metrics()[UPLOADED] for n in nodes]
     print("uploaded by node:", uploaded)
-    assert sum(uploaded) == sum(n.d.metrics()[PEER_BYTES] for n in cold) >= 4 * size
+    assert sum(uploaded) >= sum(n.d.metrics()[PEER_BYTES] for n in cold) >= 4 * size
     assert uploaded[0] > 0
     assert all(n.d.alive() for n in nodes)
 

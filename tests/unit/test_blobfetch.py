@@ -1,12 +1,13 @@
 """The fetch's blob half in-process, with blob sources that are local files: blobs from the
-origin, a peer tried first (a peer is one more BlobSource), a lying peer found out and
-avoided, an origin that serves wrong bytes twice (exit 4, nothing published)."""
+origin, blobs brought by the node's swarm (a stand-in here: the swarm itself is tested with
+real daemons in tests/integration/test_swarm.py), a swarm copy that does not verify even
+after its re-check, an origin that serves wrong bytes twice (exit 4, nothing published)."""
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,25 +26,22 @@ KiB = 1 << 10
 SOURCE = Source.parse("s3://bucket/models/m/r1")
 
 
-class FilePeer(FileBlob):
-    """A blob on a "peer" that is a local file."""
-
-    kind = "peer"
-    attempts = 3
-
-    def __init__(self, path: Path, peer: str) -> None:
-        super().__init__(path)
-        self.peer = peer
+@dataclass
+class Swarmed:
+    digest: str
+    mismatched: bool = False
+    origin_bytes: int = 0
 
 
 class FakePeers:
-    """The node's peers: each blob is held by the given peers, in that order."""
+    """The node's peers: the swarm writes `serving[sha256]` (a file) into the partial, or
+    the origin's bytes, and says where they came from."""
 
-    def __init__(self, holders: dict[str, list[FilePeer]]) -> None:
-        self.holders = holders
-        self.bad: list[str] = []
+    def __init__(self, serving: dict[str, Path]) -> None:
+        self.serving = serving
         self.claimed: list[str] = []
         self.released: list[str] = []
+        self.swarmed: list[str] = []
 
     def claim(self, sha256: str, partial: Path, size: int) -> str:
         self.claimed.append(sha256)
@@ -52,11 +50,22 @@ class FakePeers:
     def release(self, sha256: str, claim: str) -> None:
         self.released.append(sha256)
 
-    def sources(self, sha256: str, size: int, own: str | None) -> Sequence[FilePeer]:
-        return self.holders.get(sha256, [])
+    def swarm(
+        self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
+        downloader: RangedDownloader,
+    ) -> Swarmed:  # fmt: skip
+        self.swarmed.append(sha256)
+        if sha256 in self.serving:
+            data = self.serving[sha256].read_bytes()
+            got = hashlib.sha256(data).hexdigest()
+            partial.write_bytes(data)
+            return Swarmed(got, mismatched=got != sha256)
+        assert isinstance(origin, FileBlob)
+        partial.write_bytes(origin.path.read_bytes())
+        return Swarmed(hashlib.sha256(partial.read_bytes()).hexdigest(), origin_bytes=size)
 
     def mark_bad(self, peer: str, why: str) -> None:
-        self.bad.append(peer)
+        raise AssertionError("the swarm marks liars, not the fetch")
 
 
 class Origin:
@@ -114,30 +123,44 @@ def test_blobs_come_from_the_origin_once(layout: Layout, origin: Origin) -> None
     assert failures == []
 
 
-def test_a_peer_is_tried_before_the_origin(layout: Layout, origin: Origin) -> None:
-    a = origin.manifest.entries[0]
-    peers = FakePeers({a.sha256: [FilePeer(origin.root / "a.bin", "http://good")]})
-    fetch, _ = blob_fetch(layout, origin, peers)
-    assert fetch.bring(SOURCE, origin.manifest) == 300 * KiB  # only b.bin from the origin
-    assert Cache(layout).has_blob(a.sha256, a.size)
-    assert (
-        sorted(peers.claimed)
-        == sorted(peers.released)
-        == sorted(e.sha256 for e in origin.manifest.entries)
-    )
-
-
-def test_a_lying_peer_is_avoided_and_the_origin_serves_the_blob(
+def test_with_peers_every_blob_is_claimed_and_brought_by_the_swarm(
     layout: Layout, origin: Origin
 ) -> None:
     a = origin.manifest.entries[0]
-    liar = FilePeer(origin.corrupt("a.bin"), "http://liar")
-    peers = FakePeers({a.sha256: [liar]})
+    peers = FakePeers({a.sha256: origin.root / "a.bin"})  # a.bin from peers, b.bin the store
+    fetch, failures = blob_fetch(layout, origin, peers)
+    assert fetch.bring(SOURCE, origin.manifest) == 300 * KiB  # only b.bin from the origin
+    everything = sorted(e.sha256 for e in origin.manifest.entries)
+    assert sorted(peers.swarmed) == sorted(peers.claimed) == sorted(peers.released) == everything
+    for e in origin.manifest.entries:
+        assert layout.blob(e.sha256).read_bytes() == (origin.root / e.path).read_bytes()
+    assert failures == []
+
+
+def test_a_swarm_copy_that_does_not_verify_is_dropped_and_the_origin_serves_the_blob(
+    layout: Layout, origin: Origin
+) -> None:
+    """Wrong even after the swarm's re-check (so the origin's own bytes): two failed
+    verifications, one strike; the blob then comes from the origin alone, once."""
+    a = origin.manifest.entries[0]
+    peers = FakePeers({a.sha256: origin.corrupt("a.bin")})
     fetch, failures = blob_fetch(layout, origin, peers)
     assert fetch.bring(SOURCE, origin.manifest) == 900 * KiB
-    assert peers.bad == ["http://liar"]
-    assert failures == [1]
+    assert failures == [1, 1]
     assert layout.blob(a.sha256).read_bytes() == (origin.root / "a.bin").read_bytes()
+
+
+def test_a_swarm_copy_and_an_origin_copy_both_wrong_are_an_integrity_error(
+    layout: Layout, origin: Origin
+) -> None:
+    a = origin.manifest.entries[0]
+    origin.serving["a.bin"] = origin.corrupt("a.bin")
+    peers = FakePeers({a.sha256: origin.serving["a.bin"]})
+    fetch, failures = blob_fetch(layout, origin, peers)
+    with pytest.raises(IntegrityError, match=r"sha256 mismatch for a\.bin .*checked twice"):
+        fetch.bring(SOURCE, origin.manifest)
+    assert failures == [1, 1, 1]
+    assert not Cache(layout).has_blob(a.sha256, a.size)
 
 
 def test_an_origin_serving_wrong_bytes_twice_is_an_integrity_error(

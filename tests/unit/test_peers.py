@@ -3,7 +3,6 @@ and the served prefix of a partial, with literal values and a fake clock (no net
 
 from __future__ import annotations
 
-import random
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,12 +15,16 @@ from weightcache.errors import UsageError
 from weightcache.node.peers import (
     BAD_PEER_SECONDS,
     BLOB_PATH,
+    FETCHING,
+    LOAD,
+    PIECE_SIZE,
+    PIECES,
     Claim,
     Discovery,
-    Holding,
     Peers,
+    parse_view,
     peer_url,
-    rank,
+    regrid,
 )
 from weightcache.node.peerserver import (
     Pieces,
@@ -32,6 +35,7 @@ from weightcache.node.peerserver import (
     partial_prefix,
     refusal,
 )
+from weightcache.node.swarm import Bitmap
 from weightcache.options import env, peer_settings
 from weightcache.transfer.parts import PartState
 
@@ -271,35 +275,6 @@ def test_partial_pieces_are_the_done_parts(tmp_path: Path) -> None:
 # -- choosing sources -------------------------------------------------------------------------
 
 
-def test_rank_prefers_complete_holders_then_earlier_claims() -> None:
-    mine = Claim(100.0, 5)
-    earlier_small = Holding("http://b", 10, Claim(99.0, 9))
-    earlier_big = Holding("http://c", 70, Claim(99.5, 1))
-    tie_lower_nonce = Holding("http://d", 5, Claim(100.0, 4))
-    later = Holding("http://e", 90, Claim(100.5, 0))
-    tie_higher_nonce = Holding("http://f", 90, Claim(100.0, 6))
-    complete = [Holding("http://a1", 100), Holding("http://a2", 100)]
-    holdings = [earlier_small, later, *complete, earlier_big, tie_lower_nonce, tie_higher_nonce]
-    ranked = rank(holdings, mine, random.Random(0))
-    assert {h.peer for h in ranked[:2]} == {"http://a1", "http://a2"}
-    assert ranked[2:] == [earlier_big, earlier_small, tie_lower_nonce]
-    # Without a claim of our own (a private partial), anyone downloading it will do.
-    assert len(rank(holdings, None, random.Random(0))) == len(holdings)
-
-
-def test_rank_spreads_uploads_over_complete_holders() -> None:
-    complete = [Holding(f"http://n{i}", 100) for i in range(4)]
-    firsts = {rank(complete, None, random.Random(seed))[0].peer for seed in range(40)}
-    assert len(firsts) == 4
-
-
-def test_of_two_simultaneous_claims_exactly_one_goes_to_the_origin() -> None:
-    a, b = Claim(100.0, 7), Claim(100.0, 3)
-    a_sees = rank([Holding("http://b", 0, b)], a, random.Random(0))
-    b_sees = rank([Holding("http://a", 0, a)], b, random.Random(0))
-    assert (len(a_sees), len(b_sees)) == (1, 0)  # a follows b; b goes to the origin
-
-
 def test_claim_header_round_trips() -> None:
     claim = Claim(1767225600.123456, 2**62 + 5)
     assert Claim.parse(claim.header()) == claim
@@ -379,6 +354,40 @@ def test_claims_are_released_only_by_their_owner(tmp_path: Path) -> None:
         assert d is not None and d.claim == second and d.size == 10
         peers.release(HEX, second)
         assert peers.downloading(HEX) is None
-        assert peers.sources(HEX, 10, None) == []  # nobody to ask
+        assert peers.probe_all(HEX) == {}  # nobody to ask
     finally:
         peers.close()
+
+
+# -- the swarm's advertisements ---------------------------------------------------------------
+
+
+def test_piece_size_gives_enough_pieces_within_bounds() -> None:
+    from weightcache.node.swarmfetch import piece_size_for
+
+    assert piece_size_for(256 << 20) == 4 << 20  # 64 pieces
+    assert piece_size_for(64 << 20) == 2 << 20  # 32 pieces
+    assert piece_size_for(1000) == 256 << 10  # one piece, never below the minimum
+    assert piece_size_for(140 << 30) == 4 << 20  # never above the maximum
+    assert piece_size_for(10_000_000) % (64 << 10) == 0
+
+
+def test_a_view_in_another_piece_size_counts_only_whole_pieces() -> None:
+    # theirs: 4 pieces of 100 bytes of a 350-byte blob, 0 and 1 and 3 held; ours: 50 bytes
+    theirs = Bitmap.of(4, [0, 1, 3])
+    ours = regrid(theirs, 100, 50, 350)
+    assert list(ours) == [0, 1, 2, 3, 6]
+    assert list(regrid(theirs, 100, 200, 350)) == [0]  # ours 1 = theirs 2 + 3: not whole
+
+
+def test_parse_view_reads_held_fetching_and_load() -> None:
+    held, fetching = Bitmap.of(10, [1, 2]), Bitmap.of(10, [5])
+    headers = {PIECES: held.encode(), PIECE_SIZE: "4096", FETCHING: fetching.encode(),
+               LOAD: "3"}  # fmt: skip
+    view = parse_view("http://a", headers, 10 * 4096 - 1, 4096)
+    assert (view.have, view.fetching, view.load) == (held, fetching, 3)
+    complete = parse_view("http://a", {PIECES: "all"}, 10 * 4096, 4096)
+    assert complete.have.complete and not complete.fetching
+    assert not parse_view("http://a", {}, 10 * 4096, 4096).have  # a 404 advertises nothing
+    with pytest.raises(ValueError):
+        parse_view("http://a", {PIECES: "!!", PIECE_SIZE: "4096"}, 10 * 4096, 4096)

@@ -2,17 +2,17 @@
 
 Each blob is claimed by its lock (one download per node; a blob another process is
 downloading is waited for, bounded by that process's progress, then re-checked). In the
-daemon, each blob is first asked of the peers holding it, each of them a `BlobSource`
-(weightcache/node/peers.py), then whatever they lacked, failed or served wrong comes from
-the origin's object. Every blob is verified against the manifest's sha256 before it is
-published, whatever its source.
+daemon, each blob is downloaded by the node's swarm (`NodePeers.swarm`, weightcache/node/
+swarmfetch.py: pieces from several peers and the origin at once); without peers, or for a
+private partial, by the ranged downloader from the origin alone. Every blob is verified
+against the manifest's sha256 before it is published, whatever its source.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -22,7 +22,7 @@ from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry
 from weightcache.cache.store import Cache
 from weightcache.config import Source
-from weightcache.errors import IntegrityError, Interrupted, NoSpaceError, WeightcacheError
+from weightcache.errors import IntegrityError, NoSpaceError
 from weightcache.progress import human
 from weightcache.transfer.sources import BlobSource
 
@@ -30,20 +30,26 @@ if TYPE_CHECKING:
     from weightcache.transfer.ranged import RangedDownloader
 
 log = logging.getLogger(__name__)
-#: Peers tried for one blob before the origin: a second chance when the first dies.
-PEER_TRIES = 2
 #: Blob locks (one fd each) held at once by one fetch.
 LOCK_BATCH = 64
 
 ClaimT = TypeVar("ClaimT")
 
 
-class PeerBlob(BlobSource, Protocol):
-    """A blob on a peer: a BlobSource that names the peer, to avoid it when it lies."""
+class Swarmed(Protocol):
+    """What the swarm did for one blob (weightcache/node/swarmfetch.py, `Outcome`)."""
 
     @property
-    def peer(self) -> str:
-        """The peer's base URL."""
+    def digest(self) -> str:
+        """The partial's sha256, after the re-check from the store if there was one."""
+
+    @property
+    def mismatched(self) -> bool:
+        """The first assembly did not verify (its pieces were then checked at the store)."""
+
+    @property
+    def origin_bytes(self) -> int:
+        """Bytes received from the store."""
 
 
 class NodePeers(Protocol[ClaimT]):
@@ -55,7 +61,10 @@ class NodePeers(Protocol[ClaimT]):
 
     def release(self, sha256: str, claim: ClaimT) -> None: ...
 
-    def sources(self, sha256: str, size: int, own: ClaimT | None) -> Sequence[PeerBlob]: ...
+    def swarm(
+        self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
+        downloader: RangedDownloader,
+    ) -> Swarmed: ...  # fmt: skip
 
     def mark_bad(self, peer: str, why: str) -> None: ...
 
@@ -164,73 +173,57 @@ class BlobFetch:
     def _download_verified(self, source: Source, todo: list[Wanted]) -> int:
         """Download, verify and publish; return the bytes that came from the origin.
 
-        With peers, each blob is first claimed (so that peers may stream it from us while
-        we download it), then asked of peers, then whatever they lacked, failed or served
-        wrong comes from the origin.
+        With peers, each blob is claimed (so that peers may fetch its pieces from us while
+        we download it) and downloaded by the swarm, from peers and the origin at once
+        (design §8, Swarm); a private partial, or a blob the swarm could not verify even
+        after checking its peers' pieces at the origin, comes from the origin alone.
         """
         if self.peers is None:
-            return self._from_origin(source, todo, {})
-        claims = {
-            w.sha256: self.peers.claim(w.sha256, w.partial, w.entry.size)
-            for w in todo
-            if not w.private  # a private partial is never served
-        }
-        try:
-            rest: list[Wanted] = []
-            tainted: dict[str, list[str]] = {}
-            for w in todo:
-                published, served = self._from_peers(w, claims.get(w.sha256))
-                if not published:
-                    rest.append(w)
-                    if served:
-                        tainted[w.sha256] = served
-            return self._from_origin(source, rest, tainted)
-        finally:
-            for sha256, claim in claims.items():
-                self.peers.release(sha256, claim)
-
-    def _from_peers(self, w: Wanted, claim: object | None) -> tuple[bool, list[str]]:
-        """Try the best peers for one blob: (published, peers that failed mid-way).
-
-        A peer whose bytes do not verify is marked bad and the blob goes to the origin; a
-        peer that refuses, dies or stalls leaves its bytes in the partial for the next
-        source to resume from (the final sha256 check covers them).
-        """
-        from weightcache.transfer.ranged import BlobJob
-
-        assert self.peers is not None
-        failed: list[str] = []
-        for blob in self.peers.sources(w.sha256, w.entry.size, claim)[:PEER_TRIES]:
-            job = BlobJob(blob, w.entry.size, w.partial, w.entry.path)
-            try:
-                got = self._downloader().download([job]).digests[w.entry.path]
-            except (Interrupted, NoSpaceError):
-                raise
-            except WeightcacheError as e:
-                log.warning("peer %s failed to serve %s (%s); trying the next source",
-                            blob.peer, w.entry.path, e)  # fmt: skip
-                failed.append(blob.peer)
+            return self._from_origin(source, todo)
+        fetched, rest, strikes = 0, [], {}
+        for w in todo:
+            if w.private:  # a private partial is never served, so never swarmed
+                rest.append(w)
                 continue
-            if got == w.sha256:
-                self.cache.publish_blob(w.partial, w.sha256)
-                return True, []
-            self.cache.discard_partial(w.partial)
+            claim = self.peers.claim(w.sha256, w.partial, w.entry.size)
+            try:
+                published, got = self._from_swarm(source, w)
+            finally:
+                self.peers.release(w.sha256, claim)
+            fetched += got
+            if not published:
+                strikes[w.sha256] = 1  # every byte of it came from the origin: one strike
+                rest.append(w)
+        return fetched + self._from_origin(source, rest, strikes)
+
+    def _from_swarm(self, source: Source, w: Wanted) -> tuple[bool, int]:
+        """(published, bytes from the origin) of one blob brought by the swarm. A first
+        assembly that does not verify counts as a failed verification, and so does the
+        blob after its peers' pieces were replaced by the origin's, if it still does not."""
+        assert self.peers is not None
+        origin = self._origin_blob(source, w.entry)
+        done = self.peers.swarm(w.sha256, w.entry.size, w.partial, w.entry.path, origin,
+                                self._downloader())  # fmt: skip
+        if done.mismatched:
             self._verify_failed()
-            self.peers.mark_bad(blob.peer, f"it served {w.entry.path} with sha256 {got}, "
-                                f"expected {w.sha256}")  # fmt: skip
-            return False, []
-        return False, failed
+        if done.digest == w.sha256:
+            self.cache.publish_blob(w.partial, w.sha256)
+            return True, done.origin_bytes
+        self.cache.discard_partial(w.partial)
+        self._verify_failed()
+        log.warning("sha256 mismatch for %s from the origin (expected %s, got %s); "
+                    "downloading it once more", w.entry.path, w.sha256, done.digest)  # fmt: skip
+        return False, done.origin_bytes
 
     def _from_origin(
-        self, source: Source, todo: list[Wanted], tainted: dict[str, list[str]]
+        self, source: Source, todo: list[Wanted], strikes: dict[str, int] | None = None
     ) -> int:
         """Download from the origin; a mismatch is downloaded once more, a second one of
-        the same file is exit 4. A mismatch of a partial that held bytes from a failed peer
-        (`tainted`) is blamed on that peer and does not count."""
+        the same file is exit 4 (`strikes`: mismatches of the origin's bytes so far)."""
         from weightcache.transfer.ranged import BlobJob
 
         fetched = 0
-        strikes: dict[str, int] = {}
+        strikes = dict(strikes or {})
         while todo:
             jobs = [
                 BlobJob(self._origin_blob(source, w.entry), w.entry.size, w.partial, w.entry.path)
@@ -244,24 +237,19 @@ class BlobFetch:
                 if got == w.sha256:
                     self.cache.publish_blob(w.partial, w.sha256)
                     continue
-                self._reject(source, w, got, tainted.pop(w.sha256, []), strikes)
+                self._reject(source, w, got, strikes)
                 bad.append(w)
             todo = bad
         return fetched
 
-    def _reject(
-        self, source: Source, w: Wanted, got: str, peers: list[str], strikes: dict[str, int]
-    ) -> None:
+    def _reject(self, source: Source, w: Wanted, got: str, strikes: dict[str, int]) -> None:
         """Drop a blob whose bytes did not verify; raise IntegrityError at its second
-        strike (a strike blamed on peers whose bytes were in its partial does not count)."""
+        strike."""
         e = w.entry
         self.cache.discard_partial(w.partial)
         self._verify_failed()
         log.warning("sha256 mismatch for %s (expected %s, got %s)", e.path, e.sha256, got)
-        for peer in peers:
-            assert self.peers is not None
-            self.peers.mark_bad(peer, f"its part of {e.path} did not verify")
-        strikes[e.sha256] = strikes.get(e.sha256, 0) + (0 if peers else 1)
+        strikes[e.sha256] = strikes.get(e.sha256, 0) + 1
         if strikes[e.sha256] >= 2:
             raise IntegrityError(
                 f"sha256 mismatch for {e.path} in {source.label}: expected {e.sha256}, "

@@ -35,7 +35,17 @@ from aiohttp import web
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings, format_hostport
 from weightcache.errors import UsageError
-from weightcache.node.peers import BLOB_PATH, Claim, Peers
+from weightcache.node.peers import (
+    ASKER,
+    BLOB_PATH,
+    FETCHING,
+    HELD_ONLY,
+    LOAD,
+    PIECE_SIZE,
+    PIECES,
+    Claim,
+    Peers,
+)  # fmt: skip
 from weightcache.node.serve import HttpServer, Limits
 from weightcache.node.swarm import Bitmap
 from weightcache.transfer.pacing import TokenBucket
@@ -53,10 +63,6 @@ SENDFILE_CHUNK = 16 << 20
 #: response is cut: shorter than the receiver's read timeout, so that the receiver sees a
 #: cut body (and moves on to the next source) rather than a timeout of its own.
 PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
-#: Response headers advertising the pieces held, and the request header asking for held
-#: pieces only (design §8, Peers: requests).
-PIECES, PIECE_SIZE, HELD_ONLY = ("X-Weightcache-Pieces", "X-Weightcache-Piece-Size",
-                                 "X-Weightcache-Held-Only")  # fmt: skip
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 
 
@@ -121,6 +127,7 @@ class Pieces:
     size: int
     piece_size: int = 0
     held: tuple[bool, ...] | None = None
+    fetching: Bitmap | None = None  # in flight, when a running swarm download says
 
     def header(self) -> str:
         return ALL if self.held is None else encode_pieces(list(self.held))
@@ -236,6 +243,7 @@ class PeerServer:
         if m is None:
             return self._refuse(404, "bad_path", head)
         sha256 = m.group(1)
+        self.peers.asked_by(sha256, request.headers.get(ASKER))
         where = await asyncio.to_thread(self._where, sha256)
         if where is None:
             return self._refuse(404, "not_found", head)
@@ -251,7 +259,7 @@ class PeerServer:
             return self._refuse(416, "not_held", head,
                                 {"Content-Range": f"bytes */{size}", **advertised})  # fmt: skip
         headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
-                   "X-Weightcache-Node": self.peers.node_id,
+                   "X-Weightcache-Node": self.peers.node_id, LOAD: str(self._requests - 1),
                    "X-Weightcache-Available": str(pieces.run_end(0)), **advertised}  # fmt: skip
         if wanted is not None:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
@@ -262,7 +270,7 @@ class PeerServer:
         await resp.prepare(request)
         if not head:
             try:
-                if pieces.held is None:
+                if pieces.covers(start, end):  # final bytes on disk: no copy through Python
                     await self._sendfile(request, path, start, end)
                 else:
                     await self._send(resp, sha256, start, end)
@@ -281,7 +289,12 @@ class PeerServer:
         d = self.peers.downloading(sha256)
         if d is None:
             return None
-        return d.partial, partial_pieces(Layout.part_state(d.partial), d.size), d.claim
+        live = self.peers.live(sha256)
+        if live is None:
+            return d.partial, partial_pieces(Layout.part_state(d.partial), d.size), d.claim
+        piece_size, held, fetching = live.pieces()
+        pieces = Pieces(d.size, piece_size, tuple(i in held for i in range(held.count)), fetching)
+        return d.partial, pieces, d.claim
 
     def _sendfile_chunk(self) -> int:
         if self.limiter is None:
@@ -354,7 +367,10 @@ def _advertise(pieces: Pieces) -> dict[str, str]:
     """The response headers that say which pieces this node holds."""
     if pieces.held is None:
         return {PIECES: ALL}
-    return {PIECES: pieces.header(), PIECE_SIZE: str(pieces.piece_size)}
+    headers = {PIECES: pieces.header(), PIECE_SIZE: str(pieces.piece_size)}
+    if pieces.fetching is not None:
+        headers[FETCHING] = pieces.fetching.encode()
+    return headers
 
 
 def _open_regular(path: Path) -> BinaryIO:

@@ -16,7 +16,7 @@ import re
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -59,9 +59,13 @@ class _HttpRange:
             raise RetryRange(f"{type(e).__name__}: {e}") from e
 
 
+#: Hosts one thread keeps a connection to: the swarm's workers ask several peers in turn.
+MAX_HOSTS_PER_THREAD = 16
+
+
 class HttpRanges:
-    """Ranged GETs over keep-alive connections: one per worker thread (http.client
-    connections are not thread-safe), reused while that thread asks the same host."""
+    """Ranged GETs over keep-alive connections: per worker thread (http.client connections
+    are not thread-safe) one per host it asks, up to MAX_HOSTS_PER_THREAD."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -70,9 +74,12 @@ class HttpRanges:
     def get(
         self, location: str, headers: dict[str, str], start: int, end: int, size: int,
         timeout: float, where: str,
+        on_response: Callable[[http.client.HTTPResponse], None] | None = None,
     ) -> Iterator[RangeReader]:  # fmt: skip
         """GET bytes [start, end) of the `size`-byte object at `location` (the
-        `BlobSource.open_range` contract; `where` names the object in messages)."""
+        `BlobSource.open_range` contract; `where` names the object in messages).
+        `on_response` sees every response's status and headers before they are checked
+        (a peer's advertisement rides on its refusals too)."""
         url = urllib.parse.urlsplit(location)
         target = f"{url.path}?{url.query}" if url.query else url.path
         conn = self._connection(url, timeout)
@@ -85,6 +92,8 @@ class HttpRanges:
             except (OSError, http.client.HTTPException) as e:
                 raise RetryRange(f"{type(e).__name__}: {e}") from e
             assert isinstance(resp, _Response)
+            if on_response is not None:
+                on_response(resp)
             check_status(resp, start, end, size, where)
             yield _HttpRange(resp)
         except BaseException:
@@ -94,25 +103,39 @@ class HttpRanges:
     def _connection(
         self, url: urllib.parse.SplitResult, timeout: float
     ) -> http.client.HTTPConnection:
+        """This thread's connection to `url`'s host, kept alive across ranges (a thread
+        may alternate between hosts: the swarm asks several peers and the store)."""
         key = (url.scheme, url.netloc, timeout)
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
-        if conn is not None and getattr(self._local, "conn_key", None) == key:
+        conns: dict[tuple[str, str, float], http.client.HTTPConnection] = self._conns()
+        self._local.conn_key = key
+        conn = conns.get(key)
+        if conn is not None:
             return conn
-        self._drop_connection()
+        if len(conns) >= MAX_HOSTS_PER_THREAD:
+            oldest = next(iter(conns))
+            conns.pop(oldest).close()
         if url.scheme == "https":
             context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
             conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
         else:
             conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
         conn.response_class = _Response
-        self._local.conn, self._local.conn_key = conn, key
+        conns[key] = conn
         return conn
 
+    def _conns(self) -> dict[tuple[str, str, float], http.client.HTTPConnection]:
+        conns: dict[tuple[str, str, float], http.client.HTTPConnection] | None
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        return conns
+
     def _drop_connection(self) -> None:
-        conn = getattr(self._local, "conn", None)
+        """Close the connection of this thread's current range (its state is unknown)."""
+        key: tuple[str, str, float] | None = getattr(self._local, "conn_key", None)
+        conn = self._conns().pop(key, None) if key is not None else None
         if conn is not None:
             conn.close()
-        self._local.conn = None
 
 
 def check_status(

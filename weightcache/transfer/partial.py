@@ -127,6 +127,16 @@ class PartialFile:
             snapshot = self._snapshot_if_due()
         self._save(snapshot)
 
+    def save(self) -> None:
+        """Persist the part state now, whatever SAVE_INTERVAL says (the swarm records each
+        piece as it lands: a kill then loses only the pieces in flight). Callers that save
+        from several threads serialise their calls: a stale snapshot renamed last would
+        under-report."""
+        with self.lock:
+            snapshot = self.state.snapshot()
+            self._saved_at = time.monotonic()
+        self._save(snapshot)
+
     def _snapshot_if_due(self) -> list[int] | None:
         """The state to save now, if SAVE_INTERVAL has passed since the last one; call it
         under the lock."""
@@ -174,6 +184,19 @@ class PartialFile:
             if self.checker is not None:
                 self.checker.update(view[:n])
             self.hashed += n
+
+    def rehash(self, buf: bytearray) -> str:
+        """The sha256 of the whole file as it is now, read back through `buf` (after parts
+        were rewritten in place: the running hash no longer describes them)."""
+        os.fsync(self.fd)
+        hasher, pos, view = hashlib.sha256(), 0, memoryview(buf)
+        while pos < self.size:
+            n = os.preadv(self.fd, [view[: min(len(buf), self.size - pos)]], pos)
+            if not n:
+                raise WeightcacheError(f"internal error: {self.path} is short")
+            hasher.update(view[:n])
+            pos += n
+        return hasher.hexdigest()
 
     def finish(self, buf: bytearray) -> str:
         """The sha256 of the complete file (every part must be done)."""

@@ -168,6 +168,12 @@ class RangedDownloader:
             with self._counter_lock:
                 self._runs.discard(run)
 
+    @property
+    def closing(self) -> bool:
+        """True once `interrupt()` was called: downloads outside `download()` (the
+        swarm's, weightcache/node/) stop as this one's do."""
+        return self._closing
+
     def interrupt(self) -> None:
         """Stop every download after its current read, now and for good (SIGTERM)."""
         with self._counter_lock:

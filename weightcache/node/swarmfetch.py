@@ -1,0 +1,466 @@
+"""The swarm's data plane (design §8, Swarm): one blob, piece by piece, from peers and the store.
+
+`SwarmDownload.run` fills the blob's partial file (transfer/partial.py, its parts being the
+swarm's pieces) by a loop that asks `swarm.choose` what to request next, from its view of
+the peers and of the store, and runs each request in a worker thread:
+
+- **Views.** Every VIEW_EVERY seconds the peers found by discovery are asked a HEAD of the
+  blob (in the background); every response to a piece request updates the view too (the
+  peer server advertises held and in-flight pieces on every answer, refusals included).
+  A peer that does not answer, or cuts a piece short, is left out until it answers again.
+- **Requests.** A piece asked of a peer carries `Held-Only`: a 416 only updates the view. A
+  piece asked of the store goes through the origin's `BlobSource`, at most the store
+  window in flight (`next_window`, measured at each piece the store delivers). A piece is
+  read into memory and written at its offset only when complete, and recorded as written
+  (so a kill loses at most the pieces in flight); a second source of the same piece
+  (endgame) is dropped if the first one landed.
+- **Integrity.** The whole-blob sha256 is computed as pieces land. On a mismatch, every
+  piece that did not come from the store in this run is fetched again from the store and
+  compared: a peer whose piece differs is marked bad, the store's bytes are kept, and the
+  blob is hashed again. At most once; the caller decides what a second mismatch means.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import http.client
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weightcache.errors import Interrupted, TransientError, WeightcacheError
+
+# fmt: off
+from weightcache.node.swarm import (
+    ORIGIN,
+    Bitmap,
+    Limits,
+    Local,
+    Request,
+    StoreView,
+    choose,
+    next_window,
+    piece_ranges,
+)
+
+# fmt: on
+from weightcache.node.swarmviews import VIEW_EVERY, PeerViews
+from weightcache.transfer.partial import PartialFile
+from weightcache.transfer.sources import BlobSource, RetryRange
+
+if TYPE_CHECKING:
+    from weightcache.node.peers import Peers
+    from weightcache.transfer.ranged import RangedDownloader
+
+log = logging.getLogger(__name__)
+
+PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
+PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
+TICK = 0.1  # seconds the loop sleeps at most between choices
+PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
+RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
+IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
+ROOM_FACTOR = 5.0  # a store request this much faster than a peer's: the store has room
+ALONE_GRACE = 1.0  # seconds alone before the store window may grow
+HASH_BUFFER = 256 << 10
+
+
+def piece_size_for(size: int) -> int:
+    """The piece size of a blob shared with peers: at least PIECES_WANTED pieces, each
+    PIECE_MIN..PIECE_MAX bytes, a multiple of 64 KiB (every node computes the same)."""
+    want = -(-size // PIECES_WANTED)
+    want = -(-want // (64 << 10)) * (64 << 10)
+    return max(PIECE_MIN, min(PIECE_MAX, want))
+
+
+class Rates:
+    """Bytes received in the last RATE_WINDOW seconds, and the best rate seen (this node's
+    link, as far as it has shown). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self.best = 0.0
+
+    def note(self, nbytes: int) -> None:
+        with self._lock:
+            self._events.append((time.monotonic(), nbytes))
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._events and self._events[0][0] < now - RATE_WINDOW:
+                self._events.popleft()
+            total = sum(n for _, n in self._events)
+        self.best = max(self.best, total / max(0.2, min(RATE_WINDOW, now - self._start)))
+        return total / max(0.2, min(RATE_WINDOW, now - self._start))
+
+
+class _Dropped(Exception):
+    """A request no longer needed: its piece landed from another source, or we stop."""
+
+
+@dataclass
+class Outcome:
+    """What `SwarmDownload.run` did: the blob's sha256 (after a re-check from the store,
+    if the first assembly did not verify), and the bytes received from the store."""
+
+    digest: str
+    mismatched: bool = False
+    origin_bytes: int = 0
+    liars: list[str] = field(default_factory=list)
+
+
+class SwarmDownload:
+    """One blob, downloaded by the swarm into `partial` (see the module docstring)."""
+
+    def __init__(
+        self, peers: Peers, sha256: str, size: int, partial: Path, label: str,
+        origin: BlobSource, downloader: RangedDownloader, limits: Limits | None = None,
+    ) -> None:  # fmt: skip
+        self.peers, self.sha256, self.size, self.label = peers, sha256, size, label
+        self.partial_path, self.origin, self.downloader = partial, origin, downloader
+        self.observer = downloader.observer
+        self.limits = limits or Limits()
+        self.piece_size = piece_size_for(size)
+        self.ranges = piece_ranges(size, self.piece_size)
+        self.count = len(self.ranges)
+        self.rng = random.Random()
+        self.rates = Rates()
+        self.land_lock = threading.Lock()  # one piece written at a time: first source wins
+        self.lock = threading.Lock()  # the fields below, from the loop and the workers
+        self.inflight: dict[int, set[str]] = {}
+        self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
+        self.views = PeerViews(peers, sha256, size, self.piece_size)
+        self.store = StoreView()
+        self.idle_since = self.started = time.monotonic()
+        self.per_request: dict[str, float] = {}  # bytes/s of one request, by kind (EWMA)
+        self.throttled_at = float("-inf")
+        self.origin_failures = 0
+        self.origin_pause = 0.0
+        self.origin_bytes = 0
+        self.errors: list[BaseException] = []
+        self.last_progress = time.monotonic()
+        self.events: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.local = threading.local()
+        self.file: PartialFile | None = None
+
+    # -- the whole download ------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        """Fill the partial and return its sha256 (see Outcome). Raises Interrupted,
+        TransientError (no progress in --timeout), NoSpaceError, and the store's
+        SourceError or IntegrityError."""
+        self.file = PartialFile.open(self.partial_path, self.label, self.size, self.piece_size)
+        pool = ThreadPoolExecutor(self.limits.total + 1, thread_name_prefix="swarm")
+        self.peers.advertise(self.sha256, self)
+        try:
+            held = self._held()
+            self.observer.expect(self.size - sum(b - a for i, (a, b) in enumerate(self.ranges)
+                                                 if i in held))  # fmt: skip
+            self.sources = {i: "resumed" for i in held}
+            self.file.advance_hash(self._buffer())
+            self._loop(pool)
+            digest = self._digest()
+            self._log_summary()
+            if digest == self.sha256:
+                return Outcome(digest, False, self.origin_bytes)
+            log.warning("%s: the swarm's copy has sha256 %s, expected %s; fetching the "
+                        "pieces peers sent again from the store", self.label, digest,
+                        self.sha256)  # fmt: skip
+            liars = self._recheck(pool)
+            return Outcome(self.file.rehash(self._buffer()), True, self.origin_bytes, liars)
+        finally:
+            self.stop.set()
+            self.peers.unadvertise(self.sha256, self)
+            pool.shutdown(wait=True, cancel_futures=True)
+            self.file.close()
+
+    def _loop(self, pool: ThreadPoolExecutor) -> None:
+        self.views.refreshing.set()
+        self.views.refresh()  # the first choice with a view: who holds it already
+        next_view = time.monotonic() + VIEW_EVERY
+        while len(self._held()) < self.count:
+            self._check()
+            if time.monotonic() >= next_view and not self.views.refreshing.is_set():
+                next_view = time.monotonic() + VIEW_EVERY
+                self.views.refreshing.set()
+                pool.submit(self._refresh_views)
+            for request in self._choose():
+                with self.lock:
+                    self.inflight.setdefault(request.piece, set()).add(request.source)
+                pool.submit(self._fetch, request)
+            with contextlib.suppress(queue.Empty):
+                self.events.get(timeout=TICK)
+
+    def _log_summary(self) -> None:
+        with self.lock:
+            by = collections.Counter(s if s in (ORIGIN, "resumed") else "peer"
+                                     for s in self.sources.values())  # fmt: skip
+            senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
+            store = self.store
+        log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers, %d resumed; "
+                 "store window %d, room %s", self.label, self.count, by[ORIGIN], by["peer"],
+                 len(senders), by["resumed"], store.window, store.room)  # fmt: skip
+
+    def _check(self) -> None:
+        """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
+        if self.errors:
+            raise self.errors[0]
+        if self.downloader.closing:
+            raise Interrupted("download interrupted; partial files are kept for resume")
+        stalled = time.monotonic() - self.last_progress
+        if stalled >= self.downloader.settings.timeout:
+            raise TransientError(
+                f"giving up on {self.label}: no piece arrived from peers or the store in "
+                f"{stalled:.0f}s; partial data is kept, run the fetch again"
+            )
+
+    # -- choosing ----------------------------------------------------------------------------
+
+    def _choose(self) -> list[Request]:
+        now = time.monotonic()
+        with self.lock:
+            inflight = {p: frozenset(s) for p, s in self.inflight.items()}
+            store = self.store
+        views, rank, members = self.views.current()
+        spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
+        local = Local(self._held(), inflight, rank, members, spare)
+        requests = choose(local, views, store, self.limits, self.rng)
+        if requests or inflight:
+            self.idle_since = now
+        elif now - self.idle_since >= IDLE_GRACE:
+            # Nobody in view holds or fetches what is missing (a stripe of a node gone)
+            # for a while (views are that stale): the store, whatever its room, rather
+            # than waiting for nothing; but not a piece another node is fetching from it.
+            claimed = 0
+            for view in views:
+                claimed |= view.fetching.bits | view.have.bits
+            requests = [
+                r
+                for r in choose(local, views, StoreView(True, store.window), self.limits, self.rng)
+                if not claimed >> r.piece & 1
+            ]
+        if now < self.origin_pause:
+            requests = [r for r in requests if r.source != ORIGIN]
+        return requests
+
+    def _held(self) -> Bitmap:
+        assert self.file is not None
+        with self.file.lock:
+            return Bitmap.of(self.count, (i for i, d in enumerate(self.file.state.done) if d))
+
+    def pieces(self) -> tuple[int, Bitmap, Bitmap]:
+        """(piece size, held, in flight) for this node's peer server (`peers.Live`)."""
+        with self.lock:
+            fetching = Bitmap.of(self.count, self.inflight)
+        return self.piece_size, self._held(), fetching
+
+    def joined(self, peer: str) -> None:
+        """A peer asked about the blob (`peers.Live`): see `PeerViews.joined`."""
+        self.views.joined(peer)
+
+    def _refresh_views(self) -> None:
+        self.views.refresh()
+        self.events.put(None)
+
+    def _on_response(self, url: str) -> Callable[[http.client.HTTPResponse], None]:
+        def heard(resp: http.client.HTTPResponse) -> None:
+            self.local.status = resp.status
+            self.views.heard(url, dict(resp.getheaders()), piece_answer=True)
+
+        return heard
+
+    # -- one piece ---------------------------------------------------------------------------
+
+    def _fetch(self, request: Request) -> None:
+        """Bring one piece from one source (in a worker thread); a failure leaves it to be
+        chosen again, from wherever the next choice says."""
+        piece, source = request.piece, request.source
+        self.local.status = 0
+        kind = "origin" if source == ORIGIN else "peer"
+        started = time.monotonic()
+        try:
+            data = self._read(piece, source, kind)
+            if data is not None:
+                self._land(piece, source, data)
+                self._measure(kind, len(data) / max(1e-3, time.monotonic() - started))
+        except (RetryRange, WeightcacheError, OSError) as e:
+            self._failed(source, e)
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            with self.lock:
+                sources = self.inflight.get(piece, set())
+                sources.discard(source)
+                if not sources:
+                    self.inflight.pop(piece, None)
+            self.events.put(None)
+
+    def _read(self, piece: int, source: str, kind: str, recheck: bool = False) -> bytearray | None:
+        """The piece's bytes from `source`; None if it landed from elsewhere meanwhile
+        (unless `recheck`: the re-check reads pieces held already)."""
+        assert self.file is not None
+        done = self.file.state.done  # read without its lock: a stale False costs a read
+        start, end = self.ranges[piece]
+        data = bytearray(end - start)
+        view, pos = memoryview(data), 0
+        if source == ORIGIN:
+            blob, timeout = self.origin, self.downloader.read_timeout
+        else:
+            blob = self.peers.blob(source, self.sha256, self._on_response(source))
+            timeout = PEER_TIMEOUT
+        self.observer.request_started(kind)
+        try:
+            with blob.open_range(start, end, self.size, timeout) as reader:
+                while pos < len(data):
+                    if self.stop.is_set() or (done[piece] and not recheck):
+                        raise _Dropped()  # through the source's context: it drops the connection
+                    n = reader.readinto(view[pos:])
+                    if not n:
+                        raise RetryRange(f"the body ended {len(data) - pos} bytes short")
+                    pos += n
+                    self.rates.note(n)
+                    self.observer.received(n, kind)
+                    self.last_progress = time.monotonic()
+        except _Dropped:
+            return None
+        finally:
+            self.observer.request_finished(kind)
+        return data
+
+    def _land(self, piece: int, source: str, data: bytearray) -> None:
+        """Write a complete piece at its offset and record it (first source wins)."""
+        assert self.file is not None
+        start, end = self.ranges[piece]
+        with self.lock:
+            if source == ORIGIN:
+                self.origin_bytes += len(data)
+                self.origin_failures = 0
+        with self.land_lock:
+            if self.file.state.done[piece]:
+                return
+            self.file.write(memoryview(data), start)
+            self.file.wrote(piece, end)
+            self.file.mark_done(piece)
+            self.file.save()  # a kill from now on does not lose this piece
+            with self.lock:
+                self.sources[piece] = source
+        self.file.advance_hash(self._buffer())
+
+    def _failed(self, source: str, error: BaseException) -> None:
+        if source != ORIGIN and getattr(self.local, "status", 0) == 416:
+            return  # not held (any more, or yet): its advertisement updated the view
+        if source != ORIGIN:
+            log.info("peer %s failed a piece of %s (%s); choosing again", source, self.label,
+                     error)  # fmt: skip
+            self.views.shun(source)
+            return
+        if not isinstance(error, (RetryRange, OSError)):
+            self.errors.append(error)  # the store refuses (403, 404, size changed): fatal
+            return
+        with self.lock:
+            self.origin_failures += 1
+            failures = self.origin_failures
+            if isinstance(error, RetryRange) and error.throttle:
+                self.throttled_at = time.monotonic()
+                self.store = StoreView(False, next_window(self.store.window, False, self.limits))
+            self.origin_pause = time.monotonic() + self.downloader.backoff.delay(failures)
+        if error.__class__ is RetryRange and getattr(error, "throttle", False):
+            self.observer.throttled()
+        attempts = self.downloader.settings.max_attempts
+        log.warning("%s: a piece from the store failed, attempt %d/%d (%s)", self.label,
+                    failures, attempts, error)  # fmt: skip
+        if failures >= attempts:
+            self.errors.append(TransientError(
+                f"giving up on {self.label} ({self.origin.where}) after {failures} failed "
+                f"requests to the store, last: {error}; partial data is kept, run the fetch "
+                "again when the store recovers"))  # fmt: skip
+
+    def _measure(self, kind: str, rate: float) -> None:
+        """After a piece: the per-request rates (EWMA), and after one from the store, its
+        room and window. The store has room when a request to it delivers at least
+        ROOM_FACTOR times as fast as one to a peer: it is not what limits this node, and
+        the peers are. Until a peer delivered a piece it is assumed to be the bottleneck."""
+        with self.lock:
+            old = self.per_request.get(kind)
+            self.per_request[kind] = rate if old is None else old + 0.3 * (rate - old)
+            if kind != ORIGIN:
+                return
+            peer = self.per_request.get("peer")
+            recent = time.monotonic() - self.throttled_at < 2 * RATE_WINDOW
+            # Alone for a while (no peer holds or fetches the blob), nothing is lost by
+            # asking the store more; sooner, peers may be about to show up.
+            alone = self.views.alone() and time.monotonic() - self.started >= ALONE_GRACE
+            faster = rate >= ROOM_FACTOR * peer if peer is not None else alone
+            room = not recent and faster
+            self.store = StoreView(room, next_window(self.store.window, room, self.limits))
+
+    # -- the integrity re-check --------------------------------------------------------------
+
+    def _recheck(self, pool: ThreadPoolExecutor) -> list[str]:
+        """Fetch every piece that did not come from the store again from it; where the
+        bytes differ, keep the store's and blame the peer that sent them. Returns the
+        liars (marked bad)."""
+        with self.lock:
+            suspects = [i for i in range(self.count) if self.sources.get(i) != ORIGIN]
+        liars: set[str] = set()
+        for piece, data in zip(suspects, pool.map(self._from_store, suspects), strict=True):
+            start, _ = self.ranges[piece]
+            assert self.file is not None
+            if os.pread(self.file.fd, len(data), start) == bytes(data):
+                continue
+            self.file.write(memoryview(data), start)
+            with self.lock:
+                source = self.sources.get(piece, "resumed")
+                self.sources[piece] = ORIGIN
+            if source not in (ORIGIN, "resumed"):
+                liars.add(source)
+        for peer in sorted(liars):
+            self.peers.mark_bad(peer, f"its pieces of {self.label} differ from the store's")
+        return sorted(liars)
+
+    def _from_store(self, piece: int) -> bytearray:
+        """One piece from the store, retried as the downloader would (bounded)."""
+        for attempt in range(1, self.downloader.settings.max_attempts + 1):
+            try:
+                data = self._read(piece, ORIGIN, "origin", recheck=True)
+                assert data is not None or self.stop.is_set()
+                if data is None:
+                    raise Interrupted("download interrupted; partial files are kept")
+                with self.lock:
+                    self.origin_bytes += len(data)
+                return data
+            except (RetryRange, OSError) as e:
+                log.warning("%s: re-check piece %d from the store, attempt %d (%s)",
+                            self.label, piece, attempt, e)  # fmt: skip
+                time.sleep(self.downloader.backoff.delay(attempt))
+        raise TransientError(f"cannot fetch {self.label} from {self.origin.where} to check "
+                             "the pieces peers sent; run the fetch again")  # fmt: skip
+
+    def _digest(self) -> str:
+        """The sha256 of the complete partial, once the worker hashing it (if one still
+        is: the last piece's) has reached its end."""
+        assert self.file is not None
+        while self.file.digest is None:
+            self.file.advance_hash(self._buffer())  # returns at once if a worker hashes
+            if self.file.digest is None:
+                time.sleep(0.005)
+        return self.file.digest
+
+    def _buffer(self) -> bytearray:
+        buf: bytearray | None = getattr(self.local, "buf", None)
+        if buf is None:
+            buf = self.local.buf = bytearray(HASH_BUFFER)
+        return buf
