@@ -279,8 +279,11 @@ def test_a_partial_view_leaves_pieces_out_of_view_to_their_owners_while_busy() -
 
 def test_a_partial_view_still_never_leaves_a_node_idle_while_the_store_has_room() -> None:
     peers = [peer("a", fetching=[3])]
-    got = pick(local(have=[0, 1], rank=0, nodes=8), peers, room=True, limits=Limits(per_origin=2))
-    assert [r.source for r in got] == [ORIGIN, ORIGIN]
+    me, limits = local(have=[0, 1], rank=0, nodes=8), Limits(per_origin=4)
+    # one unseen piece at a time: more would likely be copies of pieces held out of view
+    assert pick(me, peers, room=True, limits=limits) == [Request(2, ORIGIN)]
+    full = [*peers, *(peer(u) for u in "bcdefg")]  # really unclaimed: the whole window
+    assert pick(me, full, room=True, limits=limits) == [Request(p, ORIGIN) for p in (2, 4, 5, 6)]
 
 
 def test_endgame_asks_a_second_peer_never_the_same_source_nor_the_store() -> None:
