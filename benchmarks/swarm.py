@@ -3,7 +3,7 @@ one ready, and how much did the store send? Peers on against peers off and the l
 
     sudo python benchmarks/swarm.py [--nodes 8,16] [--size 256M] [--link 400mbit]
                                     [--regimes 1,4] [--rounds 1] [--modes p2p,off]
-                                    [--json out.json] [--plot out.png]
+                                    [--json out.json] [--plot out.png] [--sim-piece 4M]
     sudo python benchmarks/swarm.py --cleanup     # remove leftovers of a crashed run
     python benchmarks/swarm.py --from-json n8.json n16.json --plot benchmarks/swarm.png
 
