@@ -3,8 +3,9 @@ one ready, and how much did the store send? Peers on against peers off and the l
 
     sudo python benchmarks/swarm.py [--nodes 8,16] [--size 256M] [--link 400mbit]
                                     [--regimes 1,4] [--rounds 1] [--modes p2p,off]
-                                    [--json out.json] [--plot out.png]
+                                    [--json out.json] [--plot out.png] [--sim-piece 4M]
     sudo python benchmarks/swarm.py --cleanup     # remove leftovers of a crashed run
+    python benchmarks/swarm.py --from-json n8.json n16.json --plot benchmarks/swarm.png
 
 Needs root (network namespaces, tc). `netlab.Lab` builds a bridge with one namespace per
 host: the store (`weed mini`, 198.18.0.1) and N nodes (198.18.1.k). tc tbf shapes each node's
@@ -30,6 +31,9 @@ back to back in their namespaces. Measured from outside the daemons:
   the JSON, to tell a CPU-bound run from a link-bound one.
 
 The line rate is the model's bytes over one node's link: no node can be ready sooner.
+Next to the measurements, benchmarks/swarmsim.py's prediction for the same setting (the
+daemons' measured start-up included, pieces of `--sim-piece`), in a table and in the plot
+(benchmarks/swarmplot.py).
 Everything the run created (namespaces, veths, bridge, processes, workdir) is removed in a
 finally block, on SIGTERM too.
 """
@@ -54,6 +58,7 @@ from typing import Any
 import benchlib as bl
 import measure as ms
 import netlab as nl
+import swarmplot
 
 MODES = ("p2p", "off")
 PEER_PORT, METRICS_PORT = 9401, 9402
@@ -291,44 +296,6 @@ def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
     return ms.md_table(headers, rows)
 
 
-def plot(runs: list[Run], regimes: list[int], n_values: list[int], line_s: float,
-         path: Path, title: str) -> None:  # fmt: skip
-    """Last-node ready time (solid) and p50 (dashed) against N, one panel per regime."""
-    import textwrap
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(regimes), figsize=(5.5 * len(regimes), 4.2), squeeze=False)
-    for ax, regime in zip(axes[0], regimes, strict=True):
-        for mode, color in (("p2p", "tab:blue"), ("off", "tab:orange")):
-            for stat, style, marker in (("last", "-", "o"), ("p50", "--", "s")):
-                ys = []
-                for n in n_values:
-                    mine = [r for r in runs if (r.regime, r.n, r.mode) == (regime, n, mode)]
-                    vals = [getattr(summarize(r.ready_s, line_s, 0, 1), f"{stat}_s")
-                            for r in mine]  # fmt: skip
-                    ys.append(ms.median(vals))
-                label = f"peers {'on' if mode == 'p2p' else 'off'}, {stat}"
-                ax.plot(n_values, ys, style, marker=marker, color=color, label=label,
-                        fillstyle="full" if stat == "last" else "none")  # fmt: skip
-        ax.axhline(line_s, color="tab:gray", linestyle=":", label="line rate")
-        ax.set_xlabel("nodes started together (N)")
-        ax.set_ylabel("ready s, from the start")
-        ax.set_xticks(n_values)
-        ax.set_ylim(bottom=0)
-        ax.set_title(f"store egress = {regime} x a node's link")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(textwrap.fill(title, 130), fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    bl.log(f"wrote {path}")
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -352,9 +319,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--from-json",
         type=Path,
+        nargs="+",
         metavar="FILE",
-        help="print the tables (and --plot) of a saved --json again, run nothing",
+        help="print the tables (and --plot) of saved --json files again (merged), run nothing",
     )
+    p.add_argument("--sim-piece", default="4M",
+                   help="piece size of the simulator's prediction (default 4M)")  # fmt: skip
     p.add_argument("--cleanup", action="store_true",
                    help=f"remove every namespace and link named {nl.PREFIX}* and exit")  # fmt: skip
     args = p.parse_args()
@@ -363,6 +333,7 @@ def parse_args() -> argparse.Namespace:
         args.regime_values = [int(x) for x in args.regimes.split(",")]
         args.link_bits = nl.parse_rate(args.link)
         args.size_bytes = bl.parse_size(args.size)
+        args.sim_piece_bytes = bl.parse_size(args.sim_piece)
     except ValueError as e:
         p.error(str(e))
     args.mode_values = [m for m in args.modes.split(",") if m]
@@ -381,8 +352,8 @@ def main() -> None:
         print("\n".join(nl.cleanup()) or "nothing to remove")
         return
     if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        print_results(saved, [Run(**r) for r in saved["runs"]], args.plot)
+        saved = swarmplot.merge([json.loads(f.read_text()) for f in args.from_json])
+        print_results(saved, [Run(**r) for r in saved["runs"]], args.plot, args.sim_piece_bytes)
         return
     if os.geteuid() != 0:
         raise SystemExit("swarm.py needs root: network namespaces and tc")
@@ -413,11 +384,12 @@ def main() -> None:
               "runs": [asdict(r) for r in runs]}  # fmt: skip
     if args.json:
         ms.write_json(args.json, output)
-    print_results(output, runs, args.plot)
+    print_results(output, runs, args.plot, args.sim_piece_bytes)
 
 
-def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | None) -> None:
-    """The tables (and the plot) of one invocation, from what `--json` saves."""
+def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | None,
+                  sim_piece: int) -> None:  # fmt: skip
+    """The tables, the simulator's prediction (and the plot), from what `--json` saves."""
     p, line_s, overheads = output["params"], output["line_rate_s"], output["wire_overhead"]
     header = (
         f"swarm of {bl.fmt_size(output['model_bytes'])} ({output.get('model_files', 6)} files): "
@@ -434,8 +406,12 @@ def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | Non
         if r.failures:
             print(f"\nregime {r.regime} N={r.n} {r.mode}: {len(r.failures)} not ready; "
                   f"first: {r.failures[0]}")  # fmt: skip
+    predicted = swarmplot.predict(output, runs, sim_piece)
+    print(f"\nsimulated (benchmarks/swarmsim.py, pieces of {bl.fmt_size(sim_piece)}, the "
+          f"daemons' measured start-up):\n")  # fmt: skip
+    print(swarmplot.agreement(output, runs, predicted))
     if plot_path:
-        plot(runs, p["regime_values"], p["n_values"], line_s, plot_path, header)
+        swarmplot.plot(output, runs, plot_path, header, predicted)
 
 
 def run_all(lab: nl.Lab, args: argparse.Namespace, workdir: Path,

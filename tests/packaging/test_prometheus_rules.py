@@ -44,10 +44,19 @@ DESIGN_METRICS = {
     "weightcache_fetches_alone_origin_get_inflight",
     "weightcache_downloads_inflight",
     "weightcache_max_concurrency",
+    # the swarm (design §8)
+    "weightcache_peer_upload_bytes_total",
+    "weightcache_pieces_inflight",
+    "weightcache_peers_marked_bad_total",
 }
 
 #: Grafana's variables, replaced by what they expand to so that promtool can parse the query.
-GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$node": ".*"}
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "5m",
+    "$__interval": "1m",
+    "$__range": "6h",
+    "$node": ".*",
+}
 
 
 def rule_groups(daemonset: Any) -> list[dict[str, Any]]:
@@ -153,6 +162,39 @@ def test_dashboard_shows_what_operators_need() -> None:
     assert dash["uid"] and dash["title"]
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "duplicate panel ids"
+
+
+def test_dashboard_has_a_swarm_row() -> None:
+    """The swarm row: bytes by source, uploads, pieces in flight, store share, bad peers."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    rows = [p for p in panels if p["type"] == "row" and "Swarm" in p["title"]]
+    assert len(rows) == 1, "expected one dashboard row titled Swarm"
+    below = [p for p in panels if p["gridPos"]["y"] > rows[0]["gridPos"]["y"]]
+    assert not [p for p in below if p["type"] == "row"], "the swarm row must be the last row"
+    exprs = [re.sub(r"\s+", "", t["expr"]) for p in below for t in p["targets"]]
+    sel = 'node=~"$node"'
+    for needed in (
+        f'sum by (source) (rate(weightcache_bytes_total{{source=~"origin|peer",{sel}}}',
+        f"sum by (node) (rate(weightcache_peer_upload_bytes_total{{{sel}}}",
+        f"sum by (source) (weightcache_pieces_inflight{{{sel}}})",
+        f"sum by (reason) (increase(weightcache_peers_marked_bad_total{{{sel}}}",
+        f'sum(increase(weightcache_bytes_total{{source="origin",{sel}}}[$__range]))/clamp_min('
+        f'sum(increase(weightcache_bytes_total{{source=~"origin|peer",{sel}}}[$__range])),1)',
+    ):
+        needed = re.sub(r"\s+", "", needed)
+        assert any(e.startswith(needed) for e in exprs), f"the swarm row does not show {needed}"
+
+
+def test_dashboard_panels_do_not_overlap() -> None:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    cells: dict[tuple[int, int], int] = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, f"panel {p['id']} is wider than the dashboard"
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"panels {cells[(x, y)]} and {p['id']} overlap"
+                cells[(x, y)] = p["id"]
 
 
 # -- with promtool ----------------------------------------------------------------------------

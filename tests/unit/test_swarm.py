@@ -261,6 +261,31 @@ def test_busy_node_leaves_another_node_s_claim_alone_even_with_room() -> None:
     assert pick(me, peers, room=True) == [Request(0, "a")]
 
 
+def test_a_partial_view_leaves_pieces_out_of_view_to_their_owners_while_busy() -> None:
+    # 8 nodes, 2 peers in view; this node (rank 0) owns pieces 0, 1; it fetches 2 from "a".
+    peers = [peer("a", have=[2]), peer("b", fetching=[3])]
+    me = local(have=[0, 1], inflight={2: {"a"}}, rank=0, nodes=8)
+    got = pick(me, peers, room=True, limits=Limits(per_origin=2))
+    # pieces 4.. are unseen, not unclaimed: most likely their owners' or spread to nodes out
+    # of view. Asking the store would cost it another copy; the claim on 3 is left alone too.
+    assert got == []
+    # with every node in view, the same pieces are really unclaimed: the store's, with room
+    full = [*peers, *(peer(u) for u in "cdefg")]
+    assert pick(me, full, room=True, limits=Limits(per_origin=2)) == [
+        Request(4, ORIGIN),
+        Request(5, ORIGIN),
+    ]
+
+
+def test_a_partial_view_still_never_leaves_a_node_idle_while_the_store_has_room() -> None:
+    peers = [peer("a", fetching=[3])]
+    me, limits = local(have=[0, 1], rank=0, nodes=8), Limits(per_origin=4)
+    # one unseen piece at a time: more would likely be copies of pieces held out of view
+    assert pick(me, peers, room=True, limits=limits) == [Request(2, ORIGIN)]
+    full = [*peers, *(peer(u) for u in "bcdefg")]  # really unclaimed: the whole window
+    assert pick(me, full, room=True, limits=limits) == [Request(p, ORIGIN) for p in (2, 4, 5, 6)]
+
+
 def test_endgame_asks_a_second_peer_never_the_same_source_nor_the_store() -> None:
     peers = [peer("a", range(N)), peer("b", range(N))]
     me = local(range(13), {13: {"a"}, 14: {ORIGIN}, 15: {"a", "b"}})

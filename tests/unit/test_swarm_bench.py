@@ -5,7 +5,9 @@ The harness itself needs root and namespaces and is not run by the test suite.
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import netlab
 import swarm
+import swarmplot
+
+BENCH = Path(swarm.__file__).parent
 
 # `tc -s -j qdisc show dev X` of iproute2 6.1, a shaped veth end after some traffic.
 TC_JSON = (
@@ -73,3 +78,62 @@ def test_summarize_in_line_rates_and_model_copies() -> None:
 
 def test_line_rate_is_the_model_over_one_link() -> None:
     assert swarm.line_rate_s(256 << 20, 400_000_000) == pytest.approx(5.37, abs=0.01)
+
+
+MACHINE = {"date": "2026-12-01 06:00 UTC", "commit": "abc1234", "nproc": 2, "memory": "8 GiB",
+           "cpu": "x", "kernel": "6.1", "python": "3.11", "loadavg_at_start": "1 1 1"}  # fmt: skip
+
+
+def saved(n_values: list[int], size: int = 16 << 20) -> dict[str, object]:
+    """A `--json` output of swarm.py, synthetic: peers on and off per N, store = 1x."""
+    runs = []
+    for n in n_values:
+        for mode, last in (("p2p", 1.0 + 0.1 * n), ("off", 0.5 * n)):
+            ready = [last - 0.01 * k for k in range(n)]
+            runs.append(dict(regime=1, n=n, mode=mode, round=1, ready_s=ready,
+                             up_s=[0.2 + 0.1 * k for k in range(n)], store_wire_bytes=size,
+                             store_payload_bytes=float(size), daemon_cpu_s=1.0,
+                             host_cpu_busy=0.5))  # fmt: skip
+    params = {"nodes": ",".join(map(str, n_values)), "n_values": n_values, "regime_values": [1],
+              "link": "400mbit", "link_bits": 400_000_000, "rounds": 1}  # fmt: skip
+    return {"benchmark": "swarm", "machine": MACHINE, "params": params, "model_bytes": size,
+            "model_files": 4, "line_rate_s": size * 8 / 400e6, "wire_overhead": {"1": 1.05},
+            "runs": runs}  # fmt: skip
+
+
+def test_saved_results_of_several_n_merge() -> None:
+    merged = swarmplot.merge([saved([2]), saved([3])])
+    assert merged["params"]["n_values"] == [2, 3]
+    assert sorted(r["n"] for r in merged["runs"]) == [2, 2, 3, 3]
+    other = saved([4], size=32 << 20)
+    with pytest.raises(ValueError, match="model_bytes"):
+        swarmplot.merge([saved([2]), other])
+
+
+def test_the_simulator_gets_the_measured_start_up_and_setting() -> None:
+    out = saved([3])
+    runs = [swarm.Run(**r) for r in out["runs"]]  # type: ignore[attr-defined]
+    p = swarmplot.sim_params(out, runs, regime=1, n=3, piece=1 << 20)
+    assert (p.nodes, p.size, p.piece, p.link, p.store_rate) == (3, 16 << 20, 1 << 20, 4e8, 4e8)
+    assert (p.startup, p.jitter) == pytest.approx((0.2, 0.2))
+
+
+def test_from_json_prints_the_agreement_and_draws_the_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    files = []
+    for n in (2, 3):
+        files.append(tmp_path / f"n{n}.json")
+        files[-1].write_text(json.dumps(saved([n])))
+    png = tmp_path / "swarm.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "swarm.py"), "--from-json", *map(str, files),
+         "--plot", str(png), "--sim-piece", "1M"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
+            if "measured / sim" in proc.stdout and line.startswith("|")]  # fmt: skip
+    agreement = {(r[1], r[2]): r for r in rows if len(r) == 6}
+    assert set(agreement) >= {("2", "peers on"), ("3", "peers on"), ("3", "peers off")}
+    assert agreement["3", "peers on"][3] == "1.3"  # the last node of the synthetic N = 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

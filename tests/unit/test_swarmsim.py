@@ -56,6 +56,17 @@ def test_one_node_alone_runs_at_its_link() -> None:
     assert out.last == pytest.approx(64 * MiB / 10e6, rel=0.02)
 
 
+def test_the_daemons_start_up_counts_in_the_ready_time() -> None:
+    alone = 64 * MiB / 10e6
+    out = sim.Swarm(params(1, 1.0, startup=3.0)).run()
+    assert out.last == pytest.approx(3.0 + alone, rel=0.02)
+    spread = sim.Swarm(params(4, 4.0, startup=2.0, jitter=2.0)).run()
+    assert 2.0 + alone <= min(spread.ready) and max(spread.ready) <= 4.0 + 2 * alone
+    late = params(8, 1.0, startup=3.0)
+    assert sim.peers_off(late).last == pytest.approx(3.0 + 8 * alone, rel=1e-3)
+    assert sim.today(late).last == pytest.approx(3.0 + 7 * alone, rel=1e-3)
+
+
 def test_a_store_bound_swarm_sends_one_copy_and_beats_the_store_alone() -> None:
     p = params(6, 1.0)
     out, alone = sim.Swarm(p).run(), sim.peers_off(p)

@@ -8,6 +8,10 @@ scale-out it stays at most max-concurrency / waiting-replicas when fetches coale
 drops to 0 as replicas find the node warm; if it does not fall, every replica is pulling
 the weights. `weightcache_max_concurrency` and `weightcache_downloads_inflight` let a
 rule normalise it (daemonset/prometheusrule.yaml).
+
+The swarm (design §8) is read from `weightcache_bytes{source}` (origin against peer: the
+store's share), `weightcache_peer_upload_bytes` (every node should upload, not one),
+`weightcache_pieces_inflight{source}` and `weightcache_peers_marked_bad{reason}`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ DURATION_BUCKETS = (
     14400,
     28800,
 )
+
+#: Why a peer is avoided: its bytes did not verify; it did not answer; it refused our token.
+BAD_PEER_REASONS = ("wrong_bytes", "unreachable", "bad_token")
+#: The sources of a download's bytes (`TransferObserver`'s `source`).
+DOWNLOAD_SOURCES = ("origin", "peer")
 
 
 class Metrics:
@@ -152,8 +161,26 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.pieces_inflight = Gauge(
+            "weightcache_pieces_inflight",
+            "Requests (pieces, or parts of a blob) this daemon's downloads have in flight, by "
+            "source: origin (the object store) or peer.",
+            ["source"],
+            registry=r,
+        )
+        self.peers_marked_bad = Counter(
+            "weightcache_peers_marked_bad",
+            "Times this node started avoiding a peer, by reason: wrong_bytes (its bytes did "
+            "not verify), unreachable (it did not answer), bad_token (it refused our token).",
+            ["reason"],
+            registry=r,
+        )
         for reason in REFUSAL_REASONS:
             self.peer_refusals.labels(reason)
+        for reason in BAD_PEER_REASONS:
+            self.peers_marked_bad.labels(reason)
+        for source in DOWNLOAD_SOURCES:
+            self.pieces_inflight.labels(source)
         for result in ("hit", "miss", "error"):
             self.fetches.labels(result)
         for source in ("origin", "peer", "local"):
@@ -194,6 +221,7 @@ class Metrics:
         pass
 
     def request_started(self, source: str) -> None:
+        self.pieces_inflight.labels(source).inc()
         if source != "origin":
             return
         with self._lock:
@@ -201,6 +229,7 @@ class Metrics:
             self._publish()
 
     def request_finished(self, source: str) -> None:
+        self.pieces_inflight.labels(source).dec()
         if source != "origin":
             return
         with self._lock:
@@ -223,3 +252,12 @@ class Metrics:
 
     def peer_refused(self, reason: str) -> None:
         self.peer_refusals.labels(reason).inc()
+
+    # -- the swarm's peer bookkeeping -------------------------------------------------------------
+
+    def peer_marked_bad(self, reason: str) -> None:
+        """This node started avoiding a peer. Raises ValueError for a reason not in
+        BAD_PEER_REASONS (a typo would otherwise make a series no dashboard reads)."""
+        if reason not in BAD_PEER_REASONS:
+            raise ValueError(f"unknown reason {reason!r} for a bad peer: {BAD_PEER_REASONS}")
+        self.peers_marked_bad.labels(reason).inc()

@@ -37,6 +37,12 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
    store without room is left to the claimants, even by an idle node: it is sending at
    capacity already, another request would only share that, and a copy of a piece that a
    peer is about to have (the view may be stale) costs the store a second copy.
+   With a partial view (a node watches some of its peers, not all: a thousand nodes), a
+   piece nobody in view holds or fetches is most likely its owner's, or held by nodes out
+   of view, not unclaimed: asking the store for it would cost the store another copy just
+   when, having sent its copy, it shows room (benchmarks/swarmsim.py: 1.54 copies at 1,000
+   nodes, view 32). So a node with requests in flight leaves such pieces to its peers, and
+   an idle one asks the store for one at a time.
 4. **Endgame.** When every missing piece is already in flight and at most `Limits.endgame`
    are missing, each is also asked of a second peer holding it (never of more than two
    sources), so that the last pieces do not wait on the slowest sender. Not of the store: a
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -258,10 +265,11 @@ def choose(
     plan.origin_unclaimed(plan.stripe)
     plan.peers_rarest_first(rng)
     if store.room and (local.spare or not plan.busy()):
-        plan.origin_unclaimed(-1)
+        scope = plan.beyond_view()
+        plan.origin_unclaimed(scope, 1 if plan.partial and scope == -1 else limits.per_origin)
         plan.origin_rarest(rng, limits.per_origin, plan.held)
         if not plan.busy():
-            plan.origin_rarest(rng, 1, -1)
+            plan.origin_rarest(rng, 1, scope)
     plan.endgame(rng)
     return plan.requests
 
@@ -290,6 +298,22 @@ class _Plan:
         for peer in peers:
             self.held |= peer.have.bits
         self.stripe = stripe(local.rank, local.nodes, count) if count else 0
+        self.partial = 0 < len(peers) < local.nodes - 1
+
+    def beyond_view(self) -> int:
+        """The pieces rule 3 may ask the store for besides those peers hold: all when the
+        view has every node (or none yet: the first decision) or when this node is idle
+        (`choose` then asks for one at a time with a partial view); with a partial view and
+        requests in flight, only the own stripe.
+
+        In a partial view, a piece nobody in view holds or fetches is most likely claimed,
+        or held, by nodes out of view (its stripe's owner and those it spread to), not
+        unclaimed: asking the store for it costs the store another copy, typically just
+        after the store has sent its copy and shows room. A busy node gets it from its peers
+        as soon as one in view has it; an idle one still asks the store (never idle while
+        the store has room).
+        """
+        return self.stripe if self.partial and self.busy() else -1
 
     def busy(self) -> bool:
         return bool(self.local.inflight or self.requests)
@@ -304,7 +328,7 @@ class _Plan:
         self.total += 1
         self.wanted &= ~(1 << piece)
 
-    def origin_unclaimed(self, within: int) -> None:
+    def origin_unclaimed(self, within: int, at_most: int = 1 << 30) -> None:
         """Rules 1, 3: pieces of `within` nobody in view holds or fetches, from the store.
 
         In ring order from the own stripe's start: beyond it lie the stripes of the next
@@ -313,7 +337,7 @@ class _Plan:
         seen = 0
         for peer in self.peers:
             seen |= peer.have.bits | peer.fetching.bits
-        for piece in _ring(self.wanted & ~seen & within, self.stripe):
+        for piece in itertools.islice(_ring(self.wanted & ~seen & within, self.stripe), at_most):
             if not self._free(ORIGIN):
                 return
             self._add(piece, ORIGIN)

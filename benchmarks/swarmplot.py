@@ -1,0 +1,138 @@
+"""The swarm benchmark's plot and its check against the simulator.
+
+    python benchmarks/swarm.py --from-json n8.json n16.json --plot benchmarks/swarm.png
+
+Ready time against N, one panel per regime: peers on and peers off as measured by
+benchmarks/swarm.py (last node solid, p50 dashed), the line rate, and what
+benchmarks/swarmsim.py predicts for the same setting (dotted). The prediction takes the
+setting from the saved results: model bytes, link, store egress = regime x link, N, and the
+daemons' start-up as measured in that run (the first and last node's *up* time become
+the simulator's `startup` and `jitter`); the piece size is the caller's (the daemons' part
+size). Several saved results (say one per N) are merged first.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any, Protocol
+
+import benchlib as bl
+import measure as ms
+import swarmsim as sim
+
+
+class RunLike(Protocol):
+    """What the plot reads of a `swarm.Run`."""
+
+    regime: int
+    n: int
+    mode: str
+    ready_s: list[float | None]
+    up_s: list[float | None]
+
+
+def merge(outputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One output of several saved `--json` files of the same model and link: their runs
+    together, N and regimes the union. Raises ValueError for different models or links."""
+    first = outputs[0]
+    for other in outputs[1:]:
+        for key in ("model_bytes", "line_rate_s"):
+            if other[key] != first[key]:
+                raise ValueError(f"cannot merge results of different {key}: "
+                                 f"{first[key]} and {other[key]}")  # fmt: skip
+    params = dict(first["params"])
+    params["n_values"] = sorted({n for o in outputs for n in o["params"]["n_values"]})
+    params["regime_values"] = sorted({g for o in outputs for g in o["params"]["regime_values"]})
+    params["nodes"] = ",".join(str(n) for n in params["n_values"])
+    overheads: dict[str, float] = {}
+    for o in outputs:
+        overheads |= o["wire_overhead"]
+    runs = [r for o in outputs for r in o["runs"]]
+    return {**first, "params": params, "wire_overhead": overheads, "runs": runs}
+
+
+def sim_params(output: dict[str, Any], runs: list[RunLike], regime: int, n: int,
+               piece: int) -> sim.Params:  # fmt: skip
+    """The simulator's setting for one measured (regime, N): start-up from the peers-on runs."""
+    link = float(output["params"]["link_bits"])
+    ups = [u for r in runs if (r.regime, r.n, r.mode) == (regime, n, "p2p")
+           for u in r.up_s if u is not None]  # fmt: skip
+    startup = min(ups, default=0.0)
+    return sim.Params(n, int(output["model_bytes"]), piece, link, regime * link,
+                      startup=startup, jitter=max(ups, default=0.0) - startup)  # fmt: skip
+
+
+def predict(output: dict[str, Any], runs: list[RunLike], piece: int
+            ) -> dict[tuple[int, int], dict[str, sim.Outcome]]:  # fmt: skip
+    """The simulated swarm and peers-off, by (regime, N), for every measured setting."""
+    out = {}
+    for regime in output["params"]["regime_values"]:
+        for n in output["params"]["n_values"]:
+            p = sim_params(output, runs, regime, n, piece)
+            out[regime, n] = {"p2p": sim.Swarm(p).run(), "off": sim.peers_off(p)}
+    return out
+
+
+def _measured(runs: list[RunLike], where: tuple[int, int, str], stat: str) -> float:
+    """The median over rounds of the last (or p50) node's ready time; NaN if none."""
+    values = []
+    for r in runs:
+        if (r.regime, r.n, r.mode) != where:
+            continue
+        done = sorted(t for t in r.ready_s if t is not None)
+        if stat == "last":
+            values.append(done[-1] if done and len(done) == len(r.ready_s) else float("nan"))
+        else:
+            values.append(ms.median(done) if len(done) * 2 >= len(r.ready_s) else float("nan"))
+    values = [v for v in values if v == v]
+    return ms.median(values) if values else float("nan")
+
+
+def agreement(output: dict[str, Any], runs: list[RunLike],
+              predicted: dict[tuple[int, int], dict[str, sim.Outcome]]) -> str:  # fmt: skip
+    """A table: measured against simulated last-node ready time, per regime, N and mode."""
+    rows = []
+    for (regime, n), sims in sorted(predicted.items()):
+        for mode, outcome in sims.items():
+            got = _measured(runs, (regime, n, mode), "last")
+            ratio = ms.fmt_num(got / outcome.last) + "x" if got == got else "n/a"
+            rows.append([f"{regime}x", n, "peers on" if mode == "p2p" else "peers off",
+                         ms.fmt_num(got, 1), ms.fmt_num(outcome.last, 1), ratio])  # fmt: skip
+    headers = ["store egress", "N", "mode", "measured last s", "simulated last s", "measured / sim"]
+    return ms.md_table(headers, rows)
+
+
+def plot(output: dict[str, Any], runs: list[RunLike], path: Path, title: str,
+         predicted: dict[tuple[int, int], dict[str, sim.Outcome]]) -> None:  # fmt: skip
+    """Ready time against N, one panel per regime; writes a PNG to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regimes, n_values = output["params"]["regime_values"], output["params"]["n_values"]
+    fig, axes = plt.subplots(1, len(regimes), figsize=(5.5 * len(regimes), 4.2), squeeze=False)
+    for ax, regime in zip(axes[0], regimes, strict=True):
+        for mode, color in (("p2p", "tab:blue"), ("off", "tab:orange")):
+            label = f"peers {'on' if mode == 'p2p' else 'off'}"
+            for stat, style, marker in (("last", "-", "o"), ("p50", "--", "s")):
+                ys = [_measured(runs, (regime, n, mode), stat) for n in n_values]
+                ax.plot(n_values, ys, style, marker=marker, color=color, label=f"{label}, {stat}",
+                        fillstyle="full" if stat == "last" else "none")  # fmt: skip
+            ys = [predicted[regime, n][mode].last for n in n_values]
+            ax.plot(n_values, ys, ":", marker="x", color=color, label=f"{label}, last, simulated")
+        ax.axhline(output["line_rate_s"], color="tab:gray", linestyle=":", label="line rate")
+        ax.set_xlabel("nodes started together (N)")
+        ax.set_ylabel("ready s, from the start")
+        ax.set_xticks(n_values)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"store egress = {regime} x a node's link")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(textwrap.fill(title, 66 * len(regimes)), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    bl.log(f"wrote {path}")
