@@ -12,6 +12,7 @@ import pytest
 from weightcache import cli
 from weightcache.config import PeerSettings, format_hostport, parse_hostport
 from weightcache.errors import UsageError
+from weightcache.node.metrics import BAD_PEER_REASONS
 from weightcache.node.peers import (
     BAD_PEER_SECONDS,
     BLOB_PATH,
@@ -339,6 +340,19 @@ def test_a_bad_peer_is_avoided_for_a_while(clock: FakeClock) -> None:
         assert peers._skipped("http://a")
         clock.advance(2)
         assert not peers._skipped("http://a")
+    finally:
+        peers.close()
+
+
+def test_every_peer_avoided_is_told_with_its_reason(clock: FakeClock) -> None:
+    reasons: list[str] = []
+    peers = Peers(settings(), discovery=_NoDiscovery(["http://a"]), clock=clock,
+                  on_bad=reasons.append)  # fmt: skip
+    try:
+        peers.mark_bad("http://a", "it served wrong bytes")
+        peers.failed("http://a")
+        assert reasons == ["wrong_bytes", "unreachable"]
+        assert set(reasons) <= set(BAD_PEER_REASONS)  # the metric refuses anything else
     finally:
         peers.close()
 

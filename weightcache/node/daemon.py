@@ -118,7 +118,10 @@ class Daemon:
         self.metrics.max_concurrency.set(store_settings.max_concurrency)
         self.cache = Cache(layout)
         self.index = for_cache(layout)
-        self.peers = Peers(settings.peer) if settings.peer is not None else None
+        self.peers = (
+            Peers(settings.peer, on_bad=self.metrics.peer_marked_bad)
+            if settings.peer is not None else None
+        )  # fmt: skip
         self.capacity = CapacityGuard(
             self.cache, self.index, self.metrics,
             capacity=settings.capacity, min_free=settings.min_free,

@@ -197,9 +197,10 @@ class Peers:
 
     def __init__(
         self, settings: PeerSettings, discovery: Discovery | None = None,
-        clock: Clock = time.monotonic,
+        clock: Clock = time.monotonic, on_bad: Callable[[str], None] = lambda reason: None,
     ) -> None:  # fmt: skip
         self.settings = settings
+        self._on_bad = on_bad  # told why (metrics' BAD_PEER_REASONS) each time a peer is avoided
         self.discovery = discovery or Discovery(settings)
         self.node_id = secrets.token_hex(8)
         self._clock = clock
@@ -236,6 +237,12 @@ class Peers:
         """Avoid `peer` for BAD_PEER_SECONDS: it served bytes that did not verify."""
         log.warning("avoiding peer %s for %.0fs: %s", peer, BAD_PEER_SECONDS, why)
         self._avoid_for(peer, BAD_PEER_SECONDS)
+        self._on_bad("wrong_bytes")
+
+    def failed(self, peer: str) -> None:
+        """`peer` cut or stalled a piece request (the swarm leaves it out for a moment)."""
+        log.debug("peer %s failed a piece request", peer)
+        self._on_bad("unreachable")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -268,6 +275,7 @@ class Peers:
             log.warning("peer %s refused our token (HTTP %d); give every daemon the same "
                         "--peer-token", peer, resp.status)  # fmt: skip
             self._avoid_for(peer, DOWN_PEER_SECONDS)
+            self._on_bad("bad_token")
             return None
         if resp.getheader("X-Weightcache-Node") == self.node_id:
             with self._lock:

@@ -110,3 +110,4 @@ class PeerViews:
         """Leave out a peer that failed a piece (cut, timed out) for SHUN_SECONDS."""
         with self.lock:
             self.shunned[peer] = time.monotonic() + SHUN_SECONDS
+        self.peers.failed(peer)
