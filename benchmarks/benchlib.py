@@ -450,13 +450,16 @@ def s3_client(endpoint_url: str, store_env: dict[str, str]) -> Any:
     """A boto3 S3 client for the store (the harness's own uploads, never measured)."""
     import boto3
 
-    return boto3.client(
+    from weightcache.transfer.s3 import without_expect_continue
+
+    client = boto3.client(
         "s3",
         endpoint_url=endpoint_url,
         aws_access_key_id=store_env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=store_env["AWS_SECRET_ACCESS_KEY"],
         region_name=store_env.get("AWS_REGION", "us-east-1"),
     )
+    return without_expect_continue(client)
 
 
 def upload_model(model: Model, endpoint_url: str, store_env: dict[str, str]) -> float:

@@ -46,17 +46,24 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def s3(store: Any) -> Any:
-    """A boto3 S3 client talking to the store directly (no proxy)."""
+    """A boto3 S3 client talking to the store directly (no proxy).
+
+    Without `Expect: 100-continue`, as weightcache's own client: with it, the put that
+    follows an empty one on the same connection stalls for botocore's 60 s read timeout
+    (see `without_expect_continue`)."""
     import boto3
 
+    from weightcache.transfer.s3 import without_expect_continue
+
     env = store.env
-    return boto3.client(
+    client = boto3.client(
         "s3",
         endpoint_url=store.endpoint_url,
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_REGION"],
     )
+    return without_expect_continue(client)
 
 
 @pytest.fixture

@@ -69,6 +69,25 @@ def test_publish_writes_nothing_into_the_model_dir(wc: CLI, uniq: str, tmp_path:
     ).read_bytes()
 
 
+def test_publish_of_empty_files_does_not_stall_the_next_upload(
+    wc: CLI, uniq: str, tmp_path: Path
+) -> None:
+    """An empty file answered without `100 Continue` must not poison the pooled connection:
+    before, every upload after an empty one waited out the read timeout and was retried."""
+    files = {"a/__init__.py": b"", "a/b.json": b"{}", "c/__init__.py": b"", "d.bin": b"x" * 999}
+    model = tmp_path / "model"
+    for rel, data in files.items():
+        (model / rel).parent.mkdir(parents=True, exist_ok=True)
+        (model / rel).write_bytes(data)
+    proc = wc.run("publish", model, f"s3://models/{uniq}/m/r1", "--timeout", "20s")
+    assert proc.returncode == 0, proc.stderr
+    assert "attempt 1/" not in proc.stderr, proc.stderr  # no upload had to be sent again
+    fetched = wc.fetch(f"s3://models/{uniq}/m/r1", tmp_path / "cache")
+    assert fetched.returncode == 0, fetched.stderr
+    for rel, data in files.items():
+        assert (Path(fetched.stdout.strip()) / rel).read_bytes() == data, rel
+
+
 def _hf_snapshot(root: Path, files: dict[str, bytes]) -> Path:
     """A Hugging Face cache repo: blobs named by hash, a snapshot of relative links to them."""
     repo = root / "models--org--demo"

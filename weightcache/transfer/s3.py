@@ -68,6 +68,24 @@ PRESIGN_SECONDS = 3600
 _UNRESERVED = "-_.~"  # RFC 3986: never percent-encoded in a SigV4 canonical request
 
 
+def without_expect_continue(client: Any) -> Any:
+    """Make a boto3 S3 client send uploads without `Expect: 100-continue`; returns it.
+
+    A store may answer such a request at once, without `100 Continue` (an S3-compatible
+    store does for an empty body, any store for an early refusal). botocore then keeps that
+    status line and parses the next response on the same pooled connection against it: the
+    response never ends, so that next call waits out the whole read timeout (60 s) and is
+    sent again. The header is not signed, so dropping it changes nothing else.
+    """
+    client.meta.events.register("before-send.s3", _drop_expect_header)
+    return client
+
+
+def _drop_expect_header(request: Any, **_: Any) -> None:
+    if "Expect" in request.headers:
+        del request.headers["Expect"]
+
+
 class Origin:
     """One S3-compatible endpoint. Thread-safe; create one per process."""
 
@@ -102,12 +120,13 @@ class Origin:
             signature_version="s3v4",
             s3={"addressing_style": "path"} if self.endpoint_url else {},
         )
-        return session.client(
+        client = session.client(
             "s3",
             endpoint_url=self.endpoint_url,
             region_name=session.region_name or "us-east-1",
             config=config,
         )
+        return without_expect_continue(client)
 
     # -- the retry loop shared by every control-plane call ---------------------------------
 
