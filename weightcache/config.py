@@ -173,11 +173,13 @@ class OriginSettings:
 
 
 #: The schemes a source may have; a plain absolute path is a `file://` source.
-SCHEMES = ("s3", "file")
+SCHEMES = ("s3", "file", "http", "https")
 _S3 = r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])"
+#: http(s)://host[:port]: no user:password@ (a marker would record it), no query, no fragment.
+_HTTP = r"(https?)://([A-Za-z0-9.\-]+(?::\d{1,5})?|\[[0-9A-Fa-f:.]+\](?::\d{1,5})?)(/[^?#]*)?"
 _SOURCE_FORMS = (
-    "s3://bucket/prefix/<name>/<revision>, file:///path/<name>/<revision> or "
-    "/path/<name>/<revision>"
+    "s3://bucket/prefix/<name>/<revision>, file:///path/<name>/<revision>, "
+    "/path/<name>/<revision> or https://host/path/<name>/<revision>"
 )
 
 
@@ -189,6 +191,9 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
     m = re.fullmatch(_S3 + r"(/.*)?", text)
     if m is not None:
         return "s3", m.group(1), m.group(2) or ""
+    m = re.fullmatch(_HTTP, text)
+    if m is not None:  # the host (and port) is the bucket
+        return m.group(1), m.group(2).lower(), m.group(3) or ""
     if text.startswith("file://"):
         text = text[len("file://") :]  # file://host/... has no leading slash: refused below
     if not text.startswith("/"):
@@ -202,9 +207,10 @@ def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True)
 class Source:
-    """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, or a directory
+    """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, a directory
     on a mounted filesystem, file:///path/<name>/<revision> (bucket "", `prefix` the path
-    without its leading slash). Design §4, Revision sources."""
+    without its leading slash), or http(s)://host[:port]/path/<name>/<revision> (bucket the
+    host and port, lowercased). Design §4, Revision sources."""
 
     bucket: str
     prefix: str  # key prefix (or path) of the revision, no leading or trailing slash
@@ -257,16 +263,18 @@ class SourcePrefix:
 
     @classmethod
     def parse(cls, text: str, what: str = "--allow-source") -> SourcePrefix:
-        """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models` or `/mnt/models`.
+        """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models`, `/mnt/models` or
+        `https://host[:port]/a/b` (a whole host: `https://host`).
         Raises UsageError; a file prefix must name a directory below the root."""
         split = _split_source(str(text))
         segments = tuple(split[2].strip("/").split("/")) if split else ()
-        if segments == ("",) and split and split[0] == "s3":
+        if segments == ("",) and split and split[0] != "file":
             segments = ()
         if split is None or _bad_segment(segments):
             raise UsageError(
-                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, or "
-                "file:///directory, such as s3://models/team-a or file:///mnt/models"
+                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, "
+                "file:///directory, or https://host/path, such as s3://models/team-a, "
+                "file:///mnt/models or https://models.example.com/team-a"
             )
         return cls(split[1], segments, split[0])
 

@@ -84,13 +84,19 @@ def open_revision(
     source: Source, origin: Callable[[], Origin], http: HttpRanges | None
 ) -> RevisionSource:
     """The revision at its origin, by the source's scheme (design §4, Revision sources): a
-    directory on a mount, or an s3:// prefix through `origin()` (built only for s3) and the
-    shared keep-alive connections `http` (new ones if None)."""
+    directory on a mount, a web server's directory, or an s3:// prefix through `origin()`
+    (built only for s3); http(s) and s3 share the keep-alive connections `http` (new ones
+    if None)."""
     if source.scheme == "file":
         from weightcache.transfer.sources import DirectoryRevision
 
         return DirectoryRevision(Path("/", source.prefix))
     from weightcache.transfer.httprange import HttpRanges, S3Revision
+
+    if source.scheme in ("http", "https"):
+        from weightcache.transfer.httpsource import HttpRevision
+
+        return HttpRevision(http or HttpRanges(), source.url)
 
     return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)
 
