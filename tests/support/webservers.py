@@ -37,7 +37,7 @@ http {{
     default_type application/octet-stream;
     sendfile on;
     keepalive_requests 100000;
-    limit_req_zone $server_name zone=slow:1m rate=20r/s;
+    limit_req_zone $binary_remote_addr zone=slow:1m rate=20r/s;
     server {{
         listen 127.0.0.1:{port};
         listen 127.0.0.1:{tls_port} ssl;
