@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -231,13 +232,13 @@ def test_https_trusts_the_system_bundle_or_ssl_cert_file(
 
 @pytest.mark.timeout(150)
 def test_the_daemon_fetches_http_sources_under_its_allow_source_prefixes(
-    wc: CLI, store: object, served: Path, nginx: Nginx, uniq: str, cache_dir: Path,
+    wc: CLI, store: Any, served: Path, nginx: Nginx, uniq: str, cache_dir: Path,
     tmp_path: Path, daemons: Daemons,  # noqa: F811
 ) -> None:  # fmt: skip
     allowed = _model(served, f"{uniq}/team", [1 * MiB], seed="a")
     other = _model(served, f"{uniq}/other", [1 * MiB], seed="b")
     models = write_models(tmp_path / "models.yaml", [])
-    daemons.start(cache_dir, models, endpoint=getattr(store, "endpoint_url"),
+    daemons.start(cache_dir, models, endpoint=store.endpoint_url,
                   allow_source=(f"{nginx.url}/{uniq}/team",))  # fmt: skip
     pod = wc.fetch(f"{nginx.url}/{uniq}/team/llama/v1", cache_dir)
     assert_ok_path(pod, cache_dir / "llama" / "v1")
