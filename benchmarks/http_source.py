@@ -9,7 +9,8 @@ tools interleaved (A B C D A B C D ...), each into a fresh directory on the same
 `+sync` adds the `sync` after the download (weightcache fsyncs what it publishes, curl and
 wget do not). weightcache reads each file with parallel ranged GETs and hashes every byte
 against SHA256SUMS; `curl -Z` fetches the files in parallel, one GET each; `wget -i` one
-after the other. Neither verifies anything.
+after the other. Neither verifies anything. The last row, weightcache reading the served
+directory itself (file://), is what the fetch costs without HTTP (hashing, fsync).
 """
 
 from __future__ import annotations
@@ -27,14 +28,17 @@ from file_source import SHARDS, drop_caches, run_once, write_model
 from tests.support.webservers import Nginx
 
 
-def commands(url: str, names: list[str], dest: Path) -> dict[str, list[str]]:
+def commands(url: str, src: Path, names: list[str], dest: Path) -> dict[str, list[str]]:
     wc = [sys.executable, "-m", "weightcache", "fetch", url, "--no-daemon",
           "--cache-dir", str(dest)]  # fmt: skip
     urls = [f"{url}/{n}" for n in names]
-    curl = ["curl", "-sSf", "-Z", "--parallel-max", str(len(urls)), "--create-dirs",
+    curl = ["curl", "-sSf", "--no-progress-meter", "-Z", "--parallel-max", str(len(urls)),
+            "--create-dirs",
             "--output-dir", str(dest)] + [a for u in urls for a in ("-O", u)]  # fmt: skip
     wget = ["wget", "-q", "-P", str(dest), *urls]
-    return {"weightcache": wc, "curl -Z": curl, "wget": wget}
+    # The same fetch from the served directory itself: what the fetch costs without HTTP.
+    local = [*wc[:4], f"file://{src}", *wc[5:]]
+    return {"weightcache": wc, "curl -Z": curl, "wget": wget, "weightcache file://": local}
 
 
 def main() -> None:
@@ -54,7 +58,7 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             dest = work / "dest"
-            for tool, argv in commands(f"{nginx.url}/llama/v1", names, dest).items():
+            for tool, argv in commands(f"{nginx.url}/llama/v1", src, names, dest).items():
                 dropped = drop_caches() and dropped
                 times.setdefault(tool, []).append(run_once(argv, dest))
                 print(f"round {r + 1} {tool}: {times[tool][-1][0]:.2f}s", file=sys.stderr)
@@ -69,7 +73,7 @@ def main() -> None:
     for tool, runs in times.items():
         bare = statistics.median(t for t, _ in runs)
         synced = statistics.median(t for _, t in runs)
-        verifies = "sha256 of every byte" if tool == "weightcache" else "nothing"
+        verifies = "sha256 of every byte" if tool.startswith("weightcache") else "nothing"
         print(f"| {tool} | {bare:.2f} | {args.size / bare:.0f} | {synced:.2f} | "
               f"{args.size / synced:.0f} | {verifies} |")  # fmt: skip
 

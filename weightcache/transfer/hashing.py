@@ -200,10 +200,11 @@ class ObjectHasher:
         hasher = hashlib.sha256()
         buf = memoryview(bytearray(BUFFER))
         pos = failures = 0
+        timeout = min(self.settings.timeout, READ_TIMEOUT)
         while pos < obj.size:
             before = pos
             try:
-                with obj.source.open_range(pos, obj.size, obj.size, READ_TIMEOUT) as reader:
+                with obj.source.open_range(pos, obj.size, obj.size, timeout) as reader:
                     while pos < obj.size:
                         end = min(pos + BUFFER, obj.size)
                         try:
