@@ -173,7 +173,7 @@ class OriginSettings:
 
 
 #: The schemes a source may have; a plain absolute path is a `file://` source.
-SCHEMES = ("s3", "file", "az", "abfs", "hf")
+SCHEMES = ("s3", "file", "az", "abfs", "hf", "http", "https")
 _S3 = r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])"
 # Azure: a container name (3-63 of a-z 0-9 -, no "--"), abfs:// with its account's host.
 _CONTAINER = r"[a-z0-9](?:[a-z0-9]|-(?!-)){1,61}[a-z0-9]"
@@ -181,10 +181,13 @@ _AZURE = (
     ("az", rf"az://({_CONTAINER})"),
     ("abfs", rf"abfs://({_CONTAINER}@[a-z0-9]{{3,24}}\.dfs\.core\.windows\.net)"),
 )
+#: http(s)://host[:port]: no user:password@ (a marker would record it), no query, no fragment.
+_HTTP = r"(https?)://([A-Za-z0-9.\-]+(?::\d{1,5})?|\[[0-9A-Fa-f:.]+\](?::\d{1,5})?)(/[^?#]*)?"
 _SOURCE_FORMS = (
     "s3://bucket/prefix/<name>/<revision>, az://container/prefix/<name>/<revision>, "
     "abfs://container@account.dfs.core.windows.net/prefix/<name>/<revision>, "
-    "file:///path/<name>/<revision>, /path/<name>/<revision> or hf://org/repo@revision"
+    "https://host/path/<name>/<revision>, file:///path/<name>/<revision>, "
+    "/path/<name>/<revision> or hf://org/repo@revision"
 )
 #: A Hub repository's owner or name (the Hub's own rule: letters, digits, . _ -, not
 #: starting or ending with . or -, no `--` or `..`).
@@ -207,6 +210,9 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
             return scheme, m.group(1), m.group(2) or ""
     if text.startswith("hf://"):
         return "hf", "", "/" + text[len("hf://") :]
+    m = re.fullmatch(_HTTP, text)
+    if m is not None:  # the host (and port) is the bucket
+        return m.group(1), m.group(2).lower(), m.group(3) or ""
     if text.startswith("file://"):
         text = text[len("file://") :]  # file://host/... has no leading slash: refused below
     if not text.startswith("/"):
@@ -222,7 +228,8 @@ def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
 class Source:
     """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, an Azure
     container's az://container/... or abfs://container@account.dfs.core.windows.net/...
-    (bucket: the part before the first slash), a directory on a mounted filesystem,
+    (bucket: the part before the first slash), http(s)://host[:port]/path/<name>/<revision>
+    (bucket the host and port, lowercased), a directory on a mounted filesystem,
     file:///path/<name>/<revision> (bucket "", `prefix` the path without its leading
     slash), or a model repository of the Hugging Face Hub, hf://org/repo@revision (bucket
     "", `prefix` the repo id, name `org--repo`, revision the branch, tag or commit:
@@ -306,6 +313,7 @@ class SourcePrefix:
     @classmethod
     def parse(cls, text: str, what: str = "--allow-source") -> SourcePrefix:
         """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models`, `/mnt/models`,
+        `https://host[:port]/a/b` (a whole host: `https://host`), `az://container/a`,
         `hf://org` or `hf://org/repo` (every revision). Raises UsageError; a file prefix
         must name a directory below the root."""
         split = _split_source(str(text))
@@ -316,8 +324,9 @@ class SourcePrefix:
         if split is None or _bad_segment(segments) or hub_bad:
             raise UsageError(
                 f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, "
-                "az://container/prefix, file:///directory, or hf://org or hf://org/repo, such "
-                "as s3://models/team-a, file:///mnt/models or hf://Qwen"
+                "az://container/prefix, https://host/path, file:///directory, or hf://org or "
+                "hf://org/repo, such as s3://models/team-a, file:///mnt/models, "
+                "https://models.example.com/team-a or hf://Qwen"
             )
         return cls(split[1], segments, split[0])
 

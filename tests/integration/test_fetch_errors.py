@@ -246,7 +246,8 @@ def test_missing_cache_dir(wc: CLI, guarded: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     "source",
     ["models/p/m/r", "s3://", "s3://models", "s3://models/", "s3://models/onlyname",
-     "s3:///p/m/r", "https://models/p/m/r", "s3://models/p/m/..", "s3://models/p/../r",
+     "s3:///p/m/r", "ftp://models/p/m/r", "https://u:pw@models/p/m/r", "s3://models/p/m/..",
+     "s3://models/p/../r",
      "s3://models/p/m/.weightcache"],
 )  # fmt: skip
 def test_invalid_source(wc: CLI, cache_dir: Path, guarded: dict[str, str], source: str) -> None:

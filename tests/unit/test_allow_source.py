@@ -37,6 +37,13 @@ def covers(prefix: str, source: str) -> bool:
         ("file:///mnt/models", "file:///mnt/models2/llama/v1", False),
         ("file:///models", "s3://models/llama/v1", False),  # schemes differ
         ("s3://models", "file:///models/llama/v1", False),
+        ("https://h.example", "https://h.example/team/llama/v1", True),
+        ("https://h.example/team", "https://h.example/team/llama/v1", True),
+        ("https://h.example/team", "https://h.example/teamB/llama/v1", False),
+        ("https://h.example/team", "http://h.example/team/llama/v1", False),  # schemes differ
+        ("https://h.example/team", "https://h.example:8443/team/llama/v1", False),  # ports
+        ("https://h.example/team", "https://other.example/team/llama/v1", False),
+        ("s3://h.example/team", "https://h.example/team/llama/v1", False),
     ],
 )
 def test_prefixes_match_whole_segments(prefix: str, source: str, expected: bool) -> None:
@@ -46,8 +53,8 @@ def test_prefixes_match_whole_segments(prefix: str, source: str, expected: bool)
 @pytest.mark.parametrize(
     "text",
     ["models/team", "s3://", "s3://Models/team", "s3://models/a//b", "s3://models/../x",
-     "s3://models/./x", "https://models/team", "s3://m", "/", "file:///", "file://h/x",
-     "/mnt/../etc", "mnt/models"],
+     "s3://models/./x", "https://u@models/team", "https://models/a/../b", "s3://m", "/",
+     "file:///", "file://h/x", "/mnt/../etc", "mnt/models"],
 )  # fmt: skip
 def test_invalid_prefixes_are_refused(text: str) -> None:
     with pytest.raises(UsageError, match="--allow-source"):

@@ -277,6 +277,23 @@ def test_source_parse(url: str, bucket: str, prefix: str, name: str, revision: s
     assert src.key("sub/model.safetensors") == f"{prefix}/sub/model.safetensors"
 
 
+@pytest.mark.parametrize(
+    ("url", "bucket", "prefix"),
+    [
+        ("http://models.example.com/team/llama/v1", "models.example.com", "team/llama/v1"),
+        ("https://Models.Example.com:8443/llama/v1/", "models.example.com:8443", "llama/v1"),
+        ("http://127.0.0.1:8080/a/llama/v1", "127.0.0.1:8080", "a/llama/v1"),
+        ("https://[fd00::7]:443/llama/v1", "[fd00::7]:443", "llama/v1"),
+    ],
+)
+def test_source_parse_http(url: str, bucket: str, prefix: str) -> None:
+    """The host (and port) is the bucket; the marker records scheme://host/path."""
+    src = Source.parse(url)
+    assert (src.scheme, src.bucket, src.prefix) == (url.split(":")[0], bucket, prefix)
+    assert (src.name, src.revision) == ("llama", "v1")
+    assert src.url == f"{src.scheme}://{bucket}/{prefix}"
+
+
 def test_source_parse_overrides() -> None:
     src = Source.parse("s3://models/org/qwen3-70b/2026-10-01", name="qwen", revision="prod")
     assert (src.name, src.revision) == ("qwen", "prod")
@@ -293,7 +310,12 @@ def test_source_parse_overrides() -> None:
     [
         "",
         "models/a/b",
-        "http://models/a/b",
+        "http://models/a",
+        "https://user:pw@models/a/b",
+        "http://models/a/b?x=1",
+        "ftp://models/a/b",
+        "http:///a/b",
+        "http://h/a/../b",
         "s3:/models/a/b",
         "s3://models",
         "s3://models/",

@@ -144,7 +144,7 @@ def test_a_large_file_keeps_every_entry(tmp_path: Path) -> None:
         pytest.param(f"{{source: {SRC}, pin: 1}}", "'pin' must be true or false", id="pin-int"),
         pytest.param(f"{{source: {SRC}, pin: null}}", "'pin' must be true or false", id="pin-null"),
         pytest.param("{source: s3://models/llama}", "invalid source", id="source-one-segment"),
-        pytest.param("{source: https://models/team/llama/v1}", "invalid source", id="not-s3"),
+        pytest.param("{source: ftp://models/team/llama/v1}", "invalid source", id="not-a-scheme"),
         pytest.param("{source: s3://models/team/../v1}", "invalid source", id="dotdot"),
         pytest.param("{source: s3://Models/team/llama/v1}", "invalid source", id="bad-bucket"),
         pytest.param("{source: 42}", "invalid source", id="source-int"),

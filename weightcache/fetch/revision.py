@@ -86,9 +86,9 @@ def open_revision(
     source: Source, origin: Callable[[], Origin], http: HttpRanges | None
 ) -> RevisionSource:
     """The revision at its origin, by the source's scheme (design §4, Revision sources): a
-    directory on a mount, an Azure container's prefix (adlfs), a Hub repository, or an
-    s3:// prefix through `origin()` (built only for s3); the Hub and s3 over the shared
-    keep-alive connections `http` (new ones if None)."""
+    directory on a mount, an Azure container's prefix (adlfs), a Hub repository, a web
+    server's directory, or an s3:// prefix through `origin()` (built only for s3); the Hub,
+    http(s) and s3 share the keep-alive connections `http` (new ones if None)."""
     if source.scheme == "file":
         from weightcache.transfer.sources import DirectoryRevision
 
@@ -103,6 +103,10 @@ def open_revision(
         from weightcache.transfer.hub import HubRevision
 
         return HubRevision(http or HttpRanges(), source.prefix, source.revision)
+    if source.scheme in ("http", "https"):
+        from weightcache.transfer.httpsource import HttpRevision
+
+        return HttpRevision(http or HttpRanges(), source.url)
 
     return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)
 

@@ -375,4 +375,4 @@ class PeerBlob:
         if self._held_only:  # a piece it lacks is refused at once (416), not waited for
             headers[HELD_ONLY] = "1"
         return self._http.get(self.where, headers, start, end, size, timeout, self.where,
-                              self._on_response)  # fmt: skip
+                              on_response=self._on_response)  # fmt: skip

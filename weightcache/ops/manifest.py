@@ -9,7 +9,9 @@ relative to the prefix, except the manifest itself and the paths a fetch refuses
 §2.1, `cache.manifest.check_path`), which are skipped with one warning each.
 
 Schemes: a prefix is reached through the fetch's revision source, so every scheme a fetch
-reads can be hashed (s3://, file://, plain paths, hf://); --write puts to s3:// only.
+reads can be hashed (s3://, file:// and plain paths, hf://, az://, http(s):// whose
+SHA256SUMS names the files, since a web server has no listing); --write puts to s3:// only,
+and says so before hashing anything.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ class RevisionPrefix:
     def read(self, path: str) -> bytes:
         return self.revision.read_bytes(path)
 
-    def write(self, path: str, data: bytes) -> None:
+    def check_writable(self) -> None:
+        """Raise UsageError unless `write` can put to this prefix (s3:// only)."""
         if self.source.scheme == "hf":
             raise UsageError(
                 f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write, "
@@ -104,12 +107,19 @@ class RevisionPrefix:
                 f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write "
                 f"and save the output as {self.url.removeprefix('file://')}/{MANIFEST_NAME}"
             )
+
+    def write(self, path: str, data: bytes) -> None:
+        self.check_writable()
         self._client().put_bytes(data, self.source.bucket, self.source.key(path))
 
 
-def open_prefix(url: str, settings: OriginSettings) -> PrefixStore:
-    """The PrefixStore for a source URL (any scheme a fetch reads). Raises UsageError."""
-    return RevisionPrefix(Source.parse(url), settings)
+def open_prefix(url: str, settings: OriginSettings, write: bool = False) -> PrefixStore:
+    """The PrefixStore for a source URL (any scheme a fetch reads). Raises UsageError,
+    also, with `write`, before any work if the prefix cannot be written."""
+    prefix = RevisionPrefix(Source.parse(url), settings)
+    if write:
+        prefix.check_writable()
+    return prefix
 
 
 # -- deciding (pure) ----------------------------------------------------------------------
@@ -169,7 +179,7 @@ def manifest(url: str, settings: OriginSettings, write: bool, force: bool) -> by
     """The `manifest` command: hash, then write if asked; returns the manifest bytes."""
     if force and not write:
         raise UsageError("--force only applies with --write: add --write, or drop --force")
-    prefix = open_prefix(url, settings)
+    prefix = open_prefix(url, settings, write)
     progress = Progress(prefix.url, 0)
     try:
         data, selection = make_manifest(prefix, progress)

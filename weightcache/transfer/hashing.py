@@ -36,7 +36,13 @@ from weightcache.transfer.ranged import (
     Run,
     TransferObserver,
 )
-from weightcache.transfer.sources import READ_TIMEOUT, BlobSource, RangeReader, RetryRange
+from weightcache.transfer.sources import (
+    READ_TIMEOUT,
+    BlobSource,
+    RangeReader,
+    RetryRange,
+    whole_only,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +151,10 @@ class ObjectHasher:
                     obj = todo.get_nowait()
                 except queue.Empty:
                     return
-                digests[obj.label] = self._hash_one(obj, getters, buffers, run)
+                if whole_only(obj.source):
+                    digests[obj.label] = self._hash_whole(obj, run)
+                else:
+                    digests[obj.label] = self._hash_one(obj, getters, buffers, run)
         except BaseException as e:
             errors.append(e)
             run.stop.set()
@@ -182,6 +191,33 @@ class ObjectHasher:
                 future.cancel()
                 cf.wait([future])
                 buffers.give(buf)
+        return hasher.hexdigest()
+
+    def _hash_whole(self, obj: StoredObject, run: Run) -> str:
+        """An object its source sends only whole (`whole_only`): one GET streamed through
+        one BUFFER into the hash; a broken read resumes at its byte (the source drops the
+        bytes before it), so memory stays one buffer whatever the object's size."""
+        hasher = hashlib.sha256()
+        buf = memoryview(bytearray(BUFFER))
+        pos = failures = 0
+        timeout = min(self.settings.timeout, READ_TIMEOUT)
+        while pos < obj.size:
+            before = pos
+            try:
+                with obj.source.open_range(pos, obj.size, obj.size, timeout) as reader:
+                    while pos < obj.size:
+                        end = min(pos + BUFFER, obj.size)
+                        try:
+                            self._fill(obj, reader, pos, end, buf, pos, run)
+                        except _Broke as e:
+                            hasher.update(buf[: e.pos - pos])
+                            pos = e.pos
+                            raise e.why from e
+                        hasher.update(buf[: end - pos])
+                        pos = end
+            except RetryRange as e:
+                failures = 0 if pos > before else failures + 1
+                self._wait_before_retry(obj, failures, str(e), run)
         return hasher.hexdigest()
 
     # -- GET workers -------------------------------------------------------------------------

@@ -48,17 +48,30 @@ class _Response(http.client.HTTPResponse):
         return n
 
 
+#: Checks a response to a ranged GET (`check_status`'s contract) and returns how many bytes
+#: of its body come before the range asked for (0 for a 206): a server that ignores Range
+#: answers 200 with the whole object, whose first `start` bytes are read and dropped.
+StatusCheck = Callable[[http.client.HTTPResponse, int, int, int, str], int]
+
+
 class _HttpRange:
-    def __init__(self, resp: _Response) -> None:
-        self._resp = resp
+    def __init__(self, resp: _Response, skip: int) -> None:
+        self._resp, self._skip = resp, skip
 
     def readinto(self, buf: memoryview) -> int:
         try:
+            while self._skip:  # a whole body for a ranged GET: drop what precedes the range
+                n = self._resp.recv_into(buf[: self._skip])
+                if not n:
+                    return 0
+                self._skip -= n
             return self._resp.recv_into(buf)
         except (OSError, http.client.HTTPException) as e:
             raise RetryRange(f"{type(e).__name__}: {e}") from e
 
 
+#: A kept connection: (scheme, host:port, timeout, the CA bundle's environment variable).
+_ConnKey = tuple[str, str, float, str | None]
 #: Hosts one thread keeps a connection to: the swarm's workers ask several peers in turn.
 MAX_HOSTS_PER_THREAD = 16
 
@@ -69,20 +82,28 @@ class HttpRanges:
 
     def __init__(self) -> None:
         self._local = threading.local()
+        #: The http(s) revisions (URLs) whose server ignores Range, learned once per
+        #: revision and kept here, where every RevisionSource of a fetch finds it
+        #: (httpsource.py).
+        self.whole_only: set[str] = set()
 
     @contextlib.contextmanager
     def get(
         self, location: str, headers: dict[str, str], start: int, end: int, size: int,
-        timeout: float, where: str,
+        timeout: float, where: str, check: StatusCheck | None = None,
+        ca_env: str | None = "AWS_CA_BUNDLE",
         on_response: Callable[[http.client.HTTPResponse], None] | None = None,
     ) -> Iterator[RangeReader]:  # fmt: skip
         """GET bytes [start, end) of the `size`-byte object at `location` (the
-        `BlobSource.open_range` contract; `where` names the object in messages).
-        `on_response` sees every response's status and headers before they are checked
-        (a peer's advertisement rides on its refusals too)."""
+        `BlobSource.open_range` contract; `where` names the object in messages), its
+        response checked by `check` (default `check_status`). https trusts the CA bundle
+        named by the environment variable `ca_env` if set, else the system's (which
+        OpenSSL lets SSL_CERT_FILE replace). `on_response` sees every response's status
+        and headers before they are checked (a peer's advertisement rides on its refusals
+        too)."""
         url = urllib.parse.urlsplit(location)
         target = f"{url.path}?{url.query}" if url.query else url.path
-        conn = self._connection(url, timeout)
+        conn = self._connection(url, timeout, ca_env)
         try:
             try:
                 conn.request(
@@ -94,19 +115,42 @@ class HttpRanges:
             assert isinstance(resp, _Response)
             if on_response is not None:
                 on_response(resp)
-            check_status(resp, start, end, size, where)
-            yield _HttpRange(resp)
+            skip = (check or check_status)(resp, start, end, size, where)
+            yield _HttpRange(resp, skip)
         except BaseException:
             self._drop_connection()  # its state is unknown: a fresh one for the next range
             raise
 
+    def request(
+        self, method: str, location: str, headers: dict[str, str], timeout: float,
+        ca_env: str | None, body: bool = True,
+    ) -> tuple[http.client.HTTPResponse, bytes]:  # fmt: skip
+        """One request for a small answer (a HEAD, a manifest) on this thread's connection:
+        the response and its whole body (without `body`: b"", and the connection is closed
+        rather than read to its end). Raises RetryRange if the connection failed, and
+        ssl.SSLCertVerificationError as is (a retry cannot fix it)."""
+        url = urllib.parse.urlsplit(location)
+        conn = self._connection(url, timeout, ca_env)
+        try:
+            conn.request(method, url.path, headers=headers)
+            resp = conn.getresponse()
+            if body:
+                return resp, resp.read()
+            self._drop_connection()
+            return resp, b""
+        except (OSError, http.client.HTTPException) as e:
+            self._drop_connection()
+            if isinstance(e, ssl.SSLCertVerificationError):
+                raise
+            raise RetryRange(f"{type(e).__name__}: {e}") from e
+
     def _connection(
-        self, url: urllib.parse.SplitResult, timeout: float
+        self, url: urllib.parse.SplitResult, timeout: float, ca_env: str | None = "AWS_CA_BUNDLE"
     ) -> http.client.HTTPConnection:
         """This thread's connection to `url`'s host, kept alive across ranges (a thread
         may alternate between hosts: the swarm asks several peers and the store)."""
-        key = (url.scheme, url.netloc, timeout)
-        conns: dict[tuple[str, str, float], http.client.HTTPConnection] = self._conns()
+        key = (url.scheme, url.netloc, timeout, ca_env)
+        conns = self._conns()
         self._local.conn_key = key
         conn = conns.get(key)
         if conn is not None:
@@ -115,7 +159,8 @@ class HttpRanges:
             oldest = next(iter(conns))
             conns.pop(oldest).close()
         if url.scheme == "https":
-            context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+            cafile = os.environ.get(ca_env) if ca_env else None
+            context = ssl.create_default_context(cafile=cafile or None)
             conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
         else:
             conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
@@ -123,8 +168,8 @@ class HttpRanges:
         conns[key] = conn
         return conn
 
-    def _conns(self) -> dict[tuple[str, str, float], http.client.HTTPConnection]:
-        conns: dict[tuple[str, str, float], http.client.HTTPConnection] | None
+    def _conns(self) -> dict[_ConnKey, http.client.HTTPConnection]:
+        conns: dict[_ConnKey, http.client.HTTPConnection] | None
         conns = getattr(self._local, "conns", None)
         if conns is None:
             conns = self._local.conns = {}
@@ -132,7 +177,7 @@ class HttpRanges:
 
     def _drop_connection(self) -> None:
         """Close the connection of this thread's current range (its state is unknown)."""
-        key: tuple[str, str, float] | None = getattr(self._local, "conn_key", None)
+        key: _ConnKey | None = getattr(self._local, "conn_key", None)
         conn = self._conns().pop(key, None) if key is not None else None
         if conn is not None:
             conn.close()
@@ -140,8 +185,9 @@ class HttpRanges:
 
 def check_status(
     resp: http.client.HTTPResponse, start: int, end: int, size: int, where: str
-) -> None:
-    """Accept a 206 of the right object (or a 200 for a whole-object read); raise
+) -> int:
+    """Accept a 206 of the right object (or a 200 for a whole-object read): 0 bytes to
+    skip (a `StatusCheck`); raise
     RetryRange for what a retry may fix (throttle=True for 429/503 SlowDown), IntegrityError
     for an object whose size changed, SourceError for the rest."""
     if resp.status == 206:
@@ -151,9 +197,9 @@ def check_status(
                 f"{where} is {total} bytes now but was {size} when listed; the object changed "
                 "during the fetch, run it again"
             )
-        return
+        return 0
     if resp.status == 200 and start == 0 and end == size:
-        return  # a server that ignores Range for a whole-object read
+        return 0  # a server that ignores Range for a whole-object read
     body = resp.read(4096)
     if resp.status in (429, 503) or b"SlowDown" in body:
         raise RetryRange(f"HTTP {resp.status} SlowDown", throttle=True)

@@ -28,7 +28,13 @@ from weightcache.config import OriginSettings
 from weightcache.errors import Interrupted, TransientError
 from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
 from weightcache.transfer.partial import PartialFile
-from weightcache.transfer.sources import READ_TIMEOUT, BlobSource, RangeReader, RetryRange
+from weightcache.transfer.sources import (
+    READ_TIMEOUT,
+    BlobSource,
+    RangeReader,
+    RetryRange,
+    part_size_for,
+)
 
 log = logging.getLogger(__name__)
 #: Bytes per worker read and per hashing read-back, into one preallocated buffer per
@@ -188,9 +194,8 @@ class RangedDownloader:
         files: list[_File] = []
         try:
             for job in jobs:
-                partial = PartialFile.open(
-                    job.partial, job.label, job.size, self.settings.part_size, job.check
-                )
+                part_size = part_size_for(job.source, job.size, self.settings.part_size)
+                partial = PartialFile.open(job.partial, job.label, job.size, part_size, job.check)
                 files.append(_File(job, partial, run))
             digests = self._download(files, run)
             for f in files:

@@ -85,6 +85,18 @@ class BlobSource(Protocol):
         it is gone or access is denied."""
 
 
+def whole_only(source: BlobSource) -> bool:
+    """Whether the source can only send its blob whole (an optional `whole_only` attribute,
+    False if absent: a web server that ignores Range): one reader must read it, in order."""
+    return bool(getattr(source, "whole_only", False))
+
+
+def part_size_for(source: BlobSource, size: int, part_size: int) -> int:
+    """The part size to read a `size`-byte blob of `source` in: `part_size`, or the whole
+    blob for a `whole_only` source, so that no part of it is sent twice."""
+    return max(size, 1) if whole_only(source) else part_size
+
+
 class RevisionSource(Protocol):
     """A revision's files at their origin. Not a hit-path object: built on a miss."""
 

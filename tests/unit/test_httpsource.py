@@ -1,0 +1,94 @@
+"""The pure decisions of http(s):// sources (design §4, Revision sources): what a web
+server's answer to a ranged GET means, which paths a SHA256SUMS names, and how a blob
+that can only be sent whole is read."""
+
+from __future__ import annotations
+
+import http.client
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from weightcache.errors import IntegrityError, SourceError
+from weightcache.transfer.httprange import HttpRanges
+from weightcache.transfer.httpsource import HttpBlob, check_http_status, manifest_paths
+from weightcache.transfer.sources import FileBlob, RetryRange, part_size_for
+
+URL = "http://h/m/v1/model.bin"
+
+
+class _Answer:
+    """The status and headers of a response (what the checks read), with a small body."""
+
+    def __init__(self, status: int, **headers: str) -> None:
+        self.status = status
+        self._headers = {k.replace("_", "-").lower(): v for k, v in headers.items()}
+
+    def getheader(self, name: str, default: str | None = None) -> str | None:
+        return self._headers.get(name.lower(), default)
+
+    def read(self, n: int = -1) -> bytes:
+        return b""
+
+
+def check(status: int, start: int = 0, end: int = 10, size: int = 100, **headers: str) -> int:
+    answer = cast(http.client.HTTPResponse, _Answer(status, **headers))
+    return check_http_status(answer, start, end, size, URL)
+
+
+def test_a_206_must_be_exactly_the_range_asked_for() -> None:
+    assert check(206, 10, 20, Content_Range="bytes 10-19/100") == 0
+    with pytest.raises(IntegrityError, match="is 99 bytes now but was 100"):
+        check(206, 10, 20, Content_Range="bytes 10-19/99")
+    with pytest.raises(SourceError, match="asked for bytes 10-19"):
+        check(206, 10, 20, Content_Range="bytes 0-19/100")
+    with pytest.raises(SourceError, match="Content-Range ''"):
+        check(206, 10, 20)
+
+
+def test_a_200_is_the_whole_file_whose_prefix_is_skipped() -> None:
+    assert check(200, 0, 100, Content_Length="100") == 0
+    assert check(200, 40, 60, Content_Length="100") == 40
+    with pytest.raises(IntegrityError, match="is 120 bytes now"):
+        check(200, 40, 60, Content_Length="120")
+    with pytest.raises(IntegrityError, match="shorter now"):
+        check(416, 40, 60)
+
+
+@pytest.mark.parametrize(("status", "throttle"), [(429, True), (503, True), (500, False),
+                                                  (502, False), (408, False)])  # fmt: skip
+def test_transient_answers_are_retried_and_429_503_slow_down(status: int, throttle: bool) -> None:
+    with pytest.raises(RetryRange) as info:
+        check(status)
+    assert info.value.throttle is throttle
+
+
+def test_refusals_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WEIGHTCACHE_HTTP_TOKEN", raising=False)
+    with pytest.raises(SourceError, match="no token: set WEIGHTCACHE_HTTP_TOKEN"):
+        check(401)
+    monkeypatch.setenv("WEIGHTCACHE_HTTP_TOKEN", "t")
+    with pytest.raises(SourceError, match="the token in WEIGHTCACHE_HTTP_TOKEN"):
+        check(403)
+    with pytest.raises(SourceError, match="404, no such file"):
+        check(404)
+    with pytest.raises(SourceError, match="to https://x/y; redirects are not followed"):
+        check(301, Location="https://x/y")
+
+
+def test_manifest_paths_are_the_named_files_in_order() -> None:
+    h = "ab" * 32
+    data = f"{h}  b.bin\n{h} *./sub/a b.json\r\nnot a line\n{h}  ../escape\n\n{h}  c".encode()
+    assert manifest_paths(data) == ["b.bin", "sub/a b.json", "c"]
+
+
+def test_a_blob_sent_only_whole_is_read_in_one_part() -> None:
+    http = HttpRanges()
+    blob = HttpBlob(http, URL, "http://h/m/v1")
+    assert part_size_for(blob, 100 << 20, 16 << 20) == 16 << 20
+    http.whole_only.add("http://h/m/v1")
+    assert blob.whole_only
+    assert part_size_for(blob, 100 << 20, 16 << 20) == 100 << 20
+    assert part_size_for(blob, 0, 16 << 20) == 1
+    assert part_size_for(FileBlob(Path("/nowhere")), 100, 16) == 16
