@@ -218,8 +218,10 @@ class Fetcher:
 
     def revision_source(self, source: Source) -> RevisionSource:
         """The revision at its origin, by the source's scheme (design §4, Revision
-        sources): an s3:// prefix through the shared client, or another scheme's own."""
-        if source.scheme != "s3":
+        sources): s3://, http(s):// and hf:// over the fetch's shared keep-alive
+        connections (which also remember the web servers that ignore Range), a directory
+        or an Azure container through their own."""
+        if source.scheme in ("file", "az", "abfs"):
             return open_revision(source, lambda: self.origin, None)
         from weightcache.transfer.httprange import HttpRanges
 
