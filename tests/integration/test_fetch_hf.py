@@ -257,3 +257,23 @@ def test_the_daemon_fetches_hf_commits_with_its_token_for_pods_without_one(
     assert proc.stdout.strip() == str(cache_dir / asked_repo.replace("/", "--") / asked_commit)
     assert "fetching alone" not in proc.stderr, describe(proc)
     assert_revision_ok(cache_dir, asked_repo.replace("/", "--"), asked_commit, asked)
+
+
+def test_small_files_without_a_manifest_are_verified_by_their_git_blob_id(
+    wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
+    cache_dir: Path,
+) -> None:  # fmt: skip
+    """No SHA256SUMS and files outside LFS (config.json, tokenizer files): each small file is
+    downloaded, its git blob id computed while it lands and compared with the one the Hub
+    lists, and the marker says so."""
+    root = tmp_path / "hub-src" / "small"
+    model = make_model(root, [2 * MiB], small_files=True, manifest=False, seed="small")
+    repo_id, commit = _repo(hub, uniq, model)
+    name = repo_id.replace("/", "--")
+    first = _fetch_json(wc, f"hf://{repo_id}@{commit}", cache_dir, hf_env)
+    assert first["hit"] is False, first
+    assert_revision_ok(cache_dir, name, commit, model)
+    marker = json.loads((cache_dir / name / commit / ".weightcache").read_text())
+    how = {p: f["verified"] for p, f in marker["files"].items()}
+    assert "hf:git-sha1" in how.values() and "hf:sha256" in how.values(), how
+    assert _fetch_json(wc, f"hf://{repo_id}@{commit}", cache_dir, hf_env)["hit"] is True
