@@ -173,11 +173,13 @@ class OriginSettings:
 
 
 #: The schemes a source may have; a plain absolute path is a `file://` source.
-SCHEMES = ("s3", "file")
+SCHEMES = ("s3", "file", "gs")
 _S3 = r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])"
+#: A GCS bucket name: 3-63 characters, or up to 222 in dotted (domain) names.
+_GS = r"gs://([a-z0-9][a-z0-9._\-]{1,220}[a-z0-9])"
 _SOURCE_FORMS = (
-    "s3://bucket/prefix/<name>/<revision>, file:///path/<name>/<revision> or "
-    "/path/<name>/<revision>"
+    "s3://bucket/prefix/<name>/<revision>, gs://bucket/prefix/<name>/<revision>, "
+    "file:///path/<name>/<revision> or /path/<name>/<revision>"
 )
 
 
@@ -189,6 +191,9 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
     m = re.fullmatch(_S3 + r"(/.*)?", text)
     if m is not None:
         return "s3", m.group(1), m.group(2) or ""
+    m = re.fullmatch(_GS + r"(/.*)?", text)
+    if m is not None:
+        return "gs", m.group(1), m.group(2) or ""
     if text.startswith("file://"):
         text = text[len("file://") :]  # file://host/... has no leading slash: refused below
     if not text.startswith("/"):
@@ -261,7 +266,7 @@ class SourcePrefix:
         Raises UsageError; a file prefix must name a directory below the root."""
         split = _split_source(str(text))
         segments = tuple(split[2].strip("/").split("/")) if split else ()
-        if segments == ("",) and split and split[0] == "s3":
+        if segments == ("",) and split and split[0] in ("s3", "gs"):
             segments = ()
         if split is None or _bad_segment(segments):
             raise UsageError(

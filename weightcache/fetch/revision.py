@@ -90,6 +90,10 @@ def open_revision(
         from weightcache.transfer.sources import DirectoryRevision
 
         return DirectoryRevision(Path("/", source.prefix))
+    if source.scheme == "gs":
+        from weightcache.transfer.gcs import GcsRevision
+
+        return GcsRevision(source.bucket, source.prefix)
     from weightcache.transfer.httprange import HttpRanges, S3Revision
 
     return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)

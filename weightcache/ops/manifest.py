@@ -9,7 +9,8 @@ relative to the prefix, except the manifest itself and the paths a fetch refuses
 §2.1, `cache.manifest.check_path`), which are skipped with one warning each.
 
 Schemes: a prefix is reached through the fetch's revision source, so every scheme a fetch
-reads can be hashed (s3://, file:// and plain paths); --write puts to s3:// only.
+reads can be hashed (s3://, gs://, file:// and plain paths); --write puts to s3:// and
+gs:// only.
 """
 
 from __future__ import annotations
@@ -95,9 +96,15 @@ class RevisionPrefix:
         return self.revision.read_bytes(path)
 
     def write(self, path: str, data: bytes) -> None:
+        if self.source.scheme == "gs":
+            from weightcache.transfer.gcs import GcsRevision
+
+            assert isinstance(self.revision, GcsRevision)
+            self.revision.put_bytes(path, data)
+            return
         if self.source.scheme != "s3":
             raise UsageError(
-                f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write "
+                f"--write puts SHA256SUMS to gs:// and s3:// only; for {self.url}, run without --write "
                 f"and save the output as {self.url.removeprefix('file://')}/{MANIFEST_NAME}"
             )
         self._client().put_bytes(data, self.source.bucket, self.source.key(path))
