@@ -92,7 +92,7 @@ def test_a_hit_loads_no_gcs_library(
 ) -> None:
     """The hit path (design §4) finds the marker without gcsfs, fsspec or aiohttp, even
     with the emulator unreachable."""
-    url, model = gput([64 * 1024])
+    url, _ = gput([64 * 1024])
     _fetch_json(wc, gcs, url, cache_dir)
     args = wc.fetch_args(url, cache_dir, "--no-daemon", endpoint=None)
     hit = subprocess.run(

@@ -104,8 +104,8 @@ class RevisionPrefix:
             return
         if self.source.scheme != "s3":
             raise UsageError(
-                f"--write puts SHA256SUMS to gs:// and s3:// only; for {self.url}, run without --write "
-                f"and save the output as {self.url.removeprefix('file://')}/{MANIFEST_NAME}"
+                f"--write puts SHA256SUMS to gs:// and s3:// only; for {self.url}, run without "
+                f"--write and save the output as {self.url.removeprefix('file://')}/{MANIFEST_NAME}"
             )
         self._client().put_bytes(data, self.source.bucket, self.source.key(path))
 

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from weightcache.errors import IntegrityError, SourceError, TransientError
+from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 if TYPE_CHECKING:
@@ -85,7 +85,12 @@ class GcsClient:
     def __init__(self) -> None:
         # gcsfs announces its experimental features at INFO on import: not about the fetch.
         logging.getLogger("gcsfs").setLevel(logging.WARNING)
-        import gcsfs.core  # the plain JSON-API filesystem: no gRPC bucket-type probes
+        try:
+            import gcsfs.core  # the plain JSON-API filesystem: no gRPC bucket-type probes
+        except ImportError as e:
+            raise UsageError(
+                f"gs:// sources need gcsfs ({e}): pip install 'weightcache[gcs]'"
+            ) from e
 
         self.loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self.loop.run_forever, name="gcs-io", daemon=True)
@@ -156,8 +161,8 @@ class GcsRevision:
     @property
     def manifest_hint(self) -> str:
         return (
-            f"write it with `weightcache manifest {self.url}/ --write` so downloads can be "
-            "verified"
+            f"write it with `weightcache manifest {self.url}/ --write` so that downloads "
+            "can be verified"
         )
 
     def listing(self) -> dict[str, dict[str, Any]]:
@@ -179,7 +184,7 @@ class GcsRevision:
     def vouches(self) -> dict[str, tuple[str, str]]:
         """{relative path: (algorithm, hex)} of what GCS vouches for each object: crc32c,
         which every object has, else md5 (design §4, verification)."""
-        vouched = {}
+        vouched: dict[str, tuple[str, str]] = {}
         for rel, info in self.listing().items():
             sums = listed_checksums(info)
             for algorithm in ("crc32c", "md5"):
