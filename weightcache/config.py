@@ -207,9 +207,9 @@ def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True)
 class Source:
-    """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, or a directory
-    on a mounted filesystem, file:///path/<name>/<revision> (bucket "", `prefix` the path
-    without its leading slash). Design §4, Revision sources."""
+    """A model revision at its origin: s3://bucket/prefix/<name>/<revision> (gs:// alike),
+    or a directory on a mounted filesystem, file:///path/<name>/<revision> (bucket "",
+    `prefix` the path without its leading slash). Design §4, Revision sources."""
 
     bucket: str
     prefix: str  # key prefix (or path) of the revision, no leading or trailing slash
@@ -262,7 +262,7 @@ class SourcePrefix:
 
     @classmethod
     def parse(cls, text: str, what: str = "--allow-source") -> SourcePrefix:
-        """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models` or `/mnt/models`.
+        """`s3://bucket`, `s3://bucket/a/b/` (gs:// alike), `file:///mnt/models` or `/mnt/models`.
         Raises UsageError; a file prefix must name a directory below the root."""
         split = _split_source(str(text))
         segments = tuple(split[2].strip("/").split("/")) if split else ()
@@ -270,8 +270,9 @@ class SourcePrefix:
             segments = ()
         if split is None or _bad_segment(segments):
             raise UsageError(
-                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, or "
-                "file:///directory, such as s3://models/team-a or file:///mnt/models"
+                f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix (or "
+                "gs://...), or file:///directory, such as s3://models/team-a or "
+                "file:///mnt/models"
             )
         return cls(split[1], segments, split[0])
 
