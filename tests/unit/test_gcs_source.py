@@ -41,3 +41,21 @@ def test_allow_source_matches_gs_prefixes_by_scheme(
     prefix: str, source: str, expected: bool
 ) -> None:
     assert SourcePrefix.parse(prefix).covers(Source.parse(source)) is expected
+
+
+def test_gcsfs_errors_map_to_exit_codes() -> None:
+    """What gcsfs raises after its own retries, as the exit codes of design §2.2."""
+    from gcsfs.retry import HttpError
+
+    from weightcache.errors import SourceError, TransientError
+    from weightcache.transfer.gcs import _error
+
+    where = "gs://models/team/llama/v1"
+    missing = _error(FileNotFoundError("b/models/o"), where)
+    assert isinstance(missing, SourceError) and "not found" in str(missing)
+    for denied in (OSError("Forbidden: b/models/o\nno access"), HttpError({"code": 401})):
+        error = _error(denied, where)
+        assert isinstance(error, SourceError), denied
+        assert "GOOGLE_APPLICATION_CREDENTIALS" in str(error) and "workload identity" in str(error)
+    for busy in (HttpError({"code": 429}), HttpError({"code": 503}), TimeoutError()):
+        assert isinstance(_error(busy, where), TransientError), busy
