@@ -16,6 +16,9 @@ the same disk:
 
 Both gcsfs rows use `gcsfs.core.GCSFileSystem` (the default `fsspec.filesystem("gs")` first
 probes each bucket's type over gRPC, which an emulator answers only after a 60 s timeout).
+A last, in-process weightcache fetch measures the CPU seconds of the gcs-io event-loop
+thread (every byte passes through aiohttp there) against the whole process's: the share of
+one core that fsspec takes, and so the rate at which that one thread saturates.
 The wire columns of cold_fetch.py (first GET, first byte) are left out: no capture here.
 """
 
@@ -23,8 +26,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import benchlib as bl
@@ -109,6 +115,43 @@ def summarize(runs: list[ms.Run], size: int) -> str:
                         "peak RSS MiB"], rows)  # fmt: skip
 
 
+def _thread_cpu(native_id: int) -> float:
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loop_share(model: bl.Model, server: FakeGcs, work: Path) -> str:
+    """One fetch in this process: its CPU seconds, and those of the gcs-io loop thread."""
+    os.environ["STORAGE_EMULATOR_HOST"] = server.url
+    from weightcache.cache.layout import Layout
+    from weightcache.config import OriginSettings, Source
+    from weightcache.fetch import Fetcher
+    from weightcache.transfer.gcs import GcsClient
+
+    GcsClient.shared()
+    loop = next(t.native_id for t in threading.enumerate() if t.name == "gcs-io")
+    assert loop is not None
+    before, loop_before, t0 = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        _thread_cpu(loop),
+        time.monotonic(),
+    )
+    fetcher = Fetcher(Layout.open(work / "inproc"), OriginSettings())
+    fetcher.fetch(Source.parse(f"gs://{BUCKET}/{model.prefix}"))
+    after, loop_after, t1 = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        _thread_cpu(loop),
+        time.monotonic(),
+    )
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    share = loop_after - loop_before
+    return (
+        f"in-process weightcache fetch: {t1 - t0:.2f} s wall, {cpu:.2f} s CPU, of which the "
+        f"gcs-io event loop thread {share:.2f} s ({share / cpu:.0%}); one loop thread "
+        f"saturates at ~{model.total_bytes / (1 << 20) / share:.0f} MiB/s"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size", default="1G", help="total shard bytes (binary units): 1G, 256M")
@@ -125,11 +168,13 @@ def main() -> None:
         fs.put(f"{model.local_dir}/", f"{BUCKET}/{model.prefix}/", recursive=True)
         bl.log(f"uploaded {bl.fmt_size(model.total_bytes)} to {server.url}")
         runs = run_rounds(args, model, server, work)
+        share = loop_share(model, server, work)
     bl.drop_dir(work)
     print(f"\n{bl.machine_line(bl.machine_info())}")
     print(f"{bl.fmt_size(size)} of shards in 4 files + 3 small, {args.rounds} rounds, "
           "fake-gcs-server (memory backend) on loopback; medians\n")  # fmt: skip
     print(summarize(runs, size))
+    print(f"\n{share}")
 
 
 if __name__ == "__main__":
