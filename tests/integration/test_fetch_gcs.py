@@ -207,14 +207,17 @@ def test_vouches_gives_each_objects_crc32c(
     url, model = gput([300_000, 0], extra_files={"sub/a.bin": b"abc"})
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
     bucket, _, prefix = url.removeprefix("gs://").partition("/")
-    revision = GcsRevision(bucket, prefix, GcsClient())
+    client = GcsClient()
+    try:
+        revision = GcsRevision(bucket, prefix, client)
+        listing, vouched = revision.listing(), revision.vouches()
+    finally:
+        client.close()
     expected = {}
     for rel in model.hashes:
         data = (model.root / rel).read_bytes()
         expected[rel] = ("crc32c", google_crc32c.Checksum(data).digest().hex())
-        listed = listed_checksums(revision.listing()[rel])
-        assert listed["md5"] == hashlib.md5(data).hexdigest(), rel
-    vouched = revision.vouches()
+        assert listed_checksums(listing[rel])["md5"] == hashlib.md5(data).hexdigest(), rel
     assert {k: v for k, v in vouched.items() if k != MANIFEST} == expected
     assert all(len(h) == 8 and h == h.lower() for _, h in expected.values())
 

@@ -113,6 +113,14 @@ class GcsClient:
                 cls._shared = cls()
             return cls._shared
 
+    def close(self) -> None:
+        """Close the session on its loop, then stop the loop (a client built for a while,
+        as in tests: the process's shared one lives as long as the process)."""
+        session = getattr(self.fs, "_session", None)
+        if session is not None:
+            self.run(session.close(), CONTROL_TIMEOUT)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run `coro` on the loop; wait at most `timeout` seconds (asyncio.TimeoutError)."""
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop).result()
