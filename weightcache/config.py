@@ -173,8 +173,10 @@ class OriginSettings:
 
 
 #: The schemes a source may have; a plain absolute path is a `file://` source.
-SCHEMES = ("s3", "file", "az", "abfs", "hf", "http", "https")
+SCHEMES = ("s3", "file", "gs", "az", "abfs", "hf", "http", "https")
 _S3 = r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])"
+#: A GCS bucket name: 3-63 characters, or up to 222 in dotted (domain) names.
+_GS = r"gs://([a-z0-9][a-z0-9._\-]{1,220}[a-z0-9])"
 # Azure: a container name (3-63 of a-z 0-9 -, no "--"), abfs:// with its account's host.
 _CONTAINER = r"[a-z0-9](?:[a-z0-9]|-(?!-)){1,61}[a-z0-9]"
 _AZURE = (
@@ -184,7 +186,8 @@ _AZURE = (
 #: http(s)://host[:port]: no user:password@ (a marker would record it), no query, no fragment.
 _HTTP = r"(https?)://([A-Za-z0-9.\-]+(?::\d{1,5})?|\[[0-9A-Fa-f:.]+\](?::\d{1,5})?)(/[^?#]*)?"
 _SOURCE_FORMS = (
-    "s3://bucket/prefix/<name>/<revision>, az://container/prefix/<name>/<revision>, "
+    "s3://bucket/prefix/<name>/<revision>, gs://bucket/prefix/<name>/<revision>, "
+    "az://container/prefix/<name>/<revision>, "
     "abfs://container@account.dfs.core.windows.net/prefix/<name>/<revision>, "
     "https://host/path/<name>/<revision>, file:///path/<name>/<revision>, "
     "/path/<name>/<revision> or hf://org/repo@revision"
@@ -204,6 +207,9 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
     m = re.fullmatch(_S3 + r"(/.*)?", text)
     if m is not None:
         return "s3", m.group(1), m.group(2) or ""
+    m = re.fullmatch(_GS + r"(/.*)?", text)
+    if m is not None:
+        return "gs", m.group(1), m.group(2) or ""
     for scheme, pattern in _AZURE:
         m = re.fullmatch(pattern + r"(/.*)?", text)
         if m is not None:
@@ -226,8 +232,8 @@ def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True)
 class Source:
-    """A model revision at its origin: s3://bucket/prefix/<name>/<revision>, an Azure
-    container's az://container/... or abfs://container@account.dfs.core.windows.net/...
+    """A model revision at its origin: s3://bucket/prefix/<name>/<revision> (gs:// alike),
+    an Azure container's az://container/... or abfs://container@account.dfs.core.windows.net/...
     (bucket: the part before the first slash), http(s)://host[:port]/path/<name>/<revision>
     (bucket the host and port, lowercased), a directory on a mounted filesystem,
     file:///path/<name>/<revision> (bucket "", `prefix` the path without its leading
@@ -312,7 +318,7 @@ class SourcePrefix:
 
     @classmethod
     def parse(cls, text: str, what: str = "--allow-source") -> SourcePrefix:
-        """`s3://bucket`, `s3://bucket/a/b/`, `file:///mnt/models`, `/mnt/models`,
+        """`s3://bucket`, `s3://bucket/a/b/` (gs:// alike), `file:///mnt/models`, `/mnt/models`,
         `https://host[:port]/a/b` (a whole host: `https://host`), `az://container/a`,
         `hf://org` or `hf://org/repo` (every revision). Raises UsageError; a file prefix
         must name a directory below the root."""
@@ -324,9 +330,9 @@ class SourcePrefix:
         if split is None or _bad_segment(segments) or hub_bad:
             raise UsageError(
                 f"invalid {what} {text!r}: expected s3://bucket or s3://bucket/prefix, "
-                "az://container/prefix, https://host/path, file:///directory, or hf://org or "
-                "hf://org/repo, such as s3://models/team-a, file:///mnt/models, "
-                "https://models.example.com/team-a or hf://Qwen"
+                "gs://bucket/prefix, az://container/prefix, https://host/path, "
+                "file:///directory, or hf://org or hf://org/repo, such as s3://models/team-a, "
+                "file:///mnt/models, https://models.example.com/team-a or hf://Qwen"
             )
         return cls(split[1], segments, split[0])
 

@@ -145,7 +145,7 @@ def test_an_empty_prefix_or_a_missing_bucket_is_a_source_error(wc: CLI, s3: Any,
 def test_force_without_write_and_other_schemes_are_usage_errors(wc: CLI) -> None:
     message = assert_fails(wc.run("manifest", "s3://models/a/b", "--force"), 2)
     assert "--force only applies with --write" in message
-    message = assert_fails(wc.run("manifest", "gs://models/a/b"), 2)
+    message = assert_fails(wc.run("manifest", "ftp://models/a/b"), 2)
     assert "s3://" in message
 
 

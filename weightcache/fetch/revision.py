@@ -93,6 +93,10 @@ def open_revision(
         from weightcache.transfer.sources import DirectoryRevision
 
         return DirectoryRevision(Path("/", source.prefix))
+    if source.scheme == "gs":
+        from weightcache.transfer.gcs import GcsRevision
+
+        return GcsRevision(source.bucket, source.prefix)
     if source.scheme in ("az", "abfs"):
         from weightcache.transfer.azure import AzureRevision
 
@@ -219,9 +223,9 @@ class Fetcher:
     def revision_source(self, source: Source) -> RevisionSource:
         """The revision at its origin, by the source's scheme (design §4, Revision
         sources): s3://, http(s):// and hf:// over the fetch's shared keep-alive
-        connections (which also remember the web servers that ignore Range), a directory
-        or an Azure container through their own."""
-        if source.scheme in ("file", "az", "abfs"):
+        connections (which also remember the web servers that ignore Range); a directory,
+        GCS and Azure through their own."""
+        if source.scheme in ("file", "gs", "az", "abfs"):
             return open_revision(source, lambda: self.origin, None)
         from weightcache.transfer.httprange import HttpRanges
 

@@ -9,9 +9,9 @@ relative to the prefix, except the manifest itself and the paths a fetch refuses
 §2.1, `cache.manifest.check_path`), which are skipped with one warning each.
 
 Schemes: a prefix is reached through the fetch's revision source, so every scheme a fetch
-reads can be hashed (s3://, file:// and plain paths, hf://, az://, http(s):// whose
-SHA256SUMS names the files, since a web server has no listing); --write puts to s3:// only,
-and says so before hashing anything.
+reads can be hashed (s3://, gs://, file:// and plain paths, hf://, az://, http(s):// whose
+SHA256SUMS names the files, since a web server has no listing); --write puts to s3:// and
+gs:// only, and says so before hashing anything.
 """
 
 from __future__ import annotations
@@ -95,21 +95,29 @@ class RevisionPrefix:
         return self.revision.read_bytes(path)
 
     def check_writable(self) -> None:
-        """Raise UsageError unless `write` can put to this prefix (s3:// only)."""
+        """Raise UsageError unless `write` can put to this prefix (s3:// and gs:// only)."""
+        if self.source.scheme == "gs":
+            return
         if self.source.scheme == "hf":
             raise UsageError(
-                f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write, "
-                f"save the output as {MANIFEST_NAME} and commit it to the repository with "
-                f"`hf upload {self.source.prefix} {MANIFEST_NAME}`"
+                f"--write puts SHA256SUMS to gs:// and s3:// only; for {self.url}, run without "
+                f"--write, save the output as {MANIFEST_NAME} and commit it to the repository "
+                f"with `hf upload {self.source.prefix} {MANIFEST_NAME}`"
             )
         if self.source.scheme != "s3":
             raise UsageError(
-                f"--write puts SHA256SUMS to s3:// only; for {self.url}, run without --write "
-                f"and save the output as {self.url.removeprefix('file://')}/{MANIFEST_NAME}"
+                f"--write puts SHA256SUMS to gs:// and s3:// only; for {self.url}, run without "
+                f"--write and save the output as {self.url.removeprefix('file://')}/{MANIFEST_NAME}"
             )
 
     def write(self, path: str, data: bytes) -> None:
         self.check_writable()
+        if self.source.scheme == "gs":
+            from weightcache.transfer.gcs import GcsRevision
+
+            assert isinstance(self.revision, GcsRevision)
+            self.revision.put_bytes(path, data)
+            return
         self._client().put_bytes(data, self.source.bucket, self.source.key(path))
 
 
