@@ -190,13 +190,26 @@ def test_a_missing_blob_or_prefix_is_exit_3(
     assert markers(cache_dir) == []
 
 
-def test_no_manifest_is_exit_3_saying_how_to_make_one(
-    wc: CLI, azurite: Azurite, upload: Callable[..., tuple[Model, str]], cache_dir: Path
-) -> None:
-    _, url = upload([1 * MiB], manifest=False)
-    message = assert_fails(wc.fetch(url, cache_dir, "--no-daemon", env=_env(azurite)), 3)
-    assert f"no {MANIFEST} at {url}/{MANIFEST}" in message, message
-    assert f"weightcache manifest {url}/" in message, message
+def test_without_a_manifest_content_md5_verifies_and_a_blob_without_one_is_exit_3(
+    wc: CLI, azurite: Azurite, container: Any, upload: Callable[..., tuple[Model, str]],
+    cache_dir: Path, uniq: str,
+) -> None:  # fmt: skip
+    """No SHA256SUMS: blobs put whole carry a Content-MD5, which the fetch checks as the bytes
+    land (the marker says so); a blob committed from blocks has none, and then the fetch is
+    exit 3 naming the command that makes a manifest."""
+    model, url = upload([1 * MiB], manifest=False)
+    proc = wc.fetch(url, cache_dir, "--no-daemon", env=_env(azurite))
+    assert proc.returncode == 0, describe(proc)
+    assert_revision_ok(cache_dir, "m", "r1", model)
+    marker = json.loads((cache_dir / "m" / "r1" / ".weightcache").read_text())
+    assert {f["verified"] for f in marker["files"].values()} == {"az:md5"}, marker
+    client = container.get_blob_client(f"{uniq}/m2/r1/blocks.bin")
+    client.stage_block("b0", b"x" * 70_000)
+    client.commit_block_list(["b0"])
+    bare = f"az://{CONTAINER}/{uniq}/m2/r1"
+    message = assert_fails(wc.fetch(bare, cache_dir, "--no-daemon", env=_env(azurite)), 3)
+    assert f"no {MANIFEST} at {bare}/{MANIFEST}" in message, message
+    assert f"weightcache manifest {bare}/" in message, message
 
 
 def test_a_wrong_key_is_exit_3_naming_the_credentials(
