@@ -75,7 +75,11 @@ def fetch(
     progress_interval: float | None,
     **store: Any,
 ) -> None:
-    """Make SOURCE ready in the cache and print its local path (InitContainer mode)."""
+    """Make SOURCE ready in the cache and print its local path (InitContainer mode).
+
+    SOURCE: s3://bucket/prefix/name/rev, /path/name/rev (or file://), https://host/path/name/rev,
+    gs://bucket/prefix/name/rev, az://container/prefix/name/rev, hf://org/repo@revision.
+    """
     from weightcache.cache.layout import Layout, check_revision
     from weightcache.fetch import check_hit
 
@@ -170,8 +174,9 @@ def publish(local_dir: Path, dest: str, **store: Any) -> None:
 @store_options
 @reports_errors
 def manifest(source: str, write: bool, force: bool, **store: Any) -> None:
-    """Hash every file under SOURCE (s3://bucket/prefix/name/rev) where it is, with parallel
-    ranged reads and no local copy, and print its SHA256SUMS; --write puts it there instead.
+    """Hash every file under SOURCE (any source `fetch` takes) where it is, with parallel
+    ranged reads and no local copy, and print its SHA256SUMS; --write puts it there instead
+    (s3:// and gs://).
 
     Memory: at most --max-concurrency buffers of --part-size (256MiB by default).
     """
