@@ -9,7 +9,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from tests.support.checks import (
     assert_revision_ok,
     blobs_dir,
     describe,
+    kill9_mid_download,
     markers,
 )
 from tests.support.faultproxy import FaultProxy
@@ -132,15 +132,7 @@ def test_kill9_then_resume(
     env = _env(azurite)
     args = ("--no-daemon", "--part-size", "1M", "--max-concurrency", "4")
     running = wc.fetch_popen(url, cache_dir, *args, "--bwlimit", "3M", env=env)
-    tmp = cache_dir / ".weightcache" / "tmp"
-    started = None
-    while started is None or time.monotonic() - started < 2.5:
-        assert running.poll() is None, running.finish().stderr
-        if started is None and any(tmp.glob("*.part")):
-            started = time.monotonic()
-        time.sleep(0.02)
-    running.kill9()
-    assert markers(cache_dir) == []
+    kill9_mid_download(running, cache_dir)
     resumed = _fetch_json(wc, url, cache_dir, env, *args[1:])
     assert_revision_ok(cache_dir, "m", "r1", model)
     # 2.5 s at 3 MiB/s is ~7 MiB; a kill loses at most the 4 parts in flight.

@@ -4,7 +4,6 @@ Revision sources): the same verification, resume and dedup as from S3, no store 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tests.support.checks import (
     assert_revision_ok,
     blobs_dir,
     describe,
+    kill9_mid_download,
     markers,
 )
 from tests.support.modelgen import MANIFEST, Model, make_model
@@ -66,15 +66,7 @@ def test_kill9_then_resume(wc: CLI, tmp_path: Path, cache_dir: Path) -> None:
     model = _model(tmp_path, [24 * MiB], small_files=False)
     args = ("--no-daemon", "--part-size", "1M", "--max-concurrency", "4")
     running = wc.fetch_popen(str(model.root), cache_dir, *args, "--bwlimit", "3M")
-    tmp = cache_dir / ".weightcache" / "tmp"
-    started = None
-    while started is None or time.monotonic() - started < 2.5:
-        assert running.poll() is None, running.finish().stderr
-        if started is None and any(tmp.glob("*.part")):
-            started = time.monotonic()
-        time.sleep(0.02)
-    running.kill9()
-    assert markers(cache_dir) == []
+    kill9_mid_download(running, cache_dir)
     resumed = _fetch_json(wc, str(model.root), cache_dir, *args)
     assert_revision_ok(cache_dir, "llama", "v1", model)
     # 2.5 s at 3 MiB/s is ~7 MiB; a kill loses at most the 4 parts in flight.

@@ -9,7 +9,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from tests.support.checks import (
     assert_revision_ok,
     blobs_dir,
     describe,
+    kill9_mid_download,
     markers,
 )
 from tests.support.faultproxy import FaultProxy
@@ -112,15 +112,7 @@ def test_kill9_then_resume(
     url, model = gput([24 * MiB], small_files=False)
     args = ("--no-daemon", "--part-size", "1M", "--max-concurrency", "4")
     running = wc.fetch_popen(url, cache_dir, *args, "--bwlimit", "3M", env=_env(gcs))
-    tmp = cache_dir / ".weightcache" / "tmp"
-    started = None
-    while started is None or time.monotonic() - started < 2.5:
-        assert running.poll() is None, running.finish().stderr
-        if started is None and any(tmp.glob("*.part")):
-            started = time.monotonic()
-        time.sleep(0.02)
-    running.kill9()
-    assert markers(cache_dir) == []
+    kill9_mid_download(running, cache_dir)
     resumed = _fetch_json(wc, gcs, url, cache_dir, *args)
     assert_revision_ok(cache_dir, "llama", "v1", model)
     # 2.5 s at 3 MiB/s is ~7 MiB; a kill loses at most the 4 parts in flight.

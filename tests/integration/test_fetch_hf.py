@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tests.support.checks import (
     assert_revision_ok,
     blobs_dir,
     describe,
+    kill9_mid_download,
     markers,
 )
 from tests.support.hubserver import HubServer
@@ -121,15 +121,7 @@ def test_kill9_then_resume(
     source = f"hf://{repo_id}@{commit}"
     args = ("--no-daemon", "--part-size", "1M", "--max-concurrency", "4")
     running = wc.fetch_popen(source, cache_dir, *args, "--bwlimit", "3M", env=hf_env)
-    tmp = cache_dir / ".weightcache" / "tmp"
-    started = None
-    while started is None or time.monotonic() - started < 2.5:
-        assert running.poll() is None, running.finish().stderr
-        if started is None and any(tmp.glob("*.part")):
-            started = time.monotonic()
-        time.sleep(0.02)
-    running.kill9()
-    assert markers(cache_dir) == []
+    kill9_mid_download(running, cache_dir)
     resumed = _fetch_json(wc, source, cache_dir, hf_env, *args[1:])
     assert_revision_ok(cache_dir, repo_id.replace("/", "--"), commit, model)
     # 2.5 s at 3 MiB/s is ~7 MiB; a kill loses at most the 4 parts in flight.

@@ -12,9 +12,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tests.support.modelgen import MANIFEST, Model, sha256_file
+
+if TYPE_CHECKING:
+    from tests.conftest import Running
 
 MARKER = ".weightcache"
 ERROR_PREFIX = "weightcache: error: "
@@ -127,3 +132,17 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
             st = p.lstat()
             out[p.relative_to(root).as_posix()] = (st.st_size, st.st_mtime_ns)
     return out
+
+
+def kill9_mid_download(running: Running, cache_dir: Path, seconds: float = 2.5) -> None:
+    """Let the fetch `running` download for `seconds` after its first partial appears in
+    `cache_dir`, then kill -9 it; asserts it was still running and marked nothing."""
+    tmp = cache_dir / ".weightcache" / "tmp"
+    started = None
+    while started is None or time.monotonic() - started < seconds:
+        assert running.poll() is None, running.finish().stderr
+        if started is None and any(tmp.glob("*.part")):
+            started = time.monotonic()
+        time.sleep(0.02)
+    running.kill9()
+    assert markers(cache_dir) == []
