@@ -405,3 +405,14 @@ def test_parse_view_reads_held_fetching_and_load() -> None:
     assert not parse_view("http://a", {}, 10 * 4096, 4096).have  # a 404 advertises nothing
     with pytest.raises(ValueError):
         parse_view("http://a", {PIECES: "!!", PIECE_SIZE: "4096"}, 10 * 4096, 4096)
+
+
+@pytest.mark.parametrize("bad", [{LOAD: "-1"}, {LOAD: "x"}, {LOAD: "9" * 5000},
+                                 {PIECE_SIZE: "1"}, {PIECE_SIZE: "4k"}])  # fmt: skip
+def test_parse_view_refuses_a_hostile_advertisement(bad: dict[str, str]) -> None:
+    """Every field of a peer's advertisement is checked: a negative or absurd load, a
+    piece size that is not a number or too small is a bad answer (ValueError), never a
+    view the choice would act on."""
+    headers = {PIECES: Bitmap.of(10, [1]).encode(), PIECE_SIZE: "4096", **bad}
+    with pytest.raises(ValueError):
+        parse_view("http://a", headers, 10 * 4096, 4096)

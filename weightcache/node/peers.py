@@ -100,6 +100,8 @@ def parse_view(url: str, headers: Mapping[str, str], size: int, piece_size: int)
     if pieces is None:
         return PeerView(url, empty, empty)
     load = int(headers.get(LOAD, "0"))
+    if load < 0:  # a peer claiming less than idle would draw every request to itself
+        raise BitmapError(f"load {load} from {url}")
     if pieces == "all":
         return PeerView(url, Bitmap.full(count), empty, load)
     theirs = int(headers.get(PIECE_SIZE, "0"))
