@@ -3,7 +3,10 @@ and the served prefix of a partial, with literal values and a fake clock (no net
 
 from __future__ import annotations
 
+import http.server
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -416,3 +419,59 @@ def test_parse_view_refuses_a_hostile_advertisement(bad: dict[str, str]) -> None
     headers = {PIECES: Bitmap.of(10, [1]).encode(), PIECE_SIZE: "4096", **bad}
     with pytest.raises(ValueError):
         parse_view("http://a", headers, 10 * 4096, 4096)
+
+
+# -- probes keep one connection per peer -------------------------------------------------------
+
+
+class _CountingServer(http.server.ThreadingHTTPServer):
+    """An HTTP/1.1 server that answers every HEAD 404 and counts its connections."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Head404)
+        self.connections: list[socket.socket] = []
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.connections.append(request)
+        super().process_request(request, client_address)
+
+
+class _Head404(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_HEAD(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def head_server() -> Iterator[_CountingServer]:
+    server = _CountingServer()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_probes_reuse_one_connection_per_peer(head_server: _CountingServer) -> None:
+    peer = peer_url(*head_server.server_address[:2])  # type: ignore[misc]
+    peers = Peers(settings(), discovery=_NoDiscovery([peer]))
+    try:
+        for _ in range(3):
+            answer = peers.probe_all("ab" * 32)[peer]
+            assert answer is not None and answer[0] == 404
+        assert len(head_server.connections) == 1
+        # The peer closes the idle connection (its idle timeout): the next probe still
+        # answers, on a new connection.
+        head_server.connections[0].shutdown(socket.SHUT_RDWR)
+        assert peers.probe(peer, "ab" * 32) is not None
+        assert len(head_server.connections) == 2
+    finally:
+        peers.close()

@@ -213,6 +213,8 @@ class Peers:
         self._downloads: dict[str, _Download] = {}
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer-head")
         self._http = HttpRanges()  # the downloads' connections to peers, one per worker
+        self._kept: dict[str, http.client.HTTPConnection] = {}  # peer -> idle HEAD connection
+        self._closed = False
 
     # -- what this node downloads (its server serves the written prefix) -----------------------
 
@@ -247,7 +249,10 @@ class Peers:
         self._on_bad("unreachable")
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._forget_connections()
 
     def _skipped(self, peer: str) -> bool:
         with self._lock:
@@ -261,18 +266,12 @@ class Peers:
     def probe(self, peer: str, sha256: str) -> tuple[int, dict[str, str]] | None:
         """(status, headers) of one HEAD of the blob at `peer`; None if it did not answer,
         refused our token, or is this node itself (learnt from its node id)."""
-        url = peer.removeprefix("http://")
-        conn = http.client.HTTPConnection(url, timeout=HEAD_TIMEOUT)
         auth = {"Authorization": f"Bearer {self.settings.token}", ASKER: self.own_url()}
         try:
-            conn.request("HEAD", f"/blobs/sha256/{sha256}", headers=auth)
-            resp = conn.getresponse()
-            resp.read()
+            resp = self._head(peer, f"/blobs/sha256/{sha256}", auth)
         except (OSError, http.client.HTTPException) as e:
             log.debug("peer %s did not answer (%s)", peer, e)
             return None
-        finally:
-            conn.close()
         if resp.status in (401, 403):
             log.warning("peer %s refused our token (HTTP %d); give every daemon the same "
                         "--peer-token", peer, resp.status)  # fmt: skip
@@ -285,6 +284,47 @@ class Peers:
             return None
         return resp.status, dict(resp.getheaders())
 
+    def _head(self, peer: str, path: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+        """One HEAD on the connection kept to `peer` (a probe round asks every peer twice a
+        second: a connection per HEAD cost both ends a connect, an accept and a close). A
+        second HEAD to the same peer at once gets a connection of its own. A kept
+        connection the peer closed meanwhile (its idle timeout) is retried once on a new
+        one; a timeout is not (the peer is slow, not gone)."""
+        with self._lock:
+            conn = self._kept.pop(peer, None)
+        reused = conn is not None
+        while True:
+            if conn is None:
+                conn = http.client.HTTPConnection(peer.removeprefix("http://"),
+                                                  timeout=HEAD_TIMEOUT)  # fmt: skip
+            try:
+                conn.request("HEAD", path, headers=headers)
+                resp = conn.getresponse()
+                resp.read()
+                break
+            except ConnectionError:
+                conn.close()
+                if not reused:
+                    raise
+                conn, reused = None, False
+            except BaseException:
+                conn.close()
+                raise
+        with self._lock:
+            if resp.will_close or self._closed or peer in self._kept:
+                conn.close()
+            else:
+                self._kept[peer] = conn
+        return resp
+
+    def _forget_connections(self, keep: Sequence[str] = ()) -> None:
+        """Close the kept connections of peers not in `keep` (gone from discovery)."""
+        with self._lock:
+            gone = [p for p in self._kept if p not in keep]
+            conns = [self._kept.pop(p) for p in gone]
+        for conn in conns:
+            conn.close()
+
     # -- the swarm (weightcache/node/swarmfetch.py) -------------------------------------------
 
     def probe_all(
@@ -292,7 +332,9 @@ class Peers:
     ) -> dict[str, tuple[int, dict[str, str]] | None]:
         """`probe` of every peer discovered now but those in `skip`, this node and those
         avoided (lying, or refusing our token), in parallel; {} once the daemon stops."""
-        peers = [p for p in self.discovery.peers() if p not in skip and not self._skipped(p)]
+        known = self.discovery.peers()
+        self._forget_connections(keep=known)
+        peers = [p for p in known if p not in skip and not self._skipped(p)]
         try:
             answers = list(self._pool.map(lambda p: self.probe(p, sha256), peers))
         except RuntimeError:  # closed: the daemon is stopping
