@@ -88,6 +88,7 @@ class Rates:
 
     def __init__(self) -> None:
         self._events: collections.deque[tuple[float, int]] = collections.deque()
+        self._total = 0  # the bytes of `_events` (a sum kept, not recomputed: one per read)
         self._lock = threading.Lock()
         self._start = time.monotonic()
         self.best = 0.0
@@ -95,15 +96,17 @@ class Rates:
     def note(self, nbytes: int) -> None:
         with self._lock:
             self._events.append((time.monotonic(), nbytes))
+            self._total += nbytes
 
     def rate(self) -> float:
         now = time.monotonic()
         with self._lock:
             while self._events and self._events[0][0] < now - RATE_WINDOW:
-                self._events.popleft()
-            total = sum(n for _, n in self._events)
-        self.best = max(self.best, total / max(0.2, min(RATE_WINDOW, now - self._start)))
-        return total / max(0.2, min(RATE_WINDOW, now - self._start))
+                self._total -= self._events.popleft()[1]
+            total = self._total
+        rate = total / max(0.2, min(RATE_WINDOW, now - self._start))
+        self.best = max(self.best, rate)
+        return rate
 
 
 class _Dropped(Exception):
