@@ -19,12 +19,12 @@ node, one shared `WEIGHTCACHE_PEER_TOKEN`; `off`: no peer flags): every node get
 cache dir and a models file pinning the model, and all N `weightcache daemon`s are spawned
 back to back in their namespaces. Measured from outside the daemons:
 
-- a node's *ready* time: from the first spawn until its /metrics shows
-  `weightcache_revision_ready{...,pinned="true"} 1`, polled every `--poll` s (0.1) from the
-  host. Not /readyz: in this daemon /readyz means "serving" (models file loaded, socket and
-  HTTP up), whatever it is still downloading; pinned progress is that gauge (design §5).
-  *up* is when /metrics first answered (the daemon's start-up, Python and imports, included
-  in *ready*);
+- a node's *ready* time: from the first spawn until its /readyz says every pinned revision
+  is ready (body `ready`; while one is missing: `ready; pinned not yet ready: NAME/REV`),
+  polled every `--poll` s (0.1) from the host. /readyz's status means "serving" (design §5),
+  so the body is what counts; it costs the daemon less than a /metrics page ten times a
+  second. *up* is when /readyz first answered (the daemon's start-up, Python and imports,
+  included in *ready*);
 - *store sent*: the bytes tc's tbf on the store's uplink sent during the run (wire bytes),
   divided by the overhead measured in the sanity check, in model sizes. Not self-reported;
 - the daemons' own counters (origin, peer bytes) and CPU, and the host's CPU busy share, in
@@ -43,13 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import signal
 import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,13 +69,10 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # --------------------------------------------------------------------------- pure helpers
 
 
-_PINNED = re.compile(r'^weightcache_revision_ready\{[^}]*pinned="true"[^}]*\} (\S+)$', re.M)
-
-
-def pinned_ready(metrics_text: str) -> bool:
-    """True when the page lists at least one pinned revision and every one is ready."""
-    values = [float(v) for v in _PINNED.findall(metrics_text)]
-    return bool(values) and all(v == 1 for v in values)
+def pinned_ready(readyz_text: str) -> bool:
+    """True when /readyz answered "ready" with no pinned revision still missing (its body
+    names them: "ready; pinned not yet ready: NAME/REV ...")."""
+    return readyz_text.strip() == "ready"
 
 
 def line_rate_s(model_bytes: int, link_bits: int) -> float:
@@ -150,7 +147,7 @@ class Run:
 
 
 class Poller(threading.Thread):
-    """Polls one node's /metrics until its pinned revision is ready (or `stop` is set)."""
+    """Polls one node's /readyz until it says every pinned revision is ready (or `stop`)."""
 
     def __init__(self, url: str, t0: float, period: float, stop: threading.Event) -> None:
         super().__init__(daemon=True)
@@ -162,7 +159,9 @@ class Poller(threading.Thread):
         while self.ready is None and not self.halt.is_set():
             try:
                 with _DIRECT.open(self.url, timeout=5) as r:
-                    text = r.read().decode()
+                    text: str | None = r.read().decode()
+            except urllib.error.HTTPError:  # 503: up, not serving yet
+                text = ""
             except OSError:
                 text = None
             now = time.perf_counter() - self.t0
@@ -228,7 +227,7 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
             with open(root / f"{node.name}.log", "wb") as out:
                 procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                              stdout=out, stderr=out, start_new_session=True))  # fmt: skip
-        pollers = [Poller(f"http://{h.addr}:{METRICS_PORT}/metrics", t0, args.poll, halt)
+        pollers = [Poller(f"http://{h.addr}:{METRICS_PORT}/readyz", t0, args.poll, halt)
                    for h in nodes]  # fmt: skip
         for p in pollers:
             p.start()
@@ -307,7 +306,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regimes", default="1,4", help="store egress as multiples of --link")
     p.add_argument("--modes", default="p2p,off", help=f"comma-separated from {MODES}")
     p.add_argument("--rounds", type=int, default=1, help="repeat each run; medians reported")
-    p.add_argument("--poll", type=float, default=0.1, help="seconds between /metrics polls")
+    p.add_argument("--poll", type=float, default=0.1, help="seconds between /readyz polls")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--wc-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every daemon, repeatable")  # fmt: skip

@@ -47,23 +47,11 @@ def test_rates_are_tc_decimal_bits() -> None:
         assert args[args.index("burst") + 1] == str(burst)
 
 
-METRICS = """\
-# HELP weightcache_revision_ready 1 when the revision is ready on this node
-# TYPE weightcache_revision_ready gauge
-weightcache_revision_ready{name="m",pinned="true",revision="r1"} {value}
-weightcache_revision_ready{name="other",pinned="false",revision="r9"} 0.0
-"""
-
-
-def test_pinned_ready_needs_every_pinned_revision_at_one() -> None:
-    assert swarm.pinned_ready(METRICS.replace("{value}", "1.0"))
-    assert not swarm.pinned_ready(METRICS.replace("{value}", "0.0"))
-    # Before the models file is loaded there is no pinned series: not ready.
-    assert not swarm.pinned_ready("# TYPE weightcache_revision_ready gauge\n")
-    two = METRICS.replace("{value}", "1.0") + (
-        'weightcache_revision_ready{name="n",pinned="true",revision="r2"} 0.0\n'
-    )
-    assert not swarm.pinned_ready(two)
+def test_pinned_ready_needs_readyz_to_name_no_missing_pin() -> None:
+    assert swarm.pinned_ready("ready\n")
+    assert not swarm.pinned_ready("ready; pinned not yet ready: m/r1\n")
+    assert not swarm.pinned_ready("")  # 503: not serving yet
+    assert not swarm.pinned_ready("not serving: the fetch socket is not up yet\n")
 
 
 def test_summarize_in_line_rates_and_model_copies() -> None:
