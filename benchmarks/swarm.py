@@ -41,6 +41,7 @@ finally block, on SIGTERM too.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import secrets
@@ -49,7 +50,7 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -156,21 +157,25 @@ class Poller(threading.Thread):
         self.ready: float | None = None
 
     def run(self) -> None:
+        url = urllib.parse.urlsplit(self.url)
+        conn = http.client.HTTPConnection(url.netloc, timeout=5)  # kept: one per node
         while self.ready is None and not self.halt.is_set():
             try:
-                with _DIRECT.open(self.url, timeout=5) as r:
-                    text: str | None = r.read().decode()
-            except urllib.error.HTTPError:  # 503: up, not serving yet
-                text = ""
-            except OSError:
+                conn.request("GET", url.path)
+                resp = conn.getresponse()
+                body = resp.read().decode()
+                text: str | None = body if resp.status == 200 else ""  # 503: up, not serving
+            except (OSError, http.client.HTTPException):
+                conn.close()  # reconnects at the next request
                 text = None
             now = time.perf_counter() - self.t0
             if text is not None:
                 self.up = now if self.up is None else self.up
                 if pinned_ready(text):
                     self.ready = now
-                    return
+                    break
             self.halt.wait(self.period)
+        conn.close()
 
 
 def cpu_times() -> tuple[int, int]:

@@ -244,7 +244,7 @@ class PeerServer:
             return self._refuse(404, "bad_path", head)
         sha256 = m.group(1)
         self.peers.asked_by(sha256, request.headers.get(ASKER))
-        where = await asyncio.to_thread(self._where, sha256)
+        where = await self._locate(sha256)
         if where is None:
             return self._refuse(404, "not_found", head)
         path, pieces, claim = where
@@ -278,6 +278,14 @@ class PeerServer:
             except (_Abort, OSError):
                 request.protocol.force_close()  # the receiver sees a cut body, and retries
         return resp
+
+    async def _locate(self, sha256: str) -> tuple[Path, Pieces, Claim | None] | None:
+        """`_where`, on the loop when it reads no file (an lstat, and the pieces of a
+        download this process runs: every HEAD of a swarm, twice a second per peer; a
+        thread hop cost more than the work), in a thread when it reads a part state."""
+        if self.peers.live(sha256) is not None or self.peers.downloading(sha256) is None:
+            return self._where(sha256)
+        return await asyncio.to_thread(self._where, sha256)
 
     def _where(self, sha256: str) -> tuple[Path, Pieces, Claim | None] | None:
         """(file, the pieces held, claim) now; None: not held."""
@@ -329,7 +337,7 @@ class PeerServer:
         idle_since = time.monotonic()
         while pos < end:
             if pos >= available:
-                where = await asyncio.to_thread(self._where, sha256)
+                where = await self._locate(sha256)
                 if where is None:
                     raise _Abort()
                 path, pieces, _ = where
