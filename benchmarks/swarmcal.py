@@ -9,17 +9,24 @@ Measures, per daemon, CPU-seconds from /proc/<pid>/stat (every thread), nothing 
 the swarm's results:
 1. *start-up*: a `weightcache daemon` (as benchmarks/swarm.py starts them: the model pinned,
    peers on) from its spawn until its /metrics answers;
-2. *received*: daemon `a` fetches the pinned model from the store through a link of
-   `--link` (CPU from /metrics answering until the model is ready, per MiB received);
-3. *sent* and *received from a peer*: daemon `b` then fetches the model, the store slowed
-   to 1/50 of the link so that nearly every piece comes from `a`; `a`'s CPU meanwhile per
-   MiB it uploaded, `b`'s per MiB it received;
-4. *hashed*: sha256 in this process (the daemons' hasher), per MiB.
-The model's `recv` is both daemons' receiving CPU per MiB received less the hashing; `hash`
-is charged on top of it. By default everything (the store, a, b, the polling) runs in a
-network namespace of its own (`wccal<hex>`, removed after; needs root) whose loopback is
-shaped to `--link` by tc at MTU 1500, so bytes arrive at a link's pace as in
-benchmarks/swarm.py (one link for all: b's bytes from the store and from a share it).
+2. *received, fast*: daemon `a` fetches the pinned model from the store through a link of
+   `--link` (CPU from /metrics answering until the model is ready);
+3. *sent*, *received from a peer*: daemon `b` then fetches it, the store slowed to 1/50 of
+   the link so that nearly every piece comes from `a`: `a`'s CPU meanwhile per MiB it
+   uploaded; `b`'s download checks the model below;
+4. *a view round's HEAD*: `Peers.probe` (the daemons' code) from this process to `a`, 300
+   times, this process's CPU and `a`'s;
+5. *received, slow*: daemon `c` (no peers) fetches it with the store at a quarter of the link;
+6. *hashed*: sha256 in this process (the daemons' hasher), per MiB.
+A MiB costs more when bytes trickle in: a daemon spends CPU per second while it downloads,
+whatever its rate. So received CPU = busy x seconds + per-MiB x MiB, solved from the fast
+and the slow download: the model's `busy` (cores) and `recv` (per MiB, less the hashing,
+which `hash` charges). Beside each download, what the model gives for it.
+By default a, b, c and the polling run in a network namespace of their own
+(`wccal<hex>-n`) whose loopback is shaped to `--link` by tc at MTU 1500, the store in
+another (`-s`) behind a veth pair shaped the same (its egress re-shaped for b and c); so
+bytes arrive at a link's pace as in benchmarks/swarm.py. Needs root; both namespaces are
+removed after.
 `--loopback` runs on the host's loopback instead, paced by the daemons' own `--bwlimit` and
 `--peer-upload-limit`: bytes arrive in bursts (fewer, larger reads), and the swarm's store
 path may not honour `--bwlimit`; a lower bound of the CPU.
@@ -54,7 +61,10 @@ from swarm import METRICS_PORT, PEER_PORT, daemon_argv, pinned_ready
 from swarmnet import Cpu, MiB, cpu_flags
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-ADDRS = ("127.0.0.2", "127.0.0.3")  # daemons a and b
+ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # daemons a, b and c
+#: The two ends of the veth pair between the calibration's own two namespaces (a range for
+#: benchmarks; nothing outside them routes it).
+STORE_ADDR, NODES_ADDR = "198.18.0.1", "198.18.0.2"
 
 #: benchmarks/RESULTS.md, "Swarm: the piece swarm" (commits 0834ae9, 3960086): 256.69 MiB,
 #: 400 mbit links; (N, store egress in links) -> last node ready s, peers on and off.
@@ -116,27 +126,43 @@ class Daemon:
 
 
 @dataclass(frozen=True)
+class Receive:
+    """One daemon's download: MiB received, seconds from serving to ready, CPU-s meanwhile."""
+
+    who: str
+    mib: float
+    seconds: float
+    cpu: float
+
+
+@dataclass(frozen=True)
 class Calibration:
     """What was measured; `cpu(cores)` is the simulator's model from it."""
 
     startup: list[float]  # CPU-s per daemon, spawn to serving
     startup_s: list[float]  # seconds, the same
-    recv_store: float  # CPU-s per MiB, daemon a (store only), hashing included
-    recv_peer: float  # CPU-s per MiB, daemon b (nearly all from a), hashing included
-    received_mib: tuple[float, float]  # a's, b's
+    fast: Receive  # a, from the store at the link's rate
+    peer: Receive  # b, from a at the link's rate (a check of the model)
+    slow: Receive  # c, from the store at a quarter of it
     sent: float  # CPU-s per MiB a uploaded while b fetched
     sent_mib: float
     hash: float  # CPU-s per MiB, sha256 in this process
-    ready_s: tuple[float, float]  # a's, b's: spawn to the model ready
+    probe: float  # CPU-s per HEAD of a view round, both ends
     mode: str  # "tc" (a shaped loopback in a namespace) or "loopback" (self-paced)
     link: str
 
+    def split(self) -> tuple[float, float]:
+        """(busy cores, CPU-s per MiB) with cpu = busy x seconds + per_mib x MiB through
+        the fast and the slow download (two equations, two unknowns)."""
+        f, s = self.fast, self.slow
+        per_mib = (f.cpu / f.seconds - s.cpu / s.seconds) / (f.mib / f.seconds - s.mib / s.seconds)
+        return max(0.0, f.cpu / f.seconds - per_mib * f.mib / f.seconds), per_mib
+
     def cpu(self, cores: float) -> Cpu:
-        mib_a, mib_b = self.received_mib
-        recv = (self.recv_store * mib_a + self.recv_peer * mib_b) / (mib_a + mib_b)
-        startup = sum(self.startup) / len(self.startup)
-        return Cpu(cores, recv=max(0.0, recv - self.hash), sent=self.sent, hash=self.hash,
-                   startup=startup)  # fmt: skip
+        busy, per_mib = self.split()
+        return Cpu(cores, recv=max(0.0, per_mib - self.hash), sent=self.sent, hash=self.hash,
+                   startup=sum(self.startup) / len(self.startup), busy=busy,
+                   probe=self.probe)  # fmt: skip
 
 
 def hash_cost(mib: int = 256) -> float:
@@ -150,12 +176,13 @@ def hash_cost(mib: int = 256) -> float:
 
 def spawn(args: argparse.Namespace, workdir: Path, k: int, endpoint: str,
           env: dict[str, str], source: str, extra: list[str]) -> Daemon:  # fmt: skip
-    """Daemon k (0 = a, 1 = b) on 127.0.0.(k + 2), pinning `source`, both daemons its peers."""
-    name = "ab"[k]
+    """Daemon k (0 = a, 1 = b, 2 = c) on ADDRS[k], pinning `source`; a and b are each other's
+    peers, c has none."""
+    name = "abc"[k]
     home = workdir / name
     (home / "kubelet-pods").mkdir(parents=True)
     (home / "models.yaml").write_text(f"models:\n  - source: {source}\n    pin: true\n")
-    peers = ",".join(f"{a}:{PEER_PORT}" for a in ADDRS)
+    peers = ",".join(f"{a}:{PEER_PORT}" for a in (ADDRS[:2] if k < 2 else ADDRS[2:]))
     argv = daemon_argv(args.exe, _Loopback(ADDRS[k]), home, endpoint, peers, extra)  # type: ignore[arg-type]
     with open(home / "daemon.log", "wb") as out:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
@@ -174,70 +201,120 @@ class _Loopback:
 
 
 def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
-    """The store and a model on it, then daemons a and b (see the module's docstring)."""
+    """The store and a model on it, then daemons a, b and c (see the module's docstring)."""
     model = bl.make_model(workdir / "model", bl.parse_size(args.size), name="swarmcal")
-    link = nl.parse_rate(args.link) // 8
-    # --loopback: the daemons pace themselves; in the namespace, tc paces every byte
-    pace_a = ["--bwlimit", str(link), "--peer-upload-limit", str(link)] if args.loopback else []
-    pace_b = ["--bwlimit", str(link // 50)] if args.loopback else []
-    procs = []
-    with nl.DevStore(workdir / "store") as store:
+    link = nl.parse_rate(args.link)
+    # --loopback: the daemons pace themselves; in the namespaces, tc paces every byte
+    paced = {k: ["--bwlimit", str(rate // 8), "--peer-upload-limit", str(link // 8)]
+             for k, rate in (("a", link), ("b", link // 50), ("c", link // 4))}  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    store = (nl.NetnsStore(workdir / "store", host=nl.Host("store", args.store_ns, STORE_ADDR,
+             "", "")) if args.store_ns else nl.DevStore(workdir / "store"))  # fmt: skip
+    with store:
         bl.upload_model(model, store.endpoint_url, store.env)
         env = {**bl.peer_env(store.endpoint_url, store.env), "WEIGHTCACHE_PEER_TOKEN": "c" * 32}
+
+        def start(k: int, store_bits: int) -> Daemon:
+            if args.store_ns:
+                nl.run("tc", "-n", args.store_ns, "qdisc", "replace", "dev", "s0", "root",
+                       *nl.tbf_args(store_bits))  # fmt: skip
+            d = spawn(args, workdir, k, store.endpoint_url, env, model.source,
+                      paced["abc"[k]] if args.loopback else [])  # fmt: skip
+            procs.append(d.proc)
+            return d
+
         try:
-            a = spawn(args, workdir, 0, store.endpoint_url, env, model.source, pace_a)
-            procs.append(a.proc)
-            up_a, boot_a = a.up()
-            ready_a, done_a = a.ready()
-            got_a = a.counter("origin_bytes") + a.counter("peer_bytes")
-            sent0 = a.counter("peer_upload_bytes")
-            b = spawn(args, workdir, 1, store.endpoint_url, env, model.source, pace_b)
-            procs.append(b.proc)
-            up_b, boot_b = b.up()
-            a_at_up_b = a.cpu()
-            ready_b, done_b = b.ready()
-            serve_a, sent = a.cpu() - a_at_up_b, a.counter("peer_upload_bytes") - sent0
-            got_b = b.counter("origin_bytes") + b.counter("peer_bytes")
+            a = start(0, link)
+            boot_a, fast = receive(a)
+            b = start(1, link // 50)  # nearly every piece from a
+            sent0, boot_b = a.counter("peer_upload_bytes"), b.up()
+            a_cpu = a.cpu()
+            _, peer = receive(b, boot_b)
+            serve, sent = a.cpu() - a_cpu, a.counter("peer_upload_bytes") - sent0
             bl.log(f"b: {b.counter('peer_bytes') / MiB:.1f} MiB from a, "
                    f"{b.counter('origin_bytes') / MiB:.1f} MiB from the store")  # fmt: skip
+            probe = probe_cost(a, model.sha256[max(model.listed, key=model.listed.__getitem__)])
+            c = start(2, link // 4)
+            boot_c, slow = receive(c)
         finally:
             ms.stop_processes(procs)
+    boots = [boot_a, boot_b, boot_c]
     return Calibration(
-        [boot_a, boot_b], [up_a, up_b], (done_a - boot_a) / (got_a / MiB),
-        (done_b - boot_b) / (got_b / MiB), (got_a / MiB, got_b / MiB),
-        serve_a / max(sent / MiB, 1e-9), sent / MiB, hash_cost(), (ready_a, ready_b),
+        [x[1] for x in boots], [x[0] for x in boots], fast, peer, slow,
+        serve / max(sent / MiB, 1e-9), sent / MiB, hash_cost(), probe,
         "loopback" if args.loopback else "tc", args.link,
     )  # fmt: skip
 
 
+def receive(d: Daemon, up: tuple[float, float] | None = None
+            ) -> tuple[tuple[float, float], Receive]:  # fmt: skip
+    """(d's start-up: seconds, CPU-s; its download) until its model is ready."""
+    up = up or d.up()
+    ready, cpu = d.ready()
+    mib = (d.counter("origin_bytes") + d.counter("peer_bytes")) / MiB
+    return up, Receive(d.name, mib, ready - up[0], cpu - up[1])
+
+
+def probe_cost(a: Daemon, sha256: str, count: int = 300) -> float:
+    """CPU-s per HEAD of a swarm's view round: `Peers.probe` (the daemons' own code, its
+    own connection each) in this process, and daemon a answering it."""
+    from weightcache.config import PeerSettings
+    from weightcache.node.peers import Peers
+
+    peers = Peers(PeerSettings(("127.0.0.9", 9), "c" * 32))
+    mine, theirs = time.process_time(), a.cpu()
+    for _ in range(count):
+        peers.probe(f"{a.addr}:{PEER_PORT}", sha256)
+    return (time.process_time() - mine + a.cpu() - theirs) / count
+
+
 def in_namespace(argv: list[str], link: str) -> int:
-    """Run this script (`--inside`) in a new network namespace whose loopback is shaped to
-    `link` (MTU 1500, as a link's packets); remove the namespace after. Returns its exit."""
-    ns = f"wccal{secrets.token_hex(2)}"
-    nl.run("ip", "netns", "add", ns)
+    """Run this script (`--inside`) in a new network namespace, the nodes', whose loopback
+    (MTU 1500, as a link's packets) is shaped to `link`; the store in another, joined to it
+    by a veth pair whose store end is shaped to `link` (the store's own traffic between its
+    servers stays unshaped). Both namespaces are removed after. Returns the run's exit."""
+    tag, rate = f"wccal{secrets.token_hex(2)}", nl.tbf_args(nl.parse_rate(link))
+    nodes, store = f"{tag}-n", f"{tag}-s"
     try:
-        nl.run("ip", "-n", ns, "link", "set", "lo", "mtu", "1500", "up")
-        nl.run("tc", "-n", ns, "qdisc", "replace", "dev", "lo", "root",
-               *nl.tbf_args(nl.parse_rate(link)))  # fmt: skip
-        cmd = ["ip", "netns", "exec", ns, sys.executable, __file__, "--inside", *argv]
+        for ns in (nodes, store):
+            nl.run("ip", "netns", "add", ns)
+            nl.run("ip", "-n", ns, "link", "set", "lo", "mtu", "1500", "up")
+        nl.run("ip", "-n", store, "link", "add", "s0", "type", "veth", "peer", "n0",
+               "netns", nodes)  # fmt: skip
+        for ns, dev, addr in ((store, "s0", STORE_ADDR), (nodes, "n0", NODES_ADDR)):
+            nl.run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            nl.run("ip", "-n", ns, "link", "set", dev, "up")
+        nl.run("tc", "-n", store, "qdisc", "replace", "dev", "s0", "root", *rate)
+        nl.run("tc", "-n", nodes, "qdisc", "replace", "dev", "lo", "root", *rate)
+        cmd = ["ip", "netns", "exec", nodes, sys.executable, __file__, "--inside",
+               "--store-ns", store, *argv]  # fmt: skip
         return subprocess.run(cmd, check=False).returncode
     finally:
-        nl.kill_netns_processes(ns)
-        nl.run("ip", "netns", "del", ns, check=False)
+        for ns in (nodes, store):
+            nl.kill_netns_processes(ns)
+            nl.run("ip", "netns", "del", ns, check=False)
 
 
 def report(cal: Calibration) -> str:
-    rows = [
-        ["start-up (a, b)", " / ".join(f"{c:.2f}" for c in cal.startup), "CPU-s per daemon",
-         " / ".join(f"{s:.1f} s" for s in cal.startup_s) + " spawn to /metrics"],
-        ["received from the store (a)", f"{cal.recv_store:.5f}", "CPU-s per MiB",
-         f"{cal.received_mib[0]:.0f} MiB, ready {cal.ready_s[0]:.1f} s from the spawn"],
-        ["received from a peer (b)", f"{cal.recv_peer:.5f}", "CPU-s per MiB",
-         f"{cal.received_mib[1]:.0f} MiB, ready {cal.ready_s[1]:.1f} s from the spawn"],
-        ["sent to a peer (a)", f"{cal.sent:.5f}", "CPU-s per MiB", f"{cal.sent_mib:.0f} MiB"],
-        ["sha256 (this process)", f"{cal.hash:.5f}", "CPU-s per MiB", "part of the received"],
+    """The measurements, and the model's costs from them."""
+    busy, per_mib = cal.split()
+    boots = (
+        " / ".join(f"{c:.2f}" for c in cal.startup),
+        " / ".join(f"{s:.1f}" for s in cal.startup_s) + " s spawn to /metrics",
+    )
+    rows = [["start-up (a, b, c)", "", "", "", *boots]]
+    for what, r in (("a: store, link", cal.fast), ("b: peer a, link", cal.peer),
+                    ("c: store, link / 4", cal.slow)):  # fmt: skip
+        model = busy * r.seconds + per_mib * r.mib
+        rows.append([what, f"{r.mib:.0f}", f"{r.seconds:.1f}", f"{r.cpu:.2f}",
+                     f"{r.cpu / r.mib:.5f} per MiB", f"model {model:.2f} CPU-s"])  # fmt: skip
+    rows += [
+        ["a: sent to b", f"{cal.sent_mib:.0f}", "", "", f"{cal.sent:.5f} per MiB", ""],
+        ["sha256, this process", "", "", "", f"{cal.hash:.5f} per MiB", "in the received"],
+        ["a view round's HEAD", "", "", "", f"{cal.probe:.5f} per HEAD", "asker + a"],
+        ["from a and c", "", "", "", f"{per_mib:.5f} per MiB", f"busy {busy:.3f} cores"],
     ]  # fmt: skip
-    return ms.md_table(["what", "CPU", "unit", "note"], rows)
+    return ms.md_table(["what", "MiB", "s", "CPU-s", "CPU-s", "note"], rows)
 
 
 def compare(cpu: Cpu, piece: int) -> str:
@@ -261,6 +338,7 @@ def main() -> None:
     ap.add_argument("--link", default="400mbit", help="the link's rate (default 400mbit)")
     ap.add_argument("--loopback", action="store_true", help="no namespace: loopback, no root")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--store-ns", help=argparse.SUPPRESS)
     ap.add_argument("--cores", type=float, default=float(os.cpu_count() or 1),
                     help="the host's cores in the model (default: this machine's)")  # fmt: skip
     ap.add_argument("--piece", default="4M", help="the simulator's piece size (default 4M)")
@@ -273,8 +351,9 @@ def main() -> None:
         raise SystemExit(in_namespace(sys.argv[1:], args.link))
     if args.from_json:
         saved: dict[str, Any] = json.loads(args.from_json.read_text())
-        cal = Calibration(**{k: tuple(v) if k in ("received_mib", "ready_s") else v
-                             for k, v in saved["calibration"].items()})  # fmt: skip
+        saved_cal = saved["calibration"]
+        cal = Calibration(**{k: Receive(**v) if isinstance(v, dict) else v
+                             for k, v in saved_cal.items()})  # fmt: skip
     else:
         args.exe = bl.available_tools(["weightcache"], required=True)[0]["weightcache"]
         with tempfile.TemporaryDirectory(prefix="wc-swarmcal-") as tmp:

@@ -10,7 +10,11 @@ CPU (`Cpu`, off by default: a real cluster has a node's cores per node): the hos
 `cores` cores shared by every node that has work, processor sharing with each node's share
 capped at `node_cores` and at what it asks (`share`). A node asks for CPU in proportion to
 its flows at their link rates: `recv + hash` CPU-s per MiB it receives (from the store or a
-peer), `sent` per MiB it serves to peers; a booting node (`startup` CPU-s of work from its
+peer), `sent` per MiB it serves to peers; plus, while it downloads, `busy` cores (what a
+daemon spends per second whatever its rate: timers, polling; why a MiB costs more when bytes
+trickle in) and `probe` CPU-s per HEAD of its view rounds (the simulator sets this
+`background`: slowed with the flows when the node is short, as polls and timers of a
+descheduled process fire less often); a booting node (`startup` CPU-s of work from its
 spawn until it serves) asks for a whole `node_cores`. A node granted less than it asks
 slows each of its flows by the same factor, and a flow runs at its link rate times the
 smaller factor of its two ends (the store has no CPU limit). With CPU on, every flow's rate
@@ -41,20 +45,23 @@ class Cpu:
     sent: float = 0.0  # per MiB served to peers
     hash: float = 0.0  # per MiB hashed; every received byte is hashed once
     startup: float = 0.0  # from a daemon's spawn until it serves
+    busy: float = 0.0  # cores a downloading daemon uses whatever its rate (timers, polls)
+    probe: float = 0.0  # per HEAD of a view round (both ends), one per peer per refresh
 
     @property
     def on(self) -> bool:
         """False when no cost is set: the CPU never binds, links alone decide."""
-        return self.recv + self.sent + self.hash + self.startup > 0
+        return self.recv + self.sent + self.hash + self.startup + self.busy + self.probe > 0
 
     def share(self, nodes: int) -> float:
         """Cores each of `nodes` equally busy nodes gets."""
         return min(self.node_cores, self.cores / nodes)
 
-    def recv_rate(self, nodes: int) -> float:
-        """Bytes/s a node can receive when `nodes` nodes do the same (inf: no limit)."""
-        per_byte = (self.recv + self.hash) / MiB
-        return self.share(nodes) / per_byte if per_byte else math.inf
+    def recv_rate(self, nodes: int, link: float) -> float:
+        """Bytes/s a node receives by a link of `link` bytes/s when `nodes` nodes do the same
+        (its flows slowed by its share over its demand, as `Network` does)."""
+        demand = self.busy + link * (self.recv + self.hash) / MiB
+        return link * min(1.0, self.share(nodes) / demand) if demand else link
 
     def boot_time(self, nodes: int) -> float:
         """Seconds until `nodes` daemons spawned together all serve."""
@@ -62,8 +69,9 @@ class Cpu:
 
     def describe(self) -> str:
         return (f"{self.cores:g} cores ({self.node_cores:g} per node at most), CPU-s per MiB "
-                f"received {self.recv:g}, sent {self.sent:g}, hashed {self.hash:g}, "
-                f"start-up {self.startup:g} CPU-s")  # fmt: skip
+                f"received {self.recv:g}, sent {self.sent:g}, hashed {self.hash:g}; start-up "
+                f"{self.startup:g} CPU-s; busy {self.busy:g} cores while downloading; "
+                f"{self.probe:g} CPU-s per view HEAD")  # fmt: skip
 
 
 def share(demands: Sequence[float], cores: float, cap: float) -> list[float]:
@@ -93,20 +101,26 @@ def add_cpu_options(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="CPU-s from a daemon's spawn until it serves")  # fmt: skip
     ap.add_argument(f"--{prefix}cpu-node-cores", type=float, default=d.node_cores,
                     help="cores one daemon can use at most")  # fmt: skip
+    ap.add_argument(f"--{prefix}cpu-busy", type=float, default=0.0,
+                    help="cores a downloading daemon uses whatever its rate")  # fmt: skip
+    ap.add_argument(f"--{prefix}cpu-per-probe", type=float, default=0.0,
+                    help="CPU-s per HEAD of a view round (one per peer per refresh)")  # fmt: skip
 
 
 def cpu_from_args(a: argparse.Namespace, prefix: str = "") -> Cpu:
     p = prefix.replace("-", "_")
-    return Cpu(*(float(getattr(a, p + k)) for k in (
-        "cores", "cpu_node_cores", "cpu_per_mib_recv", "cpu_per_mib_sent", "cpu_per_mib_hash",
-        "cpu_startup")))  # fmt: skip
+    names = {"cores": "cores", "node_cores": "cpu_node_cores", "recv": "cpu_per_mib_recv",
+             "sent": "cpu_per_mib_sent", "hash": "cpu_per_mib_hash", "startup": "cpu_startup",
+             "busy": "cpu_busy", "probe": "cpu_per_probe"}  # fmt: skip
+    return Cpu(**{k: float(getattr(a, p + v)) for k, v in names.items()})
 
 
 def cpu_flags(cpu: Cpu, prefix: str = "") -> str:
     """The options that give `cpu` back (the calibration prints them)."""
     return (f"--{prefix}cores {cpu.cores:g} --{prefix}cpu-per-mib-recv {cpu.recv:.5f} "
             f"--{prefix}cpu-per-mib-sent {cpu.sent:.5f} --{prefix}cpu-per-mib-hash "
-            f"{cpu.hash:.5f} --{prefix}cpu-startup {cpu.startup:.3f}")  # fmt: skip
+            f"{cpu.hash:.5f} --{prefix}cpu-startup {cpu.startup:.3f} --{prefix}cpu-busy "
+            f"{cpu.busy:.4f} --{prefix}cpu-per-probe {cpu.probe:.5f}")  # fmt: skip
 
 
 class Flow:
@@ -141,6 +155,7 @@ class Network:
         self.sent = [0.0] * len(up)  # bytes sent by each uplink up to `stamp`
         self.stamp = [0.0] * len(up)
         self.booting: dict[int, Boot] = {}
+        self.background = [0.0] * len(down)  # cores a node uses besides its flows
         self.now = 0.0
         self.events: list[tuple[float, int, int, object, int]] = []
         self._seq = itertools.count()
@@ -186,6 +201,12 @@ class Network:
         self._reshare_all()
         return True
 
+    def set_background(self, node: int, cores: float) -> None:
+        """The CPU `node` asks for besides its flows' (slowed with them when short)."""
+        if self.cpu is not None and cores != self.background[node]:
+            self.background[node] = cores
+            self._reshare_all()
+
     def inflow(self, node: int) -> float:
         return self.down_rate[node]
 
@@ -225,7 +246,7 @@ class Network:
         cpu, nodes = self.cpu, len(self.down)
         recv, sent = (cpu.recv + cpu.hash) / MiB, cpu.sent / MiB
         link = {f: self.rate(f) for flows in self.down_flows for f in flows}
-        demand = [0.0] * nodes
+        demand = list(self.background)
         for f, r in link.items():
             demand[f.dst] += r * recv
             if f.src < nodes:
@@ -233,6 +254,7 @@ class Network:
         for i in self.booting:
             demand[i] += cpu.node_cores
         alloc = share(demand, cpu.cores, cpu.node_cores)
+        # short of CPU, a node slows all its work alike, its polls and timers as its reads
         slow = [min(1.0, a / d) if d > 0 else 1.0 for a, d in zip(alloc, demand, strict=True)]
         slow.append(1.0)  # the store
         for f, r in link.items():

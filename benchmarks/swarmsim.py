@@ -180,8 +180,20 @@ class Swarm:
         if kind == BOOTED and not self.net.booted(i, ver):
             return  # a stale event: the boot's rate changed since
         self.nodes[i].started = True
+        self._background(i)
         self._decide(i)
         self.net.at(self.net.now + self.p.refresh, REFRESH, i)
+
+    def _background(self, i: int) -> None:
+        """Node `i`'s CPU besides its flows while it downloads: busy, and a view round's
+        HEADs to the peers it watches that did not answer it a piece request lately."""
+        node, cpu = self.nodes[i], self.p.cpu
+        if node.ready is not None:
+            self.net.set_background(i, 0.0)
+            return
+        answering = {f.src for fs in node.inflight.values() for f in fs}
+        heads = sum(1 for j in node.watches if j not in answering)
+        self.net.set_background(i, cpu.busy + cpu.probe * heads / self.p.refresh)
 
     def _refresh(self, i: int) -> None:
         node, net = self.nodes[i], self.net
@@ -199,6 +211,7 @@ class Swarm:
             node.room = sent - node.measured[0] < STORE_ROOM * net.up[self.store] * since
             node.window = next_window(node.window, node.room, self.p.limits)
         node.measured = (sent, net.now)
+        self._background(i)
 
     def _decide(self, i: int) -> None:
         node = self.nodes[i]
@@ -241,13 +254,14 @@ class Swarm:
         node.fetching &= ~(1 << f.piece)
         if node.have == self.full:
             node.ready = self.net.now
+            self._background(f.dst)
         self._decide(f.dst)
 
 
 def peers_off(p: Params) -> Outcome:
     """Every node streams from the store: equal shares of its egress, capped by the link
     and by the node's equal share of the CPU (after all boot together, sharing it too)."""
-    rate = min(min(p.store_rate / p.nodes, p.link) * p.efficiency / 8, p.cpu.recv_rate(p.nodes))
+    rate = p.cpu.recv_rate(p.nodes, min(p.store_rate / p.nodes, p.link) * p.efficiency / 8)
     t = p.startup + p.cpu.boot_time(p.nodes) + p.rtt + p.size / rate
     return Outcome(t, t, float(p.nodes))
 

@@ -93,13 +93,42 @@ def test_without_a_cpu_model_the_results_are_today_s() -> None:
 
 
 def test_a_calibration_becomes_the_model_s_costs() -> None:
+    # received CPU = 0.1 cores x seconds + 0.004 CPU-s x MiB, in both downloads
+    fast = swarmcal.Receive("a", 256.0, 5.0, 0.1 * 5 + 0.004 * 256)
+    slow = swarmcal.Receive("c", 256.0, 20.0, 0.1 * 20 + 0.004 * 256)
     cal = swarmcal.Calibration(
-        startup=[0.5, 0.7], startup_s=[0.6, 0.8], recv_store=0.004, recv_peer=0.006,
-        received_mib=(100.0, 300.0), sent=0.001, sent_mib=300.0, hash=0.001,
-        ready_s=(6.0, 7.0), mode="tc", link="400mbit",
+        startup=[0.5, 0.7, 0.6], startup_s=[0.6, 0.8, 0.7], fast=fast, peer=fast, slow=slow,
+        sent=0.001, sent_mib=256.0, hash=0.001, probe=0.002, mode="tc", link="400mbit",
     )  # fmt: skip
+    assert cal.split() == pytest.approx((0.1, 0.004))
     cpu = cal.cpu(2.0)
-    assert cpu.cores == 2.0 and cpu.startup == pytest.approx(0.6)
-    # received: weighted by the MiB each daemon received, less the hashing charged apart
-    assert cpu.recv == pytest.approx((0.004 * 100 + 0.006 * 300) / 400 - 0.001)
-    assert (cpu.sent, cpu.hash) == (0.001, 0.001)
+    assert (cpu.cores, cpu.busy, cpu.startup, cpu.probe) == pytest.approx((2.0, 0.1, 0.6, 0.002))
+    assert (cpu.recv, cpu.sent, cpu.hash) == pytest.approx((0.003, 0.001, 0.001))  # less hashing
+
+
+def test_a_downloading_node_s_busy_cpu_slows_its_flows_with_it() -> None:
+    # one node, one core: its flow asks for 1 core at 100 B/s, being busy for 0.5 more;
+    # granted 1 of 1.5, everything runs at 2/3
+    net = Network([100.0, 1000.0], [100.0], Cpu(cores=1.0, recv=0.01 * MiB))
+    f = Flow(1, 0, 0, 1000)
+    net.start(f)
+    assert f.rate == pytest.approx(100.0)
+    net.set_background(0, 0.5)
+    assert f.rate == pytest.approx(100.0 / 1.5)
+    # the closed form of peers off does the same: 8 nodes on 2 cores, 0.25 each
+    cpu = Cpu(cores=2.0, recv=0.001 * MiB, busy=0.25)
+    assert cpu.recv_rate(8, 1000.0) == pytest.approx(1000.0 * 0.25 / (0.25 + 1.0))
+
+
+def test_view_rounds_cost_cpu_for_every_watched_peer_not_answering_pieces() -> None:
+    # 8 nodes, each watching 7 peers; a HEAD costs 0.01 CPU-s, a round every 0.5 s: a node
+    # that starts (nothing in flight yet) asks for 0.05 busy + 0.14 cores besides its flows
+    cpu = Cpu(cores=1.6, recv=0.02, busy=0.05, probe=0.01)
+    slow_links = {"link": 80e6, "store_rate": 640e6}  # 10 MB/s: 0.19 cores of bytes a node
+    swarm = sim.Swarm(replace(params(8, cpu=cpu), **slow_links))
+    swarm._start(0, sim.START, 0)
+    assert swarm.net.background[0] == pytest.approx(0.05 + 0.01 * 7 / 0.5)
+    assert swarm.net.background[1] == 0.0  # not started yet
+    plain = sim.Swarm(replace(params(8, cpu=replace(cpu, busy=0.0, probe=0.0)), **slow_links))
+    probing = sim.Swarm(replace(params(8, cpu=cpu), **slow_links))
+    assert probing.run().last > plain.run().last * 1.2
