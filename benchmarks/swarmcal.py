@@ -67,9 +67,10 @@ ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # daemons a, b and c
 STORE_ADDR, NODES_ADDR = "198.18.0.1", "198.18.0.2"
 
 #: benchmarks/RESULTS.md, "Swarm: the piece swarm" (commits 0834ae9, 3960086): 256.69 MiB,
-#: 400 mbit links; (N, store egress in links) -> last node ready s, peers on and off.
-MEASURED = {(8, 1): (16.4, 48.8), (8, 4): (14.7, 15.2), (16, 1): (26.9, 95.6),
-            (16, 4): (30.0, 28.6)}  # fmt: skip
+#: 400 mbit links; (N, store egress in links) -> (last node ready s, the daemons' CPU-s),
+#: peers on, then off.
+MEASURED = {(8, 1): ((16.4, 27), (48.8, 70)), (8, 4): ((14.7, 26), (15.2, 19)),
+            (16, 1): ((26.9, 52), (95.6, 163)), (16, 4): ((30.0, 57), (28.6, 44))}  # fmt: skip
 MEASURED_BYTES = int(256.69 * MiB)
 
 
@@ -323,12 +324,14 @@ def compare(cpu: Cpu, piece: int) -> str:
     for (n, x), (on, off) in MEASURED.items():
         p = sim.Params(n, MEASURED_BYTES, piece, 400e6, x * 400e6, cpu=cpu)
         links = sim.Swarm(replace(p, cpu=Cpu())).run().last
-        s_on, s_off = sim.Swarm(p).run().last, sim.peers_off(p).last
-        for mode, got, want in (("peers on", on, s_on), ("peers off", off, s_off)):
-            rows.append([n, f"{x}x", mode, f"{got:.1f}", f"{want:.1f}", f"{got / want:.2f}x"]
-                        + ([f"{links:.1f}"] if mode == "peers on" else ["-"]))  # fmt: skip
+        for mode, got, want in (("peers on", on, sim.Swarm(p).run()),
+                                ("peers off", off, sim.peers_off(p))):  # fmt: skip
+            rows.append([n, f"{x}x", mode, f"{got[0]:.1f}", f"{want.last:.1f}",
+                         f"{got[0] / want.last:.2f}x", f"{got[1]:.0f}", f"{want.cpu_s:.0f}",
+                         f"{links:.1f}" if mode == "peers on" else "-"])  # fmt: skip
     headers = ["N", "store egress", "mode", "measured last s", "simulated last s",
-               "measured / sim", "links only, sim s"]  # fmt: skip
+               "measured / sim", "measured CPU-s", "simulated CPU-s",
+               "links only, sim s"]  # fmt: skip
     return ms.md_table(headers, rows)
 
 

@@ -156,6 +156,7 @@ class Network:
         self.stamp = [0.0] * len(up)
         self.booting: dict[int, Boot] = {}
         self.background = [0.0] * len(down)  # cores a node uses besides its flows
+        self.cpu_used, self._cores_used, self._cpu_stamp = 0.0, 0.0, 0.0  # CPU-s until stamp
         self.now = 0.0
         self.events: list[tuple[float, int, int, object, int]] = []
         self._seq = itertools.count()
@@ -244,6 +245,8 @@ class Network:
         """Every flow's rate and every boot's CPU, with the host's CPU shared (see above)."""
         assert self.cpu is not None
         cpu, nodes = self.cpu, len(self.down)
+        self.cpu_used += self._cores_used * (self.now - self._cpu_stamp)
+        self._cpu_stamp = self.now
         recv, sent = (cpu.recv + cpu.hash) / MiB, cpu.sent / MiB
         link = {f: self.rate(f) for flows in self.down_flows for f in flows}
         demand = list(self.background)
@@ -254,6 +257,7 @@ class Network:
         for i in self.booting:
             demand[i] += cpu.node_cores
         alloc = share(demand, cpu.cores, cpu.node_cores)
+        self._cores_used = sum(alloc)
         # short of CPU, a node slows all its work alike, its polls and timers as its reads
         slow = [min(1.0, a / d) if d > 0 else 1.0 for a, d in zip(alloc, demand, strict=True)]
         slow.append(1.0)  # the store

@@ -70,6 +70,7 @@ from swarmnet import (
     START,
     Cpu,
     Flow,
+    MiB,
     Network,
     add_cpu_options,
     cpu_from_args,
@@ -115,6 +116,7 @@ class Outcome:
     p50: float
     store_copies: float  # bytes the store sent / blob size
     ready: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0  # CPU-s all the nodes used, with a CPU model
 
 
 @dataclass
@@ -170,7 +172,8 @@ class Swarm:
                 self._refresh(obj)
                 self._decide(obj)
         ready = [n.ready if n.ready is not None else float("inf") for n in self.nodes]
-        return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready)
+        return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready,
+                       net.cpu_used)  # fmt: skip
 
     def _start(self, i: int, kind: int, ver: int) -> None:
         """Node `i`'s daemon spawned (START) or finished its start-up CPU (BOOTED)."""
@@ -261,9 +264,12 @@ class Swarm:
 def peers_off(p: Params) -> Outcome:
     """Every node streams from the store: equal shares of its egress, capped by the link
     and by the node's equal share of the CPU (after all boot together, sharing it too)."""
-    rate = p.cpu.recv_rate(p.nodes, min(p.store_rate / p.nodes, p.link) * p.efficiency / 8)
-    t = p.startup + p.cpu.boot_time(p.nodes) + p.rtt + p.size / rate
-    return Outcome(t, t, float(p.nodes))
+    link = min(p.store_rate / p.nodes, p.link) * p.efficiency / 8
+    rate, boot = p.cpu.recv_rate(p.nodes, link), p.cpu.boot_time(p.nodes)
+    t = p.startup + boot + p.rtt + p.size / rate
+    cores = min(p.cpu.share(p.nodes), p.cpu.busy + link * (p.cpu.recv + p.cpu.hash) / MiB)
+    cpu_s = p.nodes * (p.cpu.startup + cores * p.size / rate) if p.cpu.on else 0.0
+    return Outcome(t, t, float(p.nodes), cpu_s=cpu_s)
 
 
 def today(p: Params) -> Outcome:

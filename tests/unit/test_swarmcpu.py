@@ -61,6 +61,8 @@ def test_eight_nodes_on_two_cores_take_the_cpu_time_computed_by_hand() -> None:
     assert sim.peers_off(p).last == pytest.approx(5.12 + p.rtt)
     out = sim.Swarm(p).run()
     assert out.last == pytest.approx(5.12, rel=0.01)  # the 16 pieces leave no endgame here
+    assert out.cpu_s == pytest.approx(10.24, rel=0.01)
+    assert sim.peers_off(p).cpu_s == pytest.approx(10.24)
     links_only = sim.Swarm(replace(p, cpu=Cpu())).run()
     assert links_only.last < 5.12 / 4  # the links alone would not take a quarter of it
 
