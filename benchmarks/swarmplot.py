@@ -33,6 +33,7 @@ class RunLike(Protocol):
     mode: str
     ready_s: list[float | None]
     up_s: list[float | None]
+    daemon_cpu_s: float
 
 
 def merge(outputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,15 +100,20 @@ def _measured(runs: list[RunLike], where: tuple[int, int, str], stat: str) -> fl
 
 def agreement(output: dict[str, Any], runs: list[RunLike],
               predicted: dict[tuple[int, int], dict[str, sim.Outcome]]) -> str:  # fmt: skip
-    """A table: measured against simulated last-node ready time, per regime, N and mode."""
+    """A table: measured against simulated last-node ready time, per regime, N and mode;
+    and the daemons' CPU-s against the simulated nodes' (0 without a CPU model)."""
     rows = []
     for (regime, n), sims in sorted(predicted.items()):
         for mode, outcome in sims.items():
             got = _measured(runs, (regime, n, mode), "last")
             ratio = ms.fmt_num(got / outcome.last) + "x" if got == got else "n/a"
+            cpu = [r.daemon_cpu_s for r in runs if (r.regime, r.n, r.mode) == (regime, n, mode)]
             rows.append([f"{regime}x", n, "peers on" if mode == "p2p" else "peers off",
-                         ms.fmt_num(got, 1), ms.fmt_num(outcome.last, 1), ratio])  # fmt: skip
-    headers = ["store egress", "N", "mode", "measured last s", "simulated last s", "measured / sim"]
+                         ms.fmt_num(got, 1), ms.fmt_num(outcome.last, 1), ratio,
+                         ms.fmt_num(ms.median(cpu) if cpu else float("nan"), 0),
+                         ms.fmt_num(outcome.cpu_s, 0)])  # fmt: skip
+    headers = ["store egress", "N", "mode", "measured last s", "simulated last s",
+               "measured / sim", "daemons' CPU-s", "simulated CPU-s"]  # fmt: skip
     return ms.md_table(headers, rows)
 
 

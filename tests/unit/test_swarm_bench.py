@@ -134,7 +134,7 @@ def test_from_json_prints_the_agreement_and_draws_the_plot(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
             if "measured / sim" in proc.stdout and line.startswith("|")]  # fmt: skip
-    agreement = {(r[1], r[2]): r for r in rows if len(r) == 6}
+    agreement = {(r[1], r[2]): r for r in rows if len(r) == 8}
     assert set(agreement) >= {("2", "peers on"), ("3", "peers on"), ("3", "peers off")}
     assert agreement["3", "peers on"][3] == "1.3"  # the last node of the synthetic N = 3
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -153,7 +153,7 @@ def test_with_a_cpu_model_the_simulator_models_the_start_up_too() -> None:
 def agreement_of(stdout: str) -> dict[tuple[str, str], list[str]]:
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines()
             if line.startswith("|")]  # fmt: skip
-    return {(r[1], r[2]): r for r in rows if len(r) == 6 and r[1].isdigit()}
+    return {(r[1], r[2]): r for r in rows if len(r) == 8 and r[1].isdigit()}
 
 
 def test_from_json_simulates_with_the_cpu_model_of_flags_or_a_calibration(tmp_path: Path) -> None:
@@ -175,5 +175,7 @@ def test_from_json_simulates_with_the_cpu_model_of_flags_or_a_calibration(tmp_pa
         assert ("CPU: 1 cores" in proc.stdout) == (name != "links")
     for mode in ("peers on", "peers off"):
         assert float(results["links"]["3", mode][4]) < 2.0
+        assert results["links"]["3", mode][6:] == ["1", "0"]  # the daemons' CPU-s, the sim's
         for name in ("flags", "file"):
             assert 4.8 <= float(results[name]["3", mode][4]) <= 4.8 * 1.15
+            assert float(results[name]["3", mode][7]) == pytest.approx(4.8, rel=0.15)
