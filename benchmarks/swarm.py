@@ -34,10 +34,11 @@ back to back in their namespaces. Measured from outside the daemons:
 The line rate is the model's bytes over one node's link: no node can be ready sooner.
 Next to the measurements, benchmarks/swarmsim.py's prediction for the same setting (the
 daemons' measured start-up included, pieces of `--sim-piece`), in a table and in the plot
-(benchmarks/swarmplot.py). With `--sim-calibration cal.json` (from `benchmarks/swarmcal.py
---json cal.json`, run on the same host) or `--sim-cores 2 --sim-cpu-per-mib-recv ...`, the
-simulator shares the host's cores among the daemons as well (benchmarks/swarmnet.py); also
-with `--from-json`, to compare saved runs again.
+(benchmarks/swarmplot.py). With `--sim-calibrate` (benchmarks/swarmcal.py runs first), or
+`--sim-calibration cal.json` (from `swarmcal.py --json cal.json` on the same host), or
+`--sim-cores 2 --sim-cpu-per-mib-recv ...`, the simulator shares the host's cores among
+the daemons as well (benchmarks/swarmnet.py), and the table shows its CPU-s next to the
+daemons'; also with `--from-json`, to compare saved runs again.
 Everything the run created (namespaces, veths, bridge, processes, workdir) is removed in a
 finally block, on SIGTERM too.
 """
@@ -51,6 +52,7 @@ import re
 import secrets
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -333,6 +335,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sim-calibration", type=Path, metavar="FILE",
                    help="the simulator's CPU model from `swarmcal.py --json FILE` (with this "
                    "host's cores); the --sim-cpu-* flags set it by hand")  # fmt: skip
+    p.add_argument("--sim-calibrate", action="store_true",
+                   help="run benchmarks/swarmcal.py first (a minute or two) for the simulator's "
+                   "CPU model")  # fmt: skip
     add_cpu_options(p, "sim-")
     p.add_argument("--cleanup", action="store_true",
                    help=f"remove every namespace and link named {nl.PREFIX}* and exit")  # fmt: skip
@@ -384,6 +389,12 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     info = bl.machine_info(workdir)
+    if args.sim_calibrate:
+        args.sim_calibration = workdir / "swarmcal.json"
+        subprocess.run([sys.executable, str(Path(__file__).with_name("swarmcal.py")), "--link",
+                        args.link, "--size", args.size, "--json", str(args.sim_calibration)],
+                       check=True)  # fmt: skip
+        args.sim_cpu = sim_cpu(args)
     runs: list[Run] = []
     try:
         with nl.Lab(max(max(args.n_values), 2)) as lab:
