@@ -212,7 +212,7 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
     store = (nl.NetnsStore(workdir / "store", host=nl.Host("store", args.store_ns, STORE_ADDR,
              "", "")) if args.store_ns else nl.DevStore(workdir / "store"))  # fmt: skip
     with store:
-        bl.upload_model(model, store.endpoint_url, store.env)
+        upload(model, store)
         env = {**bl.peer_env(store.endpoint_url, store.env), "WEIGHTCACHE_PEER_TOKEN": "c" * 32}
 
         def start(k: int, store_bits: int) -> Daemon:
@@ -245,6 +245,19 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
         serve / max(sent / MiB, 1e-9), sent / MiB, hash_cost(), probe,
         "loopback" if args.loopback else "tc", args.link,
     )  # fmt: skip
+
+
+def upload(model: bl.Model, store: nl.DevStore, tries: int = 3) -> None:
+    """The model onto the store; a store just started may answer 500 for a while."""
+    for attempt in range(1, tries + 1):
+        try:
+            bl.upload_model(model, store.endpoint_url, store.env)
+            return
+        except Exception as e:  # boto3's S3UploadFailedError, among others
+            if attempt == tries:
+                raise
+            bl.log(f"upload, attempt {attempt}/{tries}: {e}; again in 3 s")
+            time.sleep(3)
 
 
 def receive(d: Daemon, up: tuple[float, float] | None = None
