@@ -27,10 +27,11 @@ Nothing fails. Every node's daemon starts `--startup` seconds after t = 0 plus a
 share of `--jitter`; ready times count from t = 0, as the benchmark's do.
 
 The CPU (swarmnet.py, off by default: a real cluster has a node's cores per node): with
-`--cores` and the costs (`--cpu-per-mib-recv`, `-sent`, `-hash`, `--cpu-startup`, as
-benchmarks/swarmcal.py measures them), all nodes share the host's cores, and a node's
-progress is the smaller of its links' and its CPU share's; its start-up is CPU work too, so
-N daemons spawned together on few cores serve only after N x start-up / cores seconds.
+`--cores` and the costs (`--cpu-per-mib-recv`, `-sent`, `-hash`, `--cpu-busy`,
+`--cpu-per-probe`, `--cpu-startup`, as benchmarks/swarmcal.py measures them), all nodes
+share the host's cores, and a node's progress is the smaller of its links' and its CPU
+share's; its start-up is CPU work too, so N daemons spawned together on few cores serve only
+after N x start-up / cores seconds.
 Without the CPU model, the measured daemons' start-up goes in `--startup 2 --jitter 2`.
 
 Compared with, per N (closed forms of the same fluid model, all nodes starting at once,
