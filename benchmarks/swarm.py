@@ -349,7 +349,7 @@ def parse_args() -> argparse.Namespace:
         args.size_bytes = bl.parse_size(args.size)
         args.sim_piece_bytes = bl.parse_size(args.sim_piece)
         args.sim_cpu = sim_cpu(args)
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, TypeError) as e:
         p.error(str(e))
     args.mode_values = [m for m in args.modes.split(",") if m]
     if set(args.mode_values) - set(MODES) or not 1 <= min(args.n_values) <= 250:
