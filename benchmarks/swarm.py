@@ -4,6 +4,7 @@ one ready, and how much did the store send? Peers on against peers off and the l
     sudo python benchmarks/swarm.py [--nodes 8,16] [--size 256M] [--link 400mbit]
                                     [--regimes 1,4] [--rounds 1] [--modes p2p,off]
                                     [--json out.json] [--plot out.png] [--sim-piece 4M]
+                                    [--sim-calibration cal.json | --sim-cores 2 ...]
     sudo python benchmarks/swarm.py --cleanup     # remove leftovers of a crashed run
     python benchmarks/swarm.py --from-json n8.json n16.json --plot benchmarks/swarm.png
 
@@ -33,7 +34,11 @@ back to back in their namespaces. Measured from outside the daemons:
 The line rate is the model's bytes over one node's link: no node can be ready sooner.
 Next to the measurements, benchmarks/swarmsim.py's prediction for the same setting (the
 daemons' measured start-up included, pieces of `--sim-piece`), in a table and in the plot
-(benchmarks/swarmplot.py).
+(benchmarks/swarmplot.py). With `--sim-calibrate` (benchmarks/swarmcal.py runs first), or
+`--sim-calibration cal.json` (from `swarmcal.py --json cal.json` on the same host), or
+`--sim-cores 2 --sim-cpu-per-mib-recv ...`, the simulator shares the host's cores among
+the daemons as well (benchmarks/swarmnet.py), and the table shows its CPU-s next to the
+daemons'; also with `--from-json`, to compare saved runs again.
 Everything the run created (namespaces, veths, bridge, processes, workdir) is removed in a
 finally block, on SIGTERM too.
 """
@@ -47,12 +52,13 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +66,7 @@ import benchlib as bl
 import measure as ms
 import netlab as nl
 import swarmplot
+from swarmnet import Cpu, add_cpu_options, cpu_from_args
 
 MODES = ("p2p", "off")
 PEER_PORT, METRICS_PORT = 9401, 9402
@@ -329,6 +336,13 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--sim-piece", default="4M",
                    help="piece size of the simulator's prediction (default 4M)")  # fmt: skip
+    p.add_argument("--sim-calibration", type=Path, metavar="FILE",
+                   help="the simulator's CPU model from `swarmcal.py --json FILE` (with this "
+                   "host's cores); the --sim-cpu-* flags set it by hand")  # fmt: skip
+    p.add_argument("--sim-calibrate", action="store_true",
+                   help="run benchmarks/swarmcal.py first (a minute or two) for the simulator's "
+                   "CPU model")  # fmt: skip
+    add_cpu_options(p, "sim-")
     p.add_argument("--cleanup", action="store_true",
                    help=f"remove every namespace and link named {nl.PREFIX}* and exit")  # fmt: skip
     args = p.parse_args()
@@ -338,12 +352,22 @@ def parse_args() -> argparse.Namespace:
         args.link_bits = nl.parse_rate(args.link)
         args.size_bytes = bl.parse_size(args.size)
         args.sim_piece_bytes = bl.parse_size(args.sim_piece)
-    except ValueError as e:
+        args.sim_cpu = sim_cpu(args)
+    except (ValueError, OSError, KeyError, TypeError) as e:
         p.error(str(e))
     args.mode_values = [m for m in args.modes.split(",") if m]
     if set(args.mode_values) - set(MODES) or not 1 <= min(args.n_values) <= 250:
         p.error(f"modes from {MODES}; 1 <= N <= 250")
     return args
+
+
+def sim_cpu(args: argparse.Namespace) -> Cpu:
+    """The simulator's CPU model: a calibration file's (the host's cores unless --sim-cores
+    says), else the --sim-* flags (by default none: links only)."""
+    if args.sim_calibration is None:
+        return cpu_from_args(args, "sim-")
+    cpu = Cpu(**json.loads(args.sim_calibration.read_text())["cpu"])
+    return replace(cpu, cores=args.sim_cores if args.sim_cores != Cpu().cores else cpu.cores)
 
 
 def _raise_on_sigterm(signum: int, frame: object) -> None:
@@ -357,7 +381,8 @@ def main() -> None:
         return
     if args.from_json:
         saved = swarmplot.merge([json.loads(f.read_text()) for f in args.from_json])
-        print_results(saved, [Run(**r) for r in saved["runs"]], args.plot, args.sim_piece_bytes)
+        print_results(saved, [Run(**r) for r in saved["runs"]], args.plot, args.sim_piece_bytes,
+                      args.sim_cpu)  # fmt: skip
         return
     if os.geteuid() != 0:
         raise SystemExit("swarm.py needs root: network namespaces and tc")
@@ -368,6 +393,12 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     info = bl.machine_info(workdir)
+    if args.sim_calibrate:
+        args.sim_calibration = workdir / "swarmcal.json"
+        subprocess.run([sys.executable, str(Path(__file__).with_name("swarmcal.py")), "--link",
+                        args.link, "--size", args.size, "--json", str(args.sim_calibration)],
+                       check=True)  # fmt: skip
+        args.sim_cpu = sim_cpu(args)
     runs: list[Run] = []
     try:
         with nl.Lab(max(max(args.n_values), 2)) as lab:
@@ -382,17 +413,18 @@ def main() -> None:
             bl.drop_dir(workdir)
     model_files = len(model.listed)
     output = {"benchmark": "swarm", "machine": info,
-              "params": {k: v for k, v in vars(args).items() if k != "token"},
+              "params": {k: v for k, v in vars(args).items()
+                         if k not in ("token", "sim_cpu", "sim_calibration")},
               "model_bytes": model.total_bytes, "model_files": model_files,
               "line_rate_s": line_s, "wire_overhead": overheads,
-              "runs": [asdict(r) for r in runs]}  # fmt: skip
+              "runs": [asdict(r) for r in runs], "sim_cpu": asdict(args.sim_cpu)}  # fmt: skip
     if args.json:
         ms.write_json(args.json, output)
-    print_results(output, runs, args.plot, args.sim_piece_bytes)
+    print_results(output, runs, args.plot, args.sim_piece_bytes, args.sim_cpu)
 
 
 def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | None,
-                  sim_piece: int) -> None:  # fmt: skip
+                  sim_piece: int, cpu: Cpu | None = None) -> None:  # fmt: skip
     """The tables, the simulator's prediction (and the plot), from what `--json` saves."""
     p, line_s, overheads = output["params"], output["line_rate_s"], output["wire_overhead"]
     header = (
@@ -410,9 +442,11 @@ def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | Non
         if r.failures:
             print(f"\nregime {r.regime} N={r.n} {r.mode}: {len(r.failures)} not ready; "
                   f"first: {r.failures[0]}")  # fmt: skip
-    predicted = swarmplot.predict(output, runs, sim_piece)
-    print(f"\nsimulated (benchmarks/swarmsim.py, pieces of {bl.fmt_size(sim_piece)}, the "
-          f"daemons' measured start-up):\n")  # fmt: skip
+    cpu = cpu or Cpu()
+    predicted = swarmplot.predict(output, runs, sim_piece, cpu)
+    host = f"CPU: {cpu.describe()}" if cpu.on else "links only, the daemons' measured start-up"
+    print(f"\nsimulated (benchmarks/swarmsim.py, pieces of {bl.fmt_size(sim_piece)}, "
+          f"{host}):\n")  # fmt: skip
     print(swarmplot.agreement(output, runs, predicted))
     if plot_path:
         swarmplot.plot(output, runs, plot_path, header, predicted)

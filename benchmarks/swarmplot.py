@@ -8,7 +8,9 @@ benchmarks/swarmsim.py predicts for the same setting (dotted). The prediction ta
 setting from the saved results: model bytes, link, store egress = regime x link, N, and the
 daemons' start-up as measured in that run (the first and last node's *up* time become
 the simulator's `startup` and `jitter`); the piece size is the caller's (the daemons' part
-size). Several saved results (say one per N) are merged first.
+size), and so is the host's CPU model (swarmnet.Cpu, e.g. as benchmarks/swarmcal.py
+measured it: then the start-up is its CPU-s, not the measured *up* times). Several saved
+results (say one per N) are merged first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 import benchlib as bl
 import measure as ms
 import swarmsim as sim
+from swarmnet import Cpu
 
 
 class RunLike(Protocol):
@@ -30,6 +33,7 @@ class RunLike(Protocol):
     mode: str
     ready_s: list[float | None]
     up_s: list[float | None]
+    daemon_cpu_s: float
 
 
 def merge(outputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -53,23 +57,28 @@ def merge(outputs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def sim_params(output: dict[str, Any], runs: list[RunLike], regime: int, n: int,
-               piece: int) -> sim.Params:  # fmt: skip
-    """The simulator's setting for one measured (regime, N): start-up from the peers-on runs."""
+               piece: int, cpu: Cpu | None = None) -> sim.Params:  # fmt: skip
+    """The simulator's setting for one measured (regime, N): start-up from the peers-on runs,
+    unless `cpu` models it (its `startup` CPU-s, shared by the daemons booting together)."""
+    cpu = cpu or Cpu()
     link = float(output["params"]["link_bits"])
     ups = [u for r in runs if (r.regime, r.n, r.mode) == (regime, n, "p2p")
            for u in r.up_s if u is not None]  # fmt: skip
+    if cpu.startup > 0:
+        ups = []
     startup = min(ups, default=0.0)
     return sim.Params(n, int(output["model_bytes"]), piece, link, regime * link,
-                      startup=startup, jitter=max(ups, default=0.0) - startup)  # fmt: skip
+                      startup=startup, jitter=max(ups, default=0.0) - startup,
+                      cpu=cpu)  # fmt: skip
 
 
-def predict(output: dict[str, Any], runs: list[RunLike], piece: int
+def predict(output: dict[str, Any], runs: list[RunLike], piece: int, cpu: Cpu | None = None
             ) -> dict[tuple[int, int], dict[str, sim.Outcome]]:  # fmt: skip
     """The simulated swarm and peers-off, by (regime, N), for every measured setting."""
     out = {}
     for regime in output["params"]["regime_values"]:
         for n in output["params"]["n_values"]:
-            p = sim_params(output, runs, regime, n, piece)
+            p = sim_params(output, runs, regime, n, piece, cpu)
             out[regime, n] = {"p2p": sim.Swarm(p).run(), "off": sim.peers_off(p)}
     return out
 
@@ -91,15 +100,20 @@ def _measured(runs: list[RunLike], where: tuple[int, int, str], stat: str) -> fl
 
 def agreement(output: dict[str, Any], runs: list[RunLike],
               predicted: dict[tuple[int, int], dict[str, sim.Outcome]]) -> str:  # fmt: skip
-    """A table: measured against simulated last-node ready time, per regime, N and mode."""
+    """A table: measured against simulated last-node ready time, per regime, N and mode;
+    and the daemons' CPU-s against the simulated nodes' (0 without a CPU model)."""
     rows = []
     for (regime, n), sims in sorted(predicted.items()):
         for mode, outcome in sims.items():
             got = _measured(runs, (regime, n, mode), "last")
             ratio = ms.fmt_num(got / outcome.last) + "x" if got == got else "n/a"
+            cpu = [r.daemon_cpu_s for r in runs if (r.regime, r.n, r.mode) == (regime, n, mode)]
             rows.append([f"{regime}x", n, "peers on" if mode == "p2p" else "peers off",
-                         ms.fmt_num(got, 1), ms.fmt_num(outcome.last, 1), ratio])  # fmt: skip
-    headers = ["store egress", "N", "mode", "measured last s", "simulated last s", "measured / sim"]
+                         ms.fmt_num(got, 1), ms.fmt_num(outcome.last, 1), ratio,
+                         ms.fmt_num(ms.median(cpu) if cpu else float("nan"), 0),
+                         ms.fmt_num(outcome.cpu_s, 0)])  # fmt: skip
+    headers = ["store egress", "N", "mode", "measured last s", "simulated last s",
+               "measured / sim", "daemons' CPU-s", "simulated CPU-s"]  # fmt: skip
     return ms.md_table(headers, rows)
 
 

@@ -3,7 +3,7 @@
     python benchmarks/swarmsim.py [--nodes 8,16] [--size 256M] [--piece 4M] [--link 400M]
                                   [--store-rate 1x,4x] [--rtt 0.001] [--refresh 0.5]
                                   [--startup 0] [--jitter 0] [--view 32] [--seed 1]
-                                  [--json out.json]
+                                  [--json out.json] [--cores 2 --cpu-per-mib-recv 0.005 ...]
 
 A discrete-event simulation of the piece and source choice past what this machine can run.
 Every node calls the exact pure function the daemons use, with the view it would have: its
@@ -19,21 +19,25 @@ watches at most `--view` peers (a random sample, fixed per node): polling a thou
 bitmaps every second is not something a daemon would do, and rarity is then local, as in
 BitTorrent; its rank (its stripe, see `choose`) is among all N nodes.
 
-The network: every node has an uplink and a downlink (`--link`, the same both ways; times
-`--efficiency`, the payload share of a shaped link: 0.95 for TCP/IPv4 at MTU 1500), the
-store an egress (`--store-rate`, bits/s, or `Nx` for N times a node's link). A flow's rate
-is min(its sender's uplink / flows on it, its receiver's downlink / flows on it), recomputed
-for the flows of both links whenever a flow starts or ends (fair share per link; capacity a
-sender-limited flow leaves unused on its receiver's link is not redistributed, so the model
-is slightly pessimistic). A request's bytes start one `--rtt` after it is made. Nothing
-fails. Every node's daemon starts `--startup` seconds after t = 0 plus a uniform share of
-`--jitter` (the measured daemons took 2-4 s from the spawn until they served /metrics:
-`--startup 2 --jitter 2`); ready times count from t = 0, as the benchmark's do.
+The network (benchmarks/swarmnet.py): every node has an uplink and a downlink (`--link`,
+the same both ways; times `--efficiency`, the payload share of a shaped link: 0.95 for
+TCP/IPv4 at MTU 1500), the store an egress (`--store-rate`, bits/s, or `Nx` for N times a
+node's link); fair share per link. A request's bytes start one `--rtt` after it is made.
+Nothing fails. Every node's daemon starts `--startup` seconds after t = 0 plus a uniform
+share of `--jitter`; ready times count from t = 0, as the benchmark's do.
+
+The CPU (swarmnet.py, off by default: a real cluster has a node's cores per node): with
+`--cores` and the costs (`--cpu-per-mib-recv`, `-sent`, `-hash`, `--cpu-busy`,
+`--cpu-per-probe`, `--cpu-startup`, as benchmarks/swarmcal.py measures them), all nodes
+share the host's cores, and a node's progress is the smaller of its links' and its CPU
+share's; its start-up is CPU work too, so N daemons spawned together on few cores serve only
+after N x start-up / cores seconds.
+Without the CPU model, the measured daemons' start-up goes in `--startup 2 --jitter 2`.
 
 Compared with, per N (closed forms of the same fluid model, all nodes starting at once,
 `--startup` after t = 0):
 - *peers off*: every node streams the blob from the store; the store's egress is shared
-  equally, each node capped by its link;
+  equally, each node capped by its link and its equal share of the CPU;
 - *today*: one node streams from the store, the others each stream a contiguous prefix from
   it (design §8 before the swarm), sharing its uplink and never passing its progress;
 - *line*: one link's time for the blob (wire rate); *bound*: the larger of that and the
@@ -48,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import itertools
 import random
 import re
 import statistics
@@ -59,6 +62,20 @@ from pathlib import Path
 
 import measure as ms
 from benchlib import parse_size
+from swarmnet import (
+    BEGIN,
+    BOOTED,
+    END,
+    POLL,
+    REFRESH,
+    START,
+    Cpu,
+    Flow,
+    MiB,
+    Network,
+    add_cpu_options,
+    cpu_from_args,
+)
 
 from weightcache.node.swarm import (
     ORIGIN,
@@ -91,6 +108,7 @@ class Params:
     efficiency: float = 0.95  # payload share of a link's rate
     seed: int = 1
     limits: Limits = field(default_factory=Limits)
+    cpu: Cpu = field(default_factory=Cpu)  # the host's CPU (swarmnet.py); off by default
 
 
 @dataclass
@@ -99,88 +117,7 @@ class Outcome:
     p50: float
     store_copies: float  # bytes the store sent / blob size
     ready: list[float] = field(default_factory=list)
-
-
-class Flow:
-    """One request's bytes on the way from `src` (a node, or nodes = the store) to `dst`."""
-
-    __slots__ = ("active", "dst", "left", "piece", "rate", "size", "src", "stamp", "ver")
-
-    def __init__(self, src: int, dst: int, piece: int, size: int) -> None:
-        self.src, self.dst, self.piece, self.size = src, dst, piece, size
-        self.left, self.rate, self.stamp, self.ver, self.active = float(size), 0.0, 0.0, 0, False
-
-
-class Network:
-    """Links with fair share per link, and the event queue their flows' ends go into."""
-
-    def __init__(self, up: list[float], down: list[float]) -> None:
-        self.up, self.down = up, down  # bytes/s; up[-1] is the store's egress
-        self.up_flows: list[set[Flow]] = [set() for _ in up]
-        self.down_flows: list[set[Flow]] = [set() for _ in down]
-        self.up_rate, self.down_rate = [0.0] * len(up), [0.0] * len(down)  # sums of flow rates
-        self.sent = [0.0] * len(up)  # bytes sent by each uplink up to `stamp`
-        self.stamp = [0.0] * len(up)
-        self.now = 0.0
-        self.events: list[tuple[float, int, int, object, int]] = []
-        self._seq = itertools.count()
-
-    def at(self, when: float, kind: int, obj: object, ver: int = 0) -> None:
-        heapq.heappush(self.events, (when, next(self._seq), kind, obj, ver))
-
-    def rate(self, f: Flow) -> float:
-        return min(
-            self.up[f.src] / len(self.up_flows[f.src]),
-            self.down[f.dst] / len(self.down_flows[f.dst]),
-        )
-
-    def start(self, f: Flow) -> None:
-        f.active, f.stamp = True, self.now
-        self.up_flows[f.src].add(f)
-        self.down_flows[f.dst].add(f)
-        self._reshare(f.src, f.dst)
-
-    def stop(self, f: Flow) -> float:
-        """Take `f` off its links; returns the bytes it had delivered."""
-        self._settle(f)
-        self._set_rate(f, 0.0)
-        f.active = False
-        f.ver += 1
-        self.up_flows[f.src].discard(f)
-        self.down_flows[f.dst].discard(f)
-        self._reshare(f.src, f.dst)
-        return f.size - max(f.left, 0.0)
-
-    def inflow(self, node: int) -> float:
-        return self.down_rate[node]
-
-    def sent_by(self, src: int) -> float:
-        """Bytes uplink `src` has sent until now (all its flows)."""
-        return self.sent[src] + self.up_rate[src] * (self.now - self.stamp[src])
-
-    def _set_rate(self, f: Flow, rate: float) -> None:
-        self.sent[f.src] = self.sent_by(f.src)
-        self.stamp[f.src] = self.now
-        self.up_rate[f.src] += rate - f.rate
-        self.down_rate[f.dst] += rate - f.rate
-        f.rate = rate
-
-    def _settle(self, f: Flow) -> None:
-        f.left -= f.rate * (self.now - f.stamp)
-        f.stamp = self.now
-
-    def _reshare(self, src: int, dst: int) -> None:
-        for flows in (self.up_flows[src], self.down_flows[dst]):
-            for f in flows:
-                rate = self.rate(f)
-                if rate != f.rate:
-                    self._settle(f)
-                    self._set_rate(f, rate)
-                    f.ver += 1
-                    self.at(self.now + max(f.left, 0.0) / rate, END, f, f.ver)
-
-
-START, BEGIN, END, REFRESH, POLL = range(5)
+    cpu_s: float = 0.0  # CPU-s all the nodes used, with a CPU model
 
 
 @dataclass
@@ -208,7 +145,8 @@ class Swarm:
         self.rng = random.Random(p.seed)
         link = p.link * p.efficiency / 8
         self.store = p.nodes
-        self.net = Network([link] * p.nodes + [p.store_rate * p.efficiency / 8], [link] * p.nodes)
+        store = p.store_rate * p.efficiency / 8
+        self.net = Network([link] * p.nodes + [store], [link] * p.nodes, p.cpu)
         self.nodes = [Node() for _ in range(p.nodes)]
         self.store_bytes = 0.0
         for i, node in enumerate(self.nodes):
@@ -225,10 +163,8 @@ class Swarm:
                 self._arrived(obj)
             elif kind == BEGIN and isinstance(obj, Flow) and obj.ver == ver:
                 net.start(obj)
-            elif kind == START and isinstance(obj, int):
-                self.nodes[obj].started = True
-                self._decide(obj)
-                net.at(net.now + self.p.refresh, REFRESH, obj)
+            elif kind in (START, BOOTED) and isinstance(obj, int):
+                self._start(obj, kind, ver)
             elif kind == REFRESH and isinstance(obj, int) and self.nodes[obj].ready is None:
                 self._refresh(obj)
                 self._decide(obj)
@@ -237,7 +173,31 @@ class Swarm:
                 self._refresh(obj)
                 self._decide(obj)
         ready = [n.ready if n.ready is not None else float("inf") for n in self.nodes]
-        return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready)
+        return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready,
+                       net.cpu_used)  # fmt: skip
+
+    def _start(self, i: int, kind: int, ver: int) -> None:
+        """Node `i`'s daemon spawned (START) or finished its start-up CPU (BOOTED)."""
+        if kind == START and self.p.cpu.startup > 0:
+            self.net.boot(i, self.p.cpu.startup)  # a BOOTED event when done
+            return
+        if kind == BOOTED and not self.net.booted(i, ver):
+            return  # a stale event: the boot's rate changed since
+        self.nodes[i].started = True
+        self._background(i)
+        self._decide(i)
+        self.net.at(self.net.now + self.p.refresh, REFRESH, i)
+
+    def _background(self, i: int) -> None:
+        """Node `i`'s CPU besides its flows while it downloads: busy, and a view round's
+        HEADs to the peers it watches that did not answer it a piece request lately."""
+        node, cpu = self.nodes[i], self.p.cpu
+        if node.ready is not None:
+            self.net.set_background(i, 0.0)
+            return
+        answering = {f.src for fs in node.inflight.values() for f in fs}
+        heads = sum(1 for j in node.watches if j not in answering)
+        self.net.set_background(i, cpu.busy + cpu.probe * heads / self.p.refresh)
 
     def _refresh(self, i: int) -> None:
         node, net = self.nodes[i], self.net
@@ -255,6 +215,7 @@ class Swarm:
             node.room = sent - node.measured[0] < STORE_ROOM * net.up[self.store] * since
             node.window = next_window(node.window, node.room, self.p.limits)
         node.measured = (sent, net.now)
+        self._background(i)
 
     def _decide(self, i: int) -> None:
         node = self.nodes[i]
@@ -297,14 +258,19 @@ class Swarm:
         node.fetching &= ~(1 << f.piece)
         if node.have == self.full:
             node.ready = self.net.now
+            self._background(f.dst)
         self._decide(f.dst)
 
 
 def peers_off(p: Params) -> Outcome:
-    """Every node streams from the store: equal shares of its egress, capped by the link."""
-    rate = min(p.store_rate / p.nodes, p.link) * p.efficiency / 8
-    t = p.startup + p.rtt + p.size / rate
-    return Outcome(t, t, float(p.nodes))
+    """Every node streams from the store: equal shares of its egress, capped by the link
+    and by the node's equal share of the CPU (after all boot together, sharing it too)."""
+    link = min(p.store_rate / p.nodes, p.link) * p.efficiency / 8
+    rate, boot = p.cpu.recv_rate(p.nodes, link), p.cpu.boot_time(p.nodes)
+    t = p.startup + boot + p.rtt + p.size / rate
+    cores = min(p.cpu.share(p.nodes), p.cpu.busy + link * (p.cpu.recv + p.cpu.hash) / MiB)
+    cpu_s = p.nodes * (p.cpu.startup + cores * p.size / rate) if p.cpu.on else 0.0
+    return Outcome(t, t, float(p.nodes), cpu_s=cpu_s)
 
 
 def today(p: Params) -> Outcome:
@@ -409,20 +375,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total", default=Limits.total, type=int)
     ap.add_argument("--seed", default=1, type=int)
     ap.add_argument("--json", type=Path, help="write every run's numbers here")
+    add_cpu_options(ap)
     a = ap.parse_args(argv)
     limits = Limits(per_peer=a.per_peer, per_origin=a.per_origin, claims=a.claims, total=a.total)
+    cpu = cpu_from_args(a)
     results = []
     for n in (int(x) for x in a.nodes.split(",")):
         for store in store_rates(a.store_rate, a.link):
             p = Params(
                 n, parse_size(a.size), parse_size(a.piece), a.link, store, a.rtt, a.refresh,
-                a.jitter, a.startup, a.view, a.efficiency, a.seed, limits,
+                a.jitter, a.startup, a.view, a.efficiency, a.seed, limits, cpu,
             )  # fmt: skip
             results.append(run(p))
             print(f"N={n} store {fmt_bits(store)}: done", file=sys.stderr, flush=True)
     print(f"size {a.size}, piece {a.piece}, link {fmt_bits(a.link)}, rtt {a.rtt} s, refresh "
           f"{a.refresh} s, startup {a.startup} s, jitter {a.jitter} s, view {a.view}, "
-          f"efficiency {a.efficiency}, {limits}, seed {a.seed}\n")  # fmt: skip
+          f"efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "
+          f"{cpu.describe() if cpu.on else 'not modelled'}\n")  # fmt: skip
     print(ms.md_table(HEADERS, [row(r) for r in results]))
     if a.json:
         ms.write_json(a.json, {"argv": sys.argv, "runs": results})

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import netlab
 import swarm
 import swarmplot
+from swarmnet import Cpu
 
 BENCH = Path(swarm.__file__).parent
 
@@ -121,7 +122,48 @@ def test_from_json_prints_the_agreement_and_draws_the_plot(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
             if "measured / sim" in proc.stdout and line.startswith("|")]  # fmt: skip
-    agreement = {(r[1], r[2]): r for r in rows if len(r) == 6}
+    agreement = {(r[1], r[2]): r for r in rows if len(r) == 8}
     assert set(agreement) >= {("2", "peers on"), ("3", "peers on"), ("3", "peers off")}
     assert agreement["3", "peers on"][3] == "1.3"  # the last node of the synthetic N = 3
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_with_a_cpu_model_the_simulator_models_the_start_up_too() -> None:
+    out = saved([3])
+    runs = [swarm.Run(**r) for r in out["runs"]]  # type: ignore[attr-defined]
+    cpu = Cpu(cores=2.0, recv=0.01, startup=0.5)
+    p = swarmplot.sim_params(out, runs, regime=1, n=3, piece=1 << 20, cpu=cpu)
+    assert (p.startup, p.jitter, p.cpu) == (0.0, 0.0, cpu)  # not the measured up times
+    no_boot = swarmplot.sim_params(out, runs, 1, 3, 1 << 20, Cpu(cores=2.0, recv=0.01))
+    assert (no_boot.startup, no_boot.jitter) == pytest.approx((0.2, 0.2))
+
+
+def agreement_of(stdout: str) -> dict[tuple[str, str], list[str]]:
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines()
+            if line.startswith("|")]  # fmt: skip
+    return {(r[1], r[2]): r for r in rows if len(r) == 8 and r[1].isdigit()}
+
+
+def test_from_json_simulates_with_the_cpu_model_of_flags_or_a_calibration(tmp_path: Path) -> None:
+    """3 nodes x 16 MiB x 0.1 CPU-s per MiB on one core: 4.8 CPU-s, so at least 4.8 s,
+    where the links alone (and the measured start-up) take about 1 s."""
+    saved_run = tmp_path / "n3.json"
+    saved_run.write_text(json.dumps(saved([3])))
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"cpu": {"cores": 1.0, "recv": 0.08, "hash": 0.02}}))
+    base = [sys.executable, str(BENCH / "swarm.py"), "--from-json", str(saved_run),
+            "--sim-piece", "1M"]  # fmt: skip
+    results = {}
+    for name, extra in (("links", []), ("flags", ["--sim-cores", "1", "--sim-cpu-per-mib-recv",
+                        "0.1"]), ("file", ["--sim-calibration", str(cal)])):  # fmt: skip
+        proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=120,
+                              check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        results[name] = agreement_of(proc.stdout)
+        assert ("CPU: 1 cores" in proc.stdout) == (name != "links")
+    for mode in ("peers on", "peers off"):
+        assert float(results["links"]["3", mode][4]) < 2.0
+        assert results["links"]["3", mode][6:] == ["1", "0"]  # the daemons' CPU-s, the sim's
+        for name in ("flags", "file"):
+            assert 4.8 <= float(results[name]["3", mode][4]) <= 4.8 * 1.15
+            assert float(results[name]["3", mode][7]) == pytest.approx(4.8, rel=0.15)

@@ -1,0 +1,270 @@
+"""The swarm simulator's fluid model: links with fair share per link, and the CPU of a host
+shared by its nodes (benchmarks/swarmsim.py drives the policy on it).
+
+Links: every node has an uplink and a downlink, the store an egress. A flow's rate is
+min(its sender's uplink / flows on it, its receiver's downlink / flows on it), recomputed for
+the flows of both links whenever a flow starts or ends (capacity a sender-limited flow leaves
+unused on its receiver's link is not redistributed: slightly pessimistic).
+
+CPU (`Cpu`, off by default: a real cluster has a node's cores per node): the host has
+`cores` cores shared by every node that has work, processor sharing with each node's share
+capped at `node_cores` and at what it asks (`share`). A node asks for CPU in proportion to
+its flows at their link rates: `recv + hash` CPU-s per MiB it receives (from the store or a
+peer), `sent` per MiB it serves to peers; plus, while it downloads, `busy` cores (what a
+daemon spends per second whatever its rate: timers, polling; why a MiB costs more when bytes
+trickle in) and `probe` CPU-s per HEAD of its view rounds (the simulator sets this
+`background`: slowed with the flows when the node is short, as polls and timers of a
+descheduled process fire less often); a booting node (`startup` CPU-s of work from its
+spawn until it serves) asks for a whole `node_cores`. A node granted less than it asks
+slows each of its flows by the same factor, and a flow runs at its link rate times the
+smaller factor of its two ends (the store has no CPU limit). With CPU on, every flow's rate
+is recomputed at every start and end of a flow or a boot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MiB = 1 << 20
+#: Event kinds of the simulation's one queue; END and BOOTED are the network's own.
+START, BEGIN, END, REFRESH, POLL, BOOTED = range(6)
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """The host's CPU and what a daemon spends it on; costs in CPU-seconds."""
+
+    cores: float = math.inf  # shared by all the nodes (inf: a node's own cores per node)
+    node_cores: float = 1.0  # one daemon's at most (one Python process, its GIL)
+    recv: float = 0.0  # per MiB received from the store or a peer: reads, writes, requests
+    sent: float = 0.0  # per MiB served to peers
+    hash: float = 0.0  # per MiB hashed; every received byte is hashed once
+    startup: float = 0.0  # from a daemon's spawn until it serves
+    busy: float = 0.0  # cores a downloading daemon uses whatever its rate (timers, polls)
+    probe: float = 0.0  # per HEAD of a view round (both ends), one per peer per refresh
+
+    @property
+    def on(self) -> bool:
+        """False when no cost is set: the CPU never binds, links alone decide."""
+        return self.recv + self.sent + self.hash + self.startup + self.busy + self.probe > 0
+
+    def share(self, nodes: int) -> float:
+        """Cores each of `nodes` equally busy nodes gets."""
+        return min(self.node_cores, self.cores / nodes)
+
+    def recv_rate(self, nodes: int, link: float) -> float:
+        """Bytes/s a node receives by a link of `link` bytes/s when `nodes` nodes do the same
+        (its flows slowed by its share over its demand, as `Network` does)."""
+        demand = self.busy + link * (self.recv + self.hash) / MiB
+        return link * min(1.0, self.share(nodes) / demand) if demand else link
+
+    def boot_time(self, nodes: int) -> float:
+        """Seconds until `nodes` daemons spawned together all serve."""
+        return self.startup / self.share(nodes) if self.startup else 0.0
+
+    def describe(self) -> str:
+        return (f"{self.cores:g} cores ({self.node_cores:g} per node at most), CPU-s per MiB "
+                f"received {self.recv:g}, sent {self.sent:g}, hashed {self.hash:g}; start-up "
+                f"{self.startup:g} CPU-s; busy {self.busy:g} cores while downloading; "
+                f"{self.probe:g} CPU-s per view HEAD")  # fmt: skip
+
+
+def share(demands: Sequence[float], cores: float, cap: float) -> list[float]:
+    """Processor sharing: `cores` split equally among the nodes, each taking at most `cap`
+    and what it asks; what one leaves goes to the others (max-min fair)."""
+    want = [min(d, cap) for d in demands]
+    alloc = [0.0] * len(want)
+    left = cores
+    order = sorted(range(len(want)), key=want.__getitem__)
+    for k, i in enumerate(order):
+        alloc[i] = min(want[i], left / (len(order) - k))
+        left -= alloc[i]
+    return alloc
+
+
+def add_cpu_options(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The `Cpu` fields as options (`--cores`, `--cpu-per-mib-recv`, ...; `prefix` before
+    each, e.g. `sim-`); `cpu_from_args` reads them back."""
+    d = Cpu()
+    ap.add_argument(f"--{prefix}cores", type=float, default=d.cores,
+                    help="host cores shared by all nodes (default: inf, no CPU model)")  # fmt: skip
+    for name, help_ in (("recv", "received (store or peer)"), ("sent", "served to peers"),
+                        ("hash", "hashed (every received byte)")):  # fmt: skip
+        ap.add_argument(f"--{prefix}cpu-per-mib-{name}", type=float, default=0.0,
+                        help=f"CPU-s per MiB {help_}")  # fmt: skip
+    ap.add_argument(f"--{prefix}cpu-startup", type=float, default=0.0,
+                    help="CPU-s from a daemon's spawn until it serves")  # fmt: skip
+    ap.add_argument(f"--{prefix}cpu-node-cores", type=float, default=d.node_cores,
+                    help="cores one daemon can use at most")  # fmt: skip
+    ap.add_argument(f"--{prefix}cpu-busy", type=float, default=0.0,
+                    help="cores a downloading daemon uses whatever its rate")  # fmt: skip
+    ap.add_argument(f"--{prefix}cpu-per-probe", type=float, default=0.0,
+                    help="CPU-s per HEAD of a view round (one per peer per refresh)")  # fmt: skip
+
+
+def cpu_from_args(a: argparse.Namespace, prefix: str = "") -> Cpu:
+    p = prefix.replace("-", "_")
+    names = {"cores": "cores", "node_cores": "cpu_node_cores", "recv": "cpu_per_mib_recv",
+             "sent": "cpu_per_mib_sent", "hash": "cpu_per_mib_hash", "startup": "cpu_startup",
+             "busy": "cpu_busy", "probe": "cpu_per_probe"}  # fmt: skip
+    return Cpu(**{k: float(getattr(a, p + v)) for k, v in names.items()})
+
+
+def cpu_flags(cpu: Cpu, prefix: str = "") -> str:
+    """The options that give `cpu` back (the calibration prints them)."""
+    return (f"--{prefix}cores {cpu.cores:g} --{prefix}cpu-per-mib-recv {cpu.recv:.5f} "
+            f"--{prefix}cpu-per-mib-sent {cpu.sent:.5f} --{prefix}cpu-per-mib-hash "
+            f"{cpu.hash:.5f} --{prefix}cpu-startup {cpu.startup:.3f} --{prefix}cpu-busy "
+            f"{cpu.busy:.4f} --{prefix}cpu-per-probe {cpu.probe:.5f}")  # fmt: skip
+
+
+class Flow:
+    """One request's bytes on the way from `src` (a node, or nodes = the store) to `dst`."""
+
+    __slots__ = ("active", "dst", "left", "piece", "rate", "size", "src", "stamp", "ver")
+
+    def __init__(self, src: int, dst: int, piece: int, size: int) -> None:
+        self.src, self.dst, self.piece, self.size = src, dst, piece, size
+        self.left, self.rate, self.stamp, self.ver, self.active = float(size), 0.0, 0.0, 0, False
+
+
+class Boot:
+    """A daemon's start-up: CPU-s left, at the rate (cores) it is granted since `stamp`."""
+
+    __slots__ = ("left", "rate", "stamp", "ver")
+
+    def __init__(self, cpu_s: float, now: float) -> None:
+        self.left, self.rate, self.stamp, self.ver = cpu_s, 0.0, now, 0
+
+
+class Network:
+    """Links (and, if `cpu` is on, the host's CPU), and the event queue their flows' ends
+    go into. Nodes are 0 .. len(down) - 1; up[-1] is the store's egress."""
+
+    def __init__(self, up: list[float], down: list[float], cpu: Cpu | None = None) -> None:
+        self.up, self.down = up, down  # bytes/s
+        self.cpu = cpu if cpu is not None and cpu.on else None
+        self.up_flows: list[set[Flow]] = [set() for _ in up]
+        self.down_flows: list[set[Flow]] = [set() for _ in down]
+        self.up_rate, self.down_rate = [0.0] * len(up), [0.0] * len(down)  # sums of flow rates
+        self.sent = [0.0] * len(up)  # bytes sent by each uplink up to `stamp`
+        self.stamp = [0.0] * len(up)
+        self.booting: dict[int, Boot] = {}
+        self.background = [0.0] * len(down)  # cores a node uses besides its flows
+        self.cpu_used, self._cores_used, self._cpu_stamp = 0.0, 0.0, 0.0  # CPU-s until stamp
+        self.now = 0.0
+        self.events: list[tuple[float, int, int, object, int]] = []
+        self._seq = itertools.count()
+
+    def at(self, when: float, kind: int, obj: object, ver: int = 0) -> None:
+        heapq.heappush(self.events, (when, next(self._seq), kind, obj, ver))
+
+    def rate(self, f: Flow) -> float:
+        """`f`'s rate by its links alone."""
+        return min(
+            self.up[f.src] / len(self.up_flows[f.src]),
+            self.down[f.dst] / len(self.down_flows[f.dst]),
+        )
+
+    def start(self, f: Flow) -> None:
+        f.active, f.stamp = True, self.now
+        self.up_flows[f.src].add(f)
+        self.down_flows[f.dst].add(f)
+        self._reshare(f.src, f.dst)
+
+    def stop(self, f: Flow) -> float:
+        """Take `f` off its links; returns the bytes it had delivered."""
+        self._settle(f)
+        self._set_rate(f, 0.0)
+        f.active = False
+        f.ver += 1
+        self.up_flows[f.src].discard(f)
+        self.down_flows[f.dst].discard(f)
+        self._reshare(f.src, f.dst)
+        return f.size - max(f.left, 0.0)
+
+    def boot(self, node: int, cpu_s: float) -> None:
+        """Start `node`'s start-up work; a BOOTED event for it comes when it is done."""
+        self.booting[node] = Boot(cpu_s, self.now)
+        self._reshare_all()
+
+    def booted(self, node: int, ver: int) -> bool:
+        """True (and the node's CPU freed) if a BOOTED event is the current one."""
+        b = self.booting.get(node)
+        if b is None or b.ver != ver:
+            return False
+        del self.booting[node]
+        self._reshare_all()
+        return True
+
+    def set_background(self, node: int, cores: float) -> None:
+        """The CPU `node` asks for besides its flows' (slowed with them when short)."""
+        if self.cpu is not None and cores != self.background[node]:
+            self.background[node] = cores
+            self._reshare_all()
+
+    def inflow(self, node: int) -> float:
+        return self.down_rate[node]
+
+    def sent_by(self, src: int) -> float:
+        """Bytes uplink `src` has sent until now (all its flows)."""
+        return self.sent[src] + self.up_rate[src] * (self.now - self.stamp[src])
+
+    def _set_rate(self, f: Flow, rate: float) -> None:
+        self.sent[f.src] = self.sent_by(f.src)
+        self.stamp[f.src] = self.now
+        self.up_rate[f.src] += rate - f.rate
+        self.down_rate[f.dst] += rate - f.rate
+        f.rate = rate
+
+    def _settle(self, f: Flow) -> None:
+        f.left -= f.rate * (self.now - f.stamp)
+        f.stamp = self.now
+
+    def _update(self, f: Flow, rate: float) -> None:
+        if rate != f.rate:
+            self._settle(f)
+            self._set_rate(f, rate)
+            f.ver += 1
+            self.at(self.now + max(f.left, 0.0) / rate, END, f, f.ver)
+
+    def _reshare(self, src: int, dst: int) -> None:
+        if self.cpu is not None:
+            self._reshare_all()
+            return
+        for flows in (self.up_flows[src], self.down_flows[dst]):
+            for f in flows:
+                self._update(f, self.rate(f))
+
+    def _reshare_all(self) -> None:
+        """Every flow's rate and every boot's CPU, with the host's CPU shared (see above)."""
+        assert self.cpu is not None
+        cpu, nodes = self.cpu, len(self.down)
+        self.cpu_used += self._cores_used * (self.now - self._cpu_stamp)
+        self._cpu_stamp = self.now
+        recv, sent = (cpu.recv + cpu.hash) / MiB, cpu.sent / MiB
+        link = {f: self.rate(f) for flows in self.down_flows for f in flows}
+        demand = list(self.background)
+        for f, r in link.items():
+            demand[f.dst] += r * recv
+            if f.src < nodes:
+                demand[f.src] += r * sent
+        for i in self.booting:
+            demand[i] += cpu.node_cores
+        alloc = share(demand, cpu.cores, cpu.node_cores)
+        self._cores_used = sum(alloc)
+        # short of CPU, a node slows all its work alike, its polls and timers as its reads
+        slow = [min(1.0, a / d) if d > 0 else 1.0 for a, d in zip(alloc, demand, strict=True)]
+        slow.append(1.0)  # the store
+        for f, r in link.items():
+            self._update(f, r * min(slow[f.src], slow[f.dst]))
+        for i, b in self.booting.items():
+            b.left -= b.rate * (self.now - b.stamp)
+            b.rate, b.stamp, b.ver = alloc[i], self.now, b.ver + 1
+            if b.rate > 0:
+                self.at(self.now + max(b.left, 0.0) / b.rate, BOOTED, i, b.ver)
