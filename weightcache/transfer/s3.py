@@ -21,12 +21,14 @@ import hmac
 import http.client
 import logging
 import os
+import re
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,6 +66,8 @@ _DENIED_CODES = frozenset(
         "AllAccessDisabled",
     }
 )
+#: A store's answer to a request it does not implement (some say 501 without a code).
+_UNSUPPORTED = re.compile(r"\b(NotImplemented|501)\b")
 PRESIGN_SECONDS = 3600
 _UNRESERVED = "-_.~"  # RFC 3986: never percent-encoded in a SigV4 canonical request
 
@@ -198,6 +202,64 @@ class Origin:
             return {k: str(v) for k, v in resp.items() if k.startswith("Checksum")}
 
         return self.call(f"HEAD s3://{bucket}/{key}", head)
+
+    def part_sizes(self, bucket: str, key: str, count: int) -> tuple[int, ...] | None:
+        """The sizes of a multipart object's `count` parts, in order: from GetObjectAttributes
+        (ObjectParts, paged), else from one HeadObject with PartNumber per part (a store
+        without it, or credentials without s3:GetObjectAttributes); None if neither tells
+        them. Raises TransientError."""
+        where = f"s3://{bucket}/{key}"
+        listed = partial(self._listed_parts, bucket, key)
+        sizes = self._unless_refused(f"GetObjectAttributes {where}", listed)
+        if sizes is not None and len(sizes) == count:
+            return tuple(sizes)
+        heads = []
+        for number in range(1, count + 1):
+            head = partial(self._part_size, bucket, key, number)
+            size = self._unless_refused(f"HEAD part {number} of {where}", head)
+            if size is None:
+                return None
+            heads.append(size)
+        return tuple(heads)
+
+    def _unless_refused(self, what: str, fn: Callable[[], T]) -> T | None:
+        """`call(what, fn)`, or None when the store refuses it as unknown, unsupported or
+        not allowed (its transient failures are retried by `call`)."""
+
+        def attempt() -> T | None:
+            try:
+                return fn()
+            except Exception as e:
+                error = translate(e, what)
+                if isinstance(error, TransientError) and not _UNSUPPORTED.search(str(error)):
+                    raise
+                return None
+
+        return self.call(what, attempt)
+
+    def _listed_parts(self, bucket: str, key: str) -> list[int] | None:
+        sizes: list[int] = []
+        marker = 0
+        while True:
+            resp = self._client.get_object_attributes(
+                Bucket=bucket,
+                Key=key,
+                ObjectAttributes=["ObjectParts"],
+                MaxParts=1000,
+                PartNumberMarker=marker,
+            )
+            parts = resp.get("ObjectParts", {})
+            for part in parts.get("Parts", []):
+                if int(part["PartNumber"]) != len(sizes) + 1:
+                    return None  # not every part, in order: the boundaries are unknown
+                sizes.append(int(part["Size"]))
+            if not parts.get("IsTruncated"):
+                return sizes
+            marker = int(parts.get("NextPartNumberMarker", len(sizes)))
+
+    def _part_size(self, bucket: str, key: str, number: int) -> int:
+        resp = self._client.head_object(Bucket=bucket, Key=key, PartNumber=number)
+        return int(resp["ContentLength"])
 
     def upload_file(self, path: Path, bucket: str, key: str) -> None:
         from boto3.s3.transfer import TransferConfig
