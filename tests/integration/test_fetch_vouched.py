@@ -263,3 +263,28 @@ def test_multipart_object_not_matching_its_composite_checksum_is_exit_4(
     assert not (cache_dir / "m" / "r1").exists()
     assert list(blobs_dir(cache_dir).iterdir()) == []
     assert not list((cache_dir / ".weightcache" / "tmp").glob("*.part*"))
+
+
+@pytest.mark.timeout(120)
+def test_part_sizes_come_from_head_part_when_get_object_attributes_is_unsupported(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    data = _bytes(10 * MiB + 3, "w")
+    put_multipart(bare_s3, tmp_path, f"{prefix}/w.bin", data, "CRC32C")
+    put_vouched(bare_s3, prefix, {"config.json": (b"{}\n", "CRC32C")})
+    source = f"s3://{BUCKET}/{prefix}"
+
+    # A store that tells the part sizes neither way: not vouched for, as before.
+    proxy.configure(unsupported=("attributes", "partNumber"))
+    message = assert_fails(wc.fetch(source, cache_dir, endpoint=proxy.url), 3)
+    assert "'w.bin'" in message and f"weightcache manifest {source}/ --write" in message
+    assert proxy.stats().faults["unsupported"] >= 2  # GetObjectAttributes, HEAD part 1
+
+    # Without GetObjectAttributes: one HeadObject with PartNumber per part.
+    proxy.configure(unsupported=("attributes",))
+    assert_ok_path(wc.fetch(source, cache_dir, endpoint=proxy.url), cache_dir / "m" / "r1")
+    assert (cache_dir / "m" / "r1" / "w.bin").read_bytes() == data
+    assert marker_of(cache_dir / "m" / "r1")["files"]["w.bin"]["verified"] == (
+        "s3:crc32c-composite"
+    )
