@@ -93,6 +93,9 @@ def _drop_expect_header(request: Any, **_: Any) -> None:
 class Origin:
     """One S3-compatible endpoint. Thread-safe; create one per process."""
 
+    #: Parts per GetObjectAttributes page (S3's most; an upload has at most 10,000 parts).
+    parts_page = 1000
+
     def __init__(self, settings: OriginSettings, backoff: Backoff | None = None) -> None:
         self.settings = settings
         self._backoff = backoff or Backoff()
@@ -238,6 +241,7 @@ class Origin:
         return self.call(what, attempt)
 
     def _listed_parts(self, bucket: str, key: str) -> list[int] | None:
+        """The part sizes GetObjectAttributes lists, every page (None: not all of them)."""
         sizes: list[int] = []
         marker = 0
         while True:
@@ -245,7 +249,7 @@ class Origin:
                 Bucket=bucket,
                 Key=key,
                 ObjectAttributes=["ObjectParts"],
-                MaxParts=1000,
+                MaxParts=self.parts_page,
                 PartNumberMarker=marker,
             )
             parts = resp.get("ObjectParts", {})
@@ -255,7 +259,9 @@ class Origin:
                 sizes.append(int(part["Size"]))
             if not parts.get("IsTruncated"):
                 return sizes
-            marker = int(parts.get("NextPartNumberMarker", len(sizes)))
+            if int(parts.get("NextPartNumberMarker") or 0) <= marker:
+                return None  # a page that does not move on: the rest is unknown
+            marker = int(parts["NextPartNumberMarker"])
 
     def _part_size(self, bucket: str, key: str, number: int) -> int:
         resp = self._client.head_object(Bucket=bucket, Key=key, PartNumber=number)
