@@ -13,9 +13,9 @@ crc32c and crc64nvme need a native library (a pure-Python CRC runs at a few MB/s
 would make the hash the bottleneck of a fetch): both come from `awscrt` (a dependency;
 botocore's crt extra), crc32c also from `google-crc32c` (gcsfs depends on it). Measured on
 this project's 2-core CI machine, 256 KiB reads: awscrt crc32c 7694 MiB/s, crc64nvme 7329
-MiB/s, google-crc32c 4780 MiB/s, sha256 1050 MiB/s, a pure-Python crc32c 2.6 MiB/s. Without
-a library an algorithm is not `available()`, and a file vouched for only by it counts as
-not vouched for.
+MiB/s, google-crc32c 4780 MiB/s, sha256 1050 MiB/s, a pure-Python crc32c 2.6 MiB/s; zlib's
+crc32 1879 MiB/s and sha1 965 MiB/s (hashlib) need nothing more. Without a library an
+algorithm is not `available()`, and a file vouched for only by it counts as not vouched for.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def new_hasher(algorithm: str, size: int, parts: tuple[int, ...] = ()) -> Hasher
 
 
 def _crc32(data: memoryview, previous: int) -> int:
-    return zlib.crc32(data, previous)  # zlib's own CRC-32 (as fast as sha1 or faster)
+    return zlib.crc32(data, previous)  # native: 1879 MiB/s, beside sha256's 1072
 
 
 class Composite:
