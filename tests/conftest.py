@@ -50,8 +50,11 @@ def s3(store: Any) -> Any:
 
     Without `Expect: 100-continue`, as weightcache's own client: with it, the put that
     follows an empty one on the same connection stalls for botocore's 60 s read timeout
-    (see `without_expect_continue`)."""
+    (see `without_expect_continue`). It sends no checksum unless one is asked for (boto3
+    adds crc32 to every upload by default, and the store would then vouch for the content
+    of a prefix without SHA256SUMS: design §4, Verification without SHA256SUMS)."""
     import boto3
+    from botocore.config import Config
 
     from weightcache.transfer.s3 import without_expect_continue
 
@@ -62,6 +65,7 @@ def s3(store: Any) -> Any:
         aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
         region_name=env["AWS_REGION"],
+        config=Config(request_checksum_calculation="when_required"),
     )
     return without_expect_continue(client)
 

@@ -159,6 +159,18 @@ def test_a_missing_repository_or_revision_is_exit_3(
     assert markers(cache_dir) == []
 
 
+def test_a_hub_that_lists_no_sizes_is_exit_3_at_once(
+    wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
+    cache_dir: Path,
+) -> None:  # fmt: skip
+    # As olah's mirror of a local git repository answers: no sizes (it ignores ?blobs=true).
+    repo_id, _ = _repo(hub, uniq, _lfs_model(tmp_path, [100_000]), blobs=False)
+    proc = wc.fetch(f"hf://{repo_id}@main", cache_dir, "--no-daemon", env=hf_env)
+    message = assert_fails(proc, 3)  # not retried as if the Hub were down (exit 6)
+    assert "the Hub gave no size for" in message and "HF_ENDPOINT" in message, message
+    assert markers(cache_dir) == []
+
+
 def test_a_gated_repository_needs_hf_token(
     wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
     cache_dir: Path,

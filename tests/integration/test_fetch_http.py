@@ -58,6 +58,13 @@ def norange(served: Path) -> Iterator[NoRangeServer]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def gets_only(served: Path) -> Iterator[NoRangeServer]:
+    server = NoRangeServer(served, head=False).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(params=["nginx", "norange"])
 def base(request: pytest.FixtureRequest) -> str:
     """The URL of each server in turn: one that honours Range, one that ignores it."""
@@ -182,6 +189,23 @@ def test_no_manifest_is_exit_3_saying_how_to_make_one(
     assert f"no {MANIFEST} at {url}/{MANIFEST}" in message, message
     assert "sha256sum > SHA256SUMS" in message, message
     assert_fails(wc.run("manifest", url), 3)
+
+
+@pytest.mark.parametrize("server", ["nginx", "gets_only"])
+def test_a_server_that_refuses_head_is_sized_by_a_ranged_get(
+    wc: CLI, served: Path, uniq: str, cache_dir: Path, server: str,
+    request: pytest.FixtureRequest,
+) -> None:  # fmt: skip
+    """nginx's /nohead/ answers HEAD 405 and honours Range (206, and 416 for the empty
+    file); the GET-only server answers HEAD 501 and ignores Range (200)."""
+    model = _model(served, f"nohead/{uniq}", [3 * MiB + 5, 1 * MiB],
+                   extra_files={"empty.txt": b""})  # fmt: skip
+    url = f"{request.getfixturevalue(server).url}/nohead/{uniq}/llama/v1"
+    miss = _fetch_json(wc, url, cache_dir, "--part-size", "1M")
+    assert miss["hit"] is False
+    assert_revision_ok(cache_dir, "llama", "v1", model)
+    assert_blobs_valid(cache_dir)
+    assert _fetch_json(wc, url, cache_dir)["hit"] is True
 
 
 def test_a_bearer_token_from_the_environment(

@@ -5,6 +5,7 @@ and that a failed fetch leaves no revision behind."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,14 @@ from tests.support.checks import (
     assert_revision_ok,
     markers,
 )
+from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import IntegrityError, SourceError, UsageError
 from weightcache.fetch import Fetcher, check_hit
 
 KiB = 1024
+MiB = 1024 * KiB
 #: Small parts, so that every shard is several ranged GETs.
 PART = 256 * KiB
 
@@ -183,3 +186,28 @@ def test_a_revision_of_another_source_with_other_content_is_a_usage_error(
     with pytest.raises(UsageError, match="one name/revision holds one content"):
         f.fetch(Source.parse(other.source, "m", "r1"))
     assert f.fetch(Source.parse(one.source, "m", "r1")).path == first.path
+
+
+def test_part_sizes_are_read_through_every_page_of_get_object_attributes(
+    settings: OriginSettings, s3: Any, uniq: str, tmp_path: Path, proxy: FaultProxy
+) -> None:
+    from boto3.s3.transfer import TransferConfig
+
+    from weightcache.transfer.s3 import Origin
+
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"x" * (15 * MiB + 3))  # parts of 5, 5, 5 MiB and 3 bytes
+    config = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB,
+                            preferred_transfer_client="classic")  # fmt: skip
+    key = f"{uniq}/big.bin"
+    s3.upload_file(str(path), BUCKET, key, Config=config,
+                   ExtraArgs={"ChecksumAlgorithm": "CRC32C"})  # fmt: skip
+    # No HeadObject PartNumber to fall back on: the pages alone must tell every part.
+    proxy.configure(unsupported=("partNumber",))
+    origin = Origin(dataclasses.replace(settings, endpoint_url=proxy.url))
+    origin.parts_page = 3  # two pages
+    assert origin.part_sizes(BUCKET, key, 4) == (5 * MiB, 5 * MiB, 5 * MiB, 3)
+    origin.parts_page = 1  # four pages
+    assert origin.part_sizes(BUCKET, key, 4) == (5 * MiB, 5 * MiB, 5 * MiB, 3)
+    assert proxy.stats().faults.get("unsupported", 0) == 0
+    assert origin.part_sizes(BUCKET, key, 5) is None  # not the count its checksum says

@@ -197,3 +197,94 @@ def test_a_killed_checksum_only_download_resumes_from_its_partial(
     assert (cache_dir / "m" / "r1" / "w.bin").read_bytes() == data
     assert marker_of(cache_dir / "m" / "r1")["files"]["w.bin"]["verified"] == "s3:crc64nvme"
     assert not partial.exists()
+
+
+def put_multipart(client: Any, tmp_path: Path, key: str, data: bytes, algorithm: str) -> None:
+    """Upload `data` as `aws s3 cp` does a big file: in 5 MiB parts (the smallest S3
+    allows), with the checksum algorithm given."""
+    from boto3.s3.transfer import TransferConfig
+
+    path = tmp_path / "upload.bin"
+    path.write_bytes(data)
+    config = TransferConfig(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB,
+                            preferred_transfer_client="classic")  # fmt: skip
+    extra = {"ChecksumAlgorithm": algorithm}
+    client.upload_file(str(path), BUCKET, key, ExtraArgs=extra, Config=config)
+
+
+@pytest.mark.timeout(120)
+def test_multipart_uploads_are_verified_by_their_composite_checksums(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, tmp_path: Path
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    big, other = _bytes(11 * MiB + 5, "big"), _bytes(6 * MiB + 1, "other")
+    put_multipart(bare_s3, tmp_path, f"{prefix}/big.safetensors", big, "CRC32C")
+    # As `aws s3 sync` uploads with boto3's defaults: crc32, composite for a multipart one.
+    put_multipart(bare_s3, tmp_path, f"{prefix}/other.safetensors", other, "CRC32")
+    put_vouched(bare_s3, prefix, {"config.json": (b"{}\n", "CRC32")})
+    head = bare_s3.head_object(Bucket=BUCKET, Key=f"{prefix}/big.safetensors",
+                               ChecksumMode="ENABLED")  # fmt: skip
+    assert head["ChecksumCRC32C"].endswith("-3"), head  # a COMPOSITE checksum, 3 parts
+    source = f"s3://{BUCKET}/{prefix}"
+
+    miss = wc.fetch(source, cache_dir, "--part-size", "1M", "--json")
+    assert miss.returncode == 0, describe(miss)
+    assert json.loads(miss.stdout)["hit"] is False
+    root = cache_dir / "m" / "r1"
+    assert (root / "big.safetensors").read_bytes() == big
+    assert (root / "other.safetensors").read_bytes() == other
+    assert (blobs_dir(cache_dir) / sha256_bytes(big)).stat().st_ino == (
+        (root / "big.safetensors").stat().st_ino
+    )
+    files = marker_of(root)["files"]
+    assert {p: f["verified"] for p, f in files.items()} == {
+        "big.safetensors": "s3:crc32c-composite",
+        "other.safetensors": "s3:crc32-composite",
+        "config.json": "s3:crc32",
+    }
+    assert not list((cache_dir / ".weightcache" / "tmp").glob("*.part*"))
+
+    hit = wc.fetch(source, cache_dir, "--json")
+    assert hit.returncode == 0, describe(hit)
+    assert json.loads(hit.stdout)["hit"] is True
+
+
+@pytest.mark.timeout(120)
+def test_multipart_object_not_matching_its_composite_checksum_is_exit_4(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    put_multipart(bare_s3, tmp_path, f"{prefix}/w.bin", _bytes(10 * MiB + 3, "w"), "SHA256")
+    proxy.configure(corrupt_rate=1.0, scope="ranged")  # every byte range has one byte flipped
+
+    proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url)
+    message = assert_fails(proc, 4)
+    assert "sha256-composite mismatch for w.bin" in message, message
+    assert not (cache_dir / "m" / "r1").exists()
+    assert list(blobs_dir(cache_dir).iterdir()) == []
+    assert not list((cache_dir / ".weightcache" / "tmp").glob("*.part*"))
+
+
+@pytest.mark.timeout(120)
+def test_part_sizes_come_from_head_part_when_get_object_attributes_is_unsupported(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    data = _bytes(10 * MiB + 3, "w")
+    put_multipart(bare_s3, tmp_path, f"{prefix}/w.bin", data, "CRC32C")
+    put_vouched(bare_s3, prefix, {"config.json": (b"{}\n", "CRC32C")})
+    source = f"s3://{BUCKET}/{prefix}"
+
+    # A store that tells the part sizes neither way: not vouched for, as before.
+    proxy.configure(unsupported=("attributes", "partNumber"))
+    message = assert_fails(wc.fetch(source, cache_dir, endpoint=proxy.url), 3)
+    assert "'w.bin'" in message and f"weightcache manifest {source}/ --write" in message
+    assert proxy.stats().faults["unsupported"] >= 2  # GetObjectAttributes, HEAD part 1
+
+    # Without GetObjectAttributes: one HeadObject with PartNumber per part.
+    proxy.configure(unsupported=("attributes",))
+    assert_ok_path(wc.fetch(source, cache_dir, endpoint=proxy.url), cache_dir / "m" / "r1")
+    assert (cache_dir / "m" / "r1" / "w.bin").read_bytes() == data
+    assert marker_of(cache_dir / "m" / "r1")["files"]["w.bin"]["verified"] == (
+        "s3:crc32c-composite"
+    )

@@ -21,6 +21,9 @@ eligible request. `script` names faults to inject first, in order, before the ra
 (so a test can be sure each kind happened). `max_consecutive` caps the faults injected in a
 row on one path so that a client with a handful of retries is sure to finish.
 
+`unsupported` names query parameters (e.g. "attributes", "partNumber") whose requests are
+answered 501 NotImplemented: a store without that API.
+
 `set_down()` makes the store unreachable through the proxy: "refuse" (listener closed,
 connections refused), "reset" (accepted then RST) or "hang" (accepted, never answered).
 `rate_limit` (bytes/s, all connections together) slows the body bytes sent to clients.
@@ -80,6 +83,9 @@ class Faults:
     max_consecutive: int | None = None  # per path; None = unbounded
     rate_limit: float | None = None  # bytes/s of response bodies, all connections together
     trickle_rate: float | None = None  # bytes/s of each eligible response body, in pieces
+    #: Query parameters of requests answered 501 NotImplemented, of any method, without
+    #: asking the store: a store without that API ("attributes": GetObjectAttributes).
+    unsupported: tuple[str, ...] = ()
 
     def validate(self) -> None:
         rates = (self.slowdown_rate, self.reset_rate, self.truncate_rate, self.corrupt_rate,
@@ -420,6 +426,11 @@ class FaultProxy:
     def _randrange(self, n: int) -> int:
         with self._lock:
             return self._rng.randrange(n) if n > 0 else 0
+
+    def unsupported(self, target: str) -> bool:
+        """Whether to answer this request 501 NotImplemented (`Faults.unsupported`)."""
+        query = parse_qs(target.partition("?")[2], keep_blank_values=True)
+        return bool(set(query) & set(self._faults.unsupported))
 
     def eligible(self, method: str, target: str, has_range: bool) -> bool:
         if method != "GET":

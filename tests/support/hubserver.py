@@ -54,6 +54,7 @@ class HubRepo:
     lfs: dict[str, set[str]] = field(default_factory=dict)  # commit -> its LFS paths
     refs: dict[str, str] = field(default_factory=dict)
     gated_token: str | None = None  # gated: only this token may read it
+    blobs: bool = True  # False: ignores ?blobs=true, as olah's mirror of a local git repo
 
 
 class HubServer:
@@ -87,11 +88,12 @@ class HubServer:
         branch: str = "main",
         lfs: set[str] | None = None,
         gated_token: str | None = None,
+        blobs: bool = True,
     ) -> str:
         """Commit `files` (the whole tree) to `branch` of `repo_id`; return the commit id.
         LFS holds `lfs` if given, else every file of LFS_MIN bytes or more."""
         repo = self.repos.setdefault(repo_id, HubRepo())
-        repo.gated_token = gated_token
+        repo.gated_token, repo.blobs = gated_token, blobs
         commit = hashlib.sha1(
             json.dumps([repo_id, branch, len(repo.commits), sorted(files)]).encode()
         ).hexdigest()
@@ -167,7 +169,7 @@ class HubServer:
         if isinstance(found, web.Response):
             return found
         repo, commit = found
-        blobs = request.query.get("blobs", "").lower() == "true"
+        blobs = repo.blobs and request.query.get("blobs", "").lower() == "true"
         siblings = [self._sibling(repo, commit, p, blobs) for p in sorted(repo.commits[commit])]
         repo_id = f"{request.match_info['org']}/{request.match_info['name']}"
         body = {"_id": commit[:24], "id": repo_id, "modelId": repo_id, "sha": commit,

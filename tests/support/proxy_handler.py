@@ -20,6 +20,13 @@ SLOWDOWN_BODY = (
     b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
     b"<RequestId>faultproxy</RequestId></Error>"
 )
+_SLOWDOWN = ("503 Slow Down", SLOWDOWN_BODY)
+_NOT_IMPLEMENTED = (
+    "501 Not Implemented",
+    b'<?xml version="1.0" encoding="UTF-8"?>\n'
+    b"<Error><Code>NotImplemented</Code><Message>A header you provided implies "
+    b"functionality that is not implemented.</Message><RequestId>faultproxy</RequestId></Error>",
+)
 _CHUNK = 64 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
 
@@ -82,10 +89,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 time.sleep(faults.latency)
             fault = proxy._decide(path)
             self.trickle = faults.trickle_rate
-        if fault == "slowdown":
+        answer = _NOT_IMPLEMENTED if proxy.unsupported(self.path) else None
+        answer = _SLOWDOWN if fault == "slowdown" else answer
+        if answer is not None:
             self._drain_request_body()
-            proxy._count_fault("slowdown")
-            self._send_slowdown()
+            proxy._count_fault("slowdown" if fault == "slowdown" else "unsupported")
+            self._send_error(*answer)
             return
         try:
             response = self._send_upstream()
@@ -173,15 +182,15 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     # --- responses -----------------------------------------------------------------------
 
-    def _send_slowdown(self) -> None:
+    def _send_error(self, status: str, body: bytes) -> None:
         head = (
-            "HTTP/1.1 503 Slow Down\r\n"
+            f"HTTP/1.1 {status}\r\n"
             "Content-Type: application/xml\r\n"
-            f"Content-Length: {len(SLOWDOWN_BODY)}\r\n"
+            f"Content-Length: {len(body)}\r\n"
             "x-amz-request-id: faultproxy\r\n"
             "\r\n"
         ).encode()
-        self.wfile.write(head + SLOWDOWN_BODY)
+        self.wfile.write(head + (body if self.command != "HEAD" else b""))
         if self.headers.get("Connection", "").lower() == "close":
             self.close_connection = True
 

@@ -2,9 +2,10 @@
 
 `Nginx`: Debian's nginx (`.ci/run` installs it) run in the foreground as the current user,
 with a temp prefix: one plain-http server honouring Range, its `/private/` files behind a
-bearer token, its `/throttled/` files behind a request rate limit answering 429, and the same
-root over https with a self-signed certificate. `NoRangeServer`: Python's
-SimpleHTTPRequestHandler, which ignores Range (200 with the whole file), in a thread.
+bearer token, its `/throttled/` files behind a request rate limit answering 429, its
+`/nohead/` files refusing HEAD (405), and the same root over https with a self-signed
+certificate. `NoRangeServer`: Python's SimpleHTTPRequestHandler, which ignores Range (200
+with the whole file), in a thread; with `head=False`, it implements GET only (HEAD: 501).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ http {{
         location /throttled/ {{
             limit_req zone=slow burst=2 nodelay;
             limit_req_status 429;
+        }}
+        location /nohead/ {{
+            if ($request_method = HEAD) {{ return 405; }}
         }}
     }}
 }}
@@ -124,6 +128,11 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class _GetOnly(_Quiet):
+    def do_HEAD(self) -> None:
+        self.send_error(501, f"Unsupported method ({self.command!r})")
+
+
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
@@ -132,10 +141,11 @@ class _Server(http.server.ThreadingHTTPServer):
 
 
 class NoRangeServer:
-    """Python's file server, which ignores Range, serving `root` from a thread."""
+    """Python's file server, which ignores Range, serving `root` from a thread; without
+    `head`, one that answers HEAD 501 (as a server implementing GET only)."""
 
-    def __init__(self, root: Path) -> None:
-        handler = functools.partial(_Quiet, directory=str(root))
+    def __init__(self, root: Path, head: bool = True) -> None:
+        handler = functools.partial(_Quiet if head else _GetOnly, directory=str(root))
         self._server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import shutil
 import subprocess
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,15 +18,15 @@ import pytest
 from weightcache.cache.marker import Marker
 from weightcache.errors import IntegrityError, SourceError
 from weightcache.fetch.vouched import Vouched, plan_vouched
-from weightcache.transfer.checksums import b64_to_hex, new_hasher
+from weightcache.transfer.checksums import Vouch, b64_to_hex, new_hasher
 from weightcache.transfer.httprange import s3_vouched
 
 CHECK = b"123456789"  # the CRC catalogue's check input
 
 
-def digest(algorithm: str, data: bytes, chunk: int = 4) -> str:
+def digest(algorithm: str, data: bytes, chunk: int = 4, parts: tuple[int, ...] = ()) -> str:
     """`data` hashed in `chunk`-byte pieces, as the downloader feeds it."""
-    h = new_hasher(algorithm, len(data))
+    h = new_hasher(algorithm, len(data), parts)
     for i in range(0, len(data), chunk):
         h.update(memoryview(bytearray(data[i : i + chunk])))
     return h.hexdigest()
@@ -42,6 +45,8 @@ def test_crcs_match_the_catalogue_check_values() -> None:
     assert digest("crc64nvme", CHECK) == "ae8b14860a799888"  # CRC-64/NVME
     assert digest("md5", CHECK) == hashlib.md5(CHECK).hexdigest()
     assert digest("sha256", CHECK) == hashlib.sha256(CHECK).hexdigest()
+    assert digest("crc32", CHECK) == "cbf43926"  # CRC-32/ISO-HDLC
+    assert digest("sha1", CHECK) == hashlib.sha1(CHECK).hexdigest()
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -56,18 +61,88 @@ def test_git_sha1_is_the_git_blob_id(tmp_path: Path, data: bytes) -> None:
     assert digest("git-sha1", data, chunk=7) == expected
 
 
-def test_s3_full_object_checksums_are_vouched_composite_ones_are_not() -> None:
+def test_s3_full_object_checksums_are_vouched() -> None:
     sha = base64.b64encode(hashlib.sha256(b"x").digest()).decode()
-    assert s3_vouched({"ChecksumSHA256": sha}) == ("sha256", hashlib.sha256(b"x").hexdigest())
+    assert s3_vouched({"ChecksumSHA256": sha}) == Vouch("sha256", hashlib.sha256(b"x").hexdigest())
     crc64 = {"ChecksumCRC64NVME": "Fg5AiE8Eaws=", "ChecksumType": "FULL_OBJECT"}
-    assert s3_vouched(crc64) == ("crc64nvme", "160e40884f046b0b")
+    assert s3_vouched(crc64) == Vouch("crc64nvme", "160e40884f046b0b")
     # sha256 is preferred: it needs no second digest
     assert s3_vouched({**crc64, "ChecksumSHA256": sha}) == s3_vouched({"ChecksumSHA256": sha})
-    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2", "ChecksumType": "COMPOSITE"}) is None
-    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2"}) is None  # no type: the suffix tells
-    assert s3_vouched({"ChecksumCRC32": "iH6F8A=="}) is None  # crc32 is not used
+    # crc32: what boto3 and the AWS CLI add to every upload by default
+    assert s3_vouched({"ChecksumCRC32": "iH6F8A=="}) == Vouch("crc32", "887e85f0")
     assert s3_vouched({"ChecksumCRC32C": "@@@"}) is None
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==", "ChecksumType": "COMPOSITE"}) is None
     assert s3_vouched({}) is None
+
+
+def test_s3_composite_checksums_are_vouched_with_their_part_count() -> None:
+    composite = Vouch("crc32c-composite", "6990eedb-2")
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2", "ChecksumType": "COMPOSITE"}) == composite
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2"}) == composite  # no type: the suffix tells
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2", "ChecksumType": "FULL_OBJECT"}) is None
+    assert s3_vouched({"ChecksumCRC64NVME": "Fg5AiE8Eaws=-2"}) is None  # full-object only
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-0"}) is None
+    sha = base64.b64encode(hashlib.sha256(b"x").digest()).decode()
+    assert s3_vouched({"ChecksumSHA256": f"{sha}-3"}) == Vouch(
+        "sha256-composite", f"{hashlib.sha256(b'x').hexdigest()}-3"
+    )
+
+
+MiB = 1024 * 1024
+
+
+def _crc32c(data: bytes) -> bytes:
+    import google_crc32c
+
+    return int(google_crc32c.value(data)).to_bytes(4, "big")
+
+
+def _crc32(data: bytes) -> bytes:
+    return zlib.crc32(data).to_bytes(4, "big")
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _sha1(data: bytes) -> bytes:
+    return hashlib.sha1(data).digest()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "fn"),
+    [("crc32c", _crc32c), ("crc32", _crc32), ("sha256", _sha256), ("sha1", _sha1)],
+)
+@pytest.mark.parametrize("chunk", [1000, 4096, 7 * MiB])
+def test_composite_is_the_checksum_of_the_part_checksums(
+    algorithm: str, fn: Callable[[bytes], bytes], chunk: int
+) -> None:
+    data = bytes(range(256)) * (11 * MiB // 256) + b"tail"
+    parts = (5 * MiB, 5 * MiB, MiB + 4)
+    bounds = [0, 5 * MiB, 10 * MiB, len(data)]
+    raw = b"".join(fn(data[a:b]) for a, b in itertools.pairwise(bounds))
+    expected = f"{fn(raw).hex()}-3"
+    h = new_hasher(f"{algorithm}-composite", len(data), parts)
+    for i in range(0, len(data), chunk):
+        h.update(memoryview(data[i : i + chunk]))
+    assert h.hexdigest() == expected
+
+
+def test_composite_literal_vectors() -> None:
+    # S3's value for b"123456789" + b"abc" uploaded in parts of 9 and 3 bytes: crc32c of
+    # crc32c(b"123456789") || crc32c(b"abc"), big-endian (e3069283 || 364b3fb7).
+    assert digest("crc32c-composite", b"123456789abc", parts=(9, 3)) == (
+        f"{_crc32c(bytes.fromhex('e3069283364b3fb7')).hex()}-2"
+    )
+    one = digest("crc32c-composite", CHECK, parts=(9,))  # one part: still a composite
+    assert one == f"{_crc32c(bytes.fromhex('e3069283')).hex()}-1"
+    # a file shorter or longer than its parts never matches the vouched digest
+    assert digest("crc32c-composite", CHECK[:5], parts=(5, 4)) != digest(
+        "crc32c-composite", CHECK, parts=(5, 4)
+    )
+    assert digest("crc32c-composite", CHECK + b"x", parts=(9,)) != one
+    with pytest.raises(ValueError):
+        new_hasher("crc32c-composite", 9)  # without its parts
 
 
 HINT = "write it with `weightcache manifest s3://b/m/r/ --write`"
@@ -127,3 +202,22 @@ def test_marker_records_how_each_file_was_verified_and_reads_old_ones() -> None:
     old["files"]["a"]["verified"] = "../x"
     with pytest.raises(ValueError, match="verified by"):
         Marker.from_json(json.dumps(old))
+
+
+def test_plan_takes_a_composite_checksum_only_with_parts_that_make_up_the_file() -> None:
+    vouch = Vouch("crc32c-composite", "0123abcd-2", (6, 4))
+    plan = plan_vouched("s3://b/m/r", {"a": 10}, {"a": vouch}, HINT)
+    assert plan.pending == (Vouched("a", 10, "crc32c-composite", "0123abcd-2", (6, 4)),)
+    assert plan.verified == {"a": "s3:crc32c-composite"}
+    assert plan.pending[0].key == "crc32c-composite-0123abcd-2-10"
+    for bad in (
+        vouch._replace(parts=(6, 5)),  # not the file's size
+        vouch._replace(parts=(10,)),  # not as many parts as the digest says
+        vouch._replace(parts=()),  # the part sizes unknown
+        vouch._replace(digest="0123abcd"),  # no part count
+        Vouch("crc64nvme-composite", "0123456789abcdef-2", (6, 4)),  # not an S3 composite
+        Vouch("crc32c", "0123abcd", (6, 4)),  # parts of a full-object checksum
+    ):
+        with pytest.raises(SourceError, match=r"1 of its 2 file\(s\).*'a'"):
+            plan_vouched("s3://b/m/r", {"a": 10, "b": 1}, {"a": bad, "b": ("crc32", "00" * 4)},
+                         HINT)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The control plane's own SigV4 signing (weightcache.transfer.s3): the URLs it presigns
+"""The control plane's own SigV4 signing (weightcache.transfer.sigv4): the URLs it presigns
 are botocore's, byte for byte in every signed part, and it is used only where botocore
 would have used the same static credentials."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.transfer.s3 import SigV4, static_signer
+from weightcache.transfer.sigv4 import SigV4, static_signer
 
 NOW = dt.datetime(2026, 12, 1, 3, 4, 5, tzinfo=dt.UTC)
 KEY, SECRET = "AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"

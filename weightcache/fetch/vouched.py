@@ -5,7 +5,8 @@ Deciding (`plan_vouched`, pure): every file a fetch would take (`select_files`, 
 selection as `weightcache manifest`) must be vouched for by its source with an algorithm
 computable here, else the fetch is exit 3 naming the command that writes a manifest. Files
 vouched for by sha256 are ordinary manifest entries. The others are `Vouched`: their sha256,
-the blob store's key, is known only once their bytes have landed.
+the blob store's key, is known only once their bytes have landed. A composite checksum (of
+an S3 multipart upload) comes with its part sizes, and is computed part by part.
 
 Doing (`VouchedFetch.bring`): each such file is downloaded like any blob (parallel ranged
 reads, resumable) into a partial named by its vouched checksum, with that checksum computed
@@ -38,7 +39,7 @@ from weightcache.config import Source
 from weightcache.errors import IntegrityError, NoSpaceError, SourceError
 from weightcache.fetch.blobs import LOCK_BATCH, holder_stalled
 from weightcache.progress import human
-from weightcache.transfer.checksums import available
+from weightcache.transfer.checksums import COMPOSITE_SUFFIX, Vouch, available, composite_parts
 from weightcache.transfer.sources import BlobSource
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 #: Hex digits of each algorithm's digest: anything else from a source is not a checksum.
-_HEX_DIGITS = {"sha256": 64, "md5": 32, "crc32c": 8, "crc64nvme": 16, "git-sha1": 40}
+_HEX_DIGITS = {"sha256": 64, "md5": 32, "crc32c": 8, "crc64nvme": 16, "git-sha1": 40,
+               "crc32": 8, "sha1": 40}  # fmt: skip
 _HEX = re.compile(r"[0-9a-f]+")
 
 
@@ -57,7 +59,8 @@ class Vouched:
     path: str
     size: int
     algorithm: str
-    digest: str  # lowercase hex
+    digest: str  # lowercase hex; a composite one "<hex>-<parts>"
+    parts: tuple[int, ...] = ()  # a composite one's part sizes
 
     @property
     def key(self) -> str:
@@ -85,26 +88,26 @@ class VouchedPlan:
 
 
 def plan_vouched(
-    url: str, sizes: Mapping[str, int], vouches: Mapping[str, tuple[str, str]], hint: str
+    url: str, sizes: Mapping[str, int], vouches: Mapping[str, tuple[str, str] | Vouch], hint: str
 ) -> VouchedPlan:
     """The plan for the revision at `url` without SHA256SUMS, from its listing `sizes` and
     what its source vouches for. Raises SourceError (exit 3) naming a file vouched for by
     nothing usable (and `hint`, what to do), or when the listing holds no file."""
     scheme = url.partition("://")[0]
-    if not any(_is_checksum(*v) for v in vouches.values()):
+    if not any(_is_checksum(Vouch(*v), None) for v in vouches.values()):
         raise SourceError(f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}; {hint}")
     files = select_files(dict(sizes), url).files
     known: list[ManifestEntry] = []
     pending: list[Vouched] = []
     unvouched: list[str] = []
     for path, size in files.items():
-        algorithm, digest = vouches.get(path, ("", ""))
-        if not _is_checksum(algorithm, digest):
+        vouch = Vouch(*vouches.get(path, ("", "")))
+        if not _is_checksum(vouch, size):
             unvouched.append(path)
-        elif algorithm == "sha256":
-            known.append(ManifestEntry(path, digest, size))
+        elif vouch.algorithm == "sha256":
+            known.append(ManifestEntry(path, vouch.digest, size))
         else:
-            pending.append(Vouched(path, size, algorithm, digest))
+            pending.append(Vouched(path, size, *vouch))
     if unvouched:
         raise SourceError(
             f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}, and the store vouches for the "
@@ -116,11 +119,21 @@ def plan_vouched(
     return VouchedPlan(tuple(known), tuple(pending), verified)
 
 
-def _is_checksum(algorithm: str, digest: str) -> bool:
-    """A digest of an algorithm computable here, of that algorithm's length."""
+def _is_checksum(vouch: Vouch, size: int | None) -> bool:
+    """A digest of an algorithm computable here, of that algorithm's length; a composite
+    one with as many parts as its digest says, their sizes adding up to `size` (if given)."""
+    algorithm, digest, parts = vouch
+    if algorithm.endswith(COMPOSITE_SUFFIX):
+        if composite_parts(digest) != len(parts) or min(parts) < 0:
+            return False
+        if size is not None and sum(parts) != size:
+            return False
+        algorithm, digest = algorithm.removesuffix(COMPOSITE_SUFFIX), digest.rpartition("-")[0]
+    elif parts:
+        return False
     if len(digest) != _HEX_DIGITS.get(algorithm, -1) or not _HEX.fullmatch(digest):
         return False
-    return available(algorithm)
+    return available(vouch.algorithm)
 
 
 class VouchedFetch:
@@ -187,7 +200,7 @@ class VouchedFetch:
         while todo:
             partials = {v.key: self.layout.vouched_partial(v.key, private[v.key]) for v in todo}
             jobs = [BlobJob(self._origin_blob(source, v.path), v.size, partials[v.key], v.path,
-                            check=v.algorithm) for v in todo]  # fmt: skip
+                            check=v.algorithm, check_parts=v.parts) for v in todo]  # fmt: skip
             done = self._downloader().download(jobs)
             fetched += done.received.get("origin", 0)
             bad = []

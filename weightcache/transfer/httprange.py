@@ -23,7 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import IntegrityError, SourceError
-from weightcache.transfer.checksums import available, b64_to_hex
+from weightcache.transfer.checksums import (
+    COMPOSITE_SUFFIX,
+    Vouch,
+    available,
+    b64_to_hex,
+    composite_parts,
+)
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 if TYPE_CHECKING:
@@ -305,42 +311,59 @@ class S3Revision:
     def blob(self, relpath: str) -> OriginBlob:
         return OriginBlob(self._http, self._origin, self.bucket, f"{self.prefix}/{relpath}")
 
-    def vouches(self) -> dict[str, tuple[str, str]]:
-        """The full-object checksum of each object (one HeadObject with ChecksumMode=ENABLED
-        per object, HEAD_CONCURRENCY at once), by `s3_vouched`."""
+    def vouches(self) -> dict[str, Vouch]:
+        """The checksum of each object (one HeadObject with ChecksumMode=ENABLED per object,
+        HEAD_CONCURRENCY at once), by `s3_vouched`; a composite one with its part sizes
+        (`Origin.part_sizes`), or none when the store does not tell them."""
         sizes = self._sizes if self._sizes is not None else self.list_sizes()
         paths = sorted(sizes)
 
-        def head(relpath: str) -> dict[str, str]:
-            return self._origin.head_checksums(self.bucket, f"{self.prefix}/{relpath}")
+        def head(relpath: str) -> Vouch | None:
+            key = f"{self.prefix}/{relpath}"
+            vouch = s3_vouched(self._origin.head_checksums(self.bucket, key))
+            count = composite_parts(vouch.digest) if vouch is not None else None
+            if vouch is None or count is None:
+                return vouch
+            parts = self._origin.part_sizes(self.bucket, key, count)
+            return vouch._replace(parts=parts) if parts is not None else None
 
         with ThreadPoolExecutor(HEAD_CONCURRENCY) as pool:
             found = zip(paths, pool.map(head, paths), strict=True)
-            return {p: v for p, headers in found if (v := s3_vouched(headers)) is not None}
+            return {p: v for p, v in found if v is not None}
 
 
 #: HeadObject requests in flight while `S3Revision.vouches` asks for every object's checksum.
 HEAD_CONCURRENCY = 16
-#: HeadObject's checksum fields weightcache can verify, strongest first.
+#: HeadObject's checksum fields weightcache can verify, strongest first. S3 defines crc64nvme
+#: for full objects only; the others also as COMPOSITE checksums of multipart uploads.
 _S3_CHECKSUMS = (
-    ("ChecksumSHA256", "sha256"), ("ChecksumCRC64NVME", "crc64nvme"), ("ChecksumCRC32C", "crc32c"),
+    ("ChecksumSHA256", "sha256"), ("ChecksumCRC64NVME", "crc64nvme"),
+    ("ChecksumCRC32C", "crc32c"), ("ChecksumSHA1", "sha1"), ("ChecksumCRC32", "crc32"),
 )  # fmt: skip
-_COMPOSITE = re.compile(r".*-\d+")  # "<base64>-<parts>": a checksum of part checksums
+_COMPOSITE = re.compile(r"(.*)-([1-9][0-9]*)")  # "<base64>-<parts>": of the parts' checksums
 
 
-def s3_vouched(headers: Mapping[str, str]) -> tuple[str, str] | None:
-    """(algorithm, hex) of the strongest full-object checksum among HeadObject's fields, or
-    None. A COMPOSITE checksum (of a multipart upload: a checksum of the parts' checksums,
-    "<base64>-<parts>") is not of the content and is ignored: its part boundaries are not
-    in the HEAD. A store that sends no ChecksumType (SeaweedFS) has a full-object checksum
-    when the value has no "-<parts>" suffix. crc32 (boto3's default) is not used."""
-    if headers.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
-        return None
+def s3_vouched(headers: Mapping[str, str]) -> Vouch | None:
+    """The strongest checksum among HeadObject's fields, or None: a full-object one as
+    (algorithm, hex); a COMPOSITE one (of a multipart upload: the checksum of the parts'
+    binary checksums, "<base64>-<parts>") as ("<algorithm>-composite", "<hex>-<parts>"),
+    whose part sizes the caller must learn. A store that sends no ChecksumType (SeaweedFS)
+    has a composite checksum when the value has the "-<parts>" suffix."""
+    kind = headers.get("ChecksumType")
     for field, algorithm in _S3_CHECKSUMS:
         value = headers.get(field)
-        if value and not _COMPOSITE.fullmatch(value) and available(algorithm):
-            try:
-                return algorithm, b64_to_hex(value)
-            except ValueError:
-                continue  # a store's garbage is "not vouched", never a crash
+        if not value:
+            continue
+        composite = _COMPOSITE.fullmatch(value)
+        if kind not in (None, "COMPOSITE" if composite else "FULL_OBJECT"):
+            continue  # the value contradicts its type: a store's garbage
+        if composite:
+            algorithm, value = f"{algorithm}{COMPOSITE_SUFFIX}", composite.group(1)
+        if not available(algorithm):
+            continue
+        try:
+            digest = b64_to_hex(value)
+        except ValueError:
+            continue  # a store's garbage is "not vouched", never a crash
+        return Vouch(algorithm, f"{digest}-{composite.group(2)}" if composite else digest)
     return None

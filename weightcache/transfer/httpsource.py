@@ -1,7 +1,8 @@
 """http(s):// sources: a revision as a directory of a web server (design §4, Revision sources).
 
 A web server has no listing: the revision's SHA256SUMS names its files, and each file's size
-comes from a HEAD, sent in parallel before any byte is downloaded, so the fetch can plan
+comes from a HEAD (from a GET of its first byte where the server refuses HEAD: 405, 501),
+sent in parallel before any byte is downloaded, so the fetch can plan
 parts, reserve space and report a missing file (exit 3) before it downloads anything (the
 Content-Range of the first ranged GET would come only once the download had started).
 Blobs are read with ranged GETs on the shared keep-alive connections (httprange.HttpRanges);
@@ -48,6 +49,8 @@ REQUEST_ATTEMPTS = 6
 #: HEADs in flight while sizing a revision's files.
 HEADS_IN_FLIGHT = 16
 _LINE = re.compile(r"[0-9a-fA-F]{64} [ *](.+)")
+#: A server's answers to a HEAD it does not serve: the size then comes from a ranged GET.
+_NO_HEAD = (405, 501)
 
 
 def auth_headers() -> dict[str, str]:
@@ -224,7 +227,11 @@ class HttpRevision:
             return self._manifest
 
     def _head(self, relpath: str) -> int:
-        resp, _ = self._request("HEAD", relpath)
+        """The file's size from a HEAD, or from a GET of its first byte when the server
+        refuses HEAD (405, 501)."""
+        resp, _ = self._request("HEAD", relpath, allow=_NO_HEAD)
+        if resp.status in _NO_HEAD:
+            return self._size_by_get(relpath)
         length = resp.getheader("Content-Length", "")
         if not length.isdigit():
             raise SourceError(
@@ -232,6 +239,32 @@ class HttpRevision:
                 "static files"
             )
         return int(length)
+
+    def _size_by_get(self, relpath: str) -> int:
+        """The size from `GET` with `Range: bytes=0-0`: the total of its Content-Range
+        (of a 206, or of the 416 of an empty file), or the Content-Length of a 200 (a
+        server that ignores Range; its body is not read)."""
+        location = self.file_url(relpath)
+        headers = {**auth_headers(), "Range": "bytes=0-0"}
+
+        def once() -> tuple[http.client.HTTPResponse, bytes]:
+            got = self._http.request("GET", location, headers, READ_TIMEOUT, None, body=False)
+            if got[0].status not in (200, 206, 416):
+                raise refusal(got[0], "GET", location)
+            return got
+
+        resp, _ = self._retrying(once, location)
+        if resp.status == 200:
+            size = resp.getheader("Content-Length", "")
+        else:
+            size = resp.getheader("Content-Range", "").rpartition("/")[2]
+        if not size.isdigit():
+            raise SourceError(
+                f"GET {location} (the server refuses HEAD) gave no size: no "
+                f"{'Content-Length' if resp.status == 200 else 'Content-Range total'}; serve "
+                "the files as static files"
+            )
+        return int(size)
 
     def _probe_ranges(self, sizes: dict[str, int]) -> None:
         """Ask the largest file for its first byte: a 200 means the server ignores Range."""
@@ -248,17 +281,18 @@ class HttpRevision:
             blob.check(resp, 0, 1, sizes[largest], blob.url)
 
     def _request(
-        self, method: str, relpath: str, missing: str | None = None
+        self, method: str, relpath: str, missing: str | None = None, allow: tuple[int, ...] = ()
     ) -> tuple[http.client.HTTPResponse, bytes]:
         """A HEAD or a small GET of `relpath`, retried while the failure is transient;
-        SourceError for an answer other than 200 (`missing` its message for a 404)."""
+        SourceError for an answer other than 200 or `allow` (`missing` its message for a
+        404)."""
         location = self.file_url(relpath)
 
         def once() -> tuple[http.client.HTTPResponse, bytes]:
             resp, body = self._http.request(method, location, auth_headers(), READ_TIMEOUT, None)
             if resp.status in (404, 410) and missing:
                 raise SourceError(missing)
-            if resp.status != 200:
+            if resp.status != 200 and resp.status not in allow:
                 raise refusal(resp, method, location)
             return resp, body
 

@@ -142,7 +142,6 @@ class HubRevision:
                     self.repo_id, revision=self.revision, files_metadata=True,
                     timeout=READ_TIMEOUT,
                 )  # fmt: skip
-                return _listing_of(info, self.url)
             except hub.errors.HfHubHTTPError as e:
                 status = getattr(e.response, "status_code", 0)
                 if status != 429 and status < 500:
@@ -155,6 +154,8 @@ class HubRevision:
                         "unset it, or fetch a revision already in the cache by its commit"
                     ) from e
                 last = f"{type(e).__name__}: {e}"
+            else:  # an answer without what it must hold is the Hub's last word: no retry
+                return _listing_of(info, self.url)
             if attempt < API_ATTEMPTS:
                 time.sleep(self._backoff.delay(attempt))
         raise TransientError(
@@ -319,7 +320,10 @@ def _listing_of(info: Any, url: str) -> HubListing:
     for s in info.siblings or ():
         size = s.lfs.size if s.lfs is not None else s.size
         if size is None:
-            raise SourceError(f"{url}: the Hub gave no size for {s.rfilename}")
+            raise SourceError(
+                f"{url}: the Hub gave no size for {s.rfilename}: a mirror that ignores "
+                "?blobs=true? Point HF_ENDPOINT at a Hub (or a mirror) that lists file sizes"
+            )
         sha = s.lfs.sha256.lower() if s.lfs is not None else None
         files[s.rfilename] = HubFile(int(size), sha, s.blob_id)
     if not info.sha or not HUB_COMMIT.fullmatch(info.sha):

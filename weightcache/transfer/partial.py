@@ -46,13 +46,14 @@ class PartialFile:
     digest by the `check` algorithm (checksums.py) when one was asked for."""
 
     def __init__(
-        self, path: Path, label: str, fd: int, state: PartState, check: str | None = None
-    ) -> None:
+        self, path: Path, label: str, fd: int, state: PartState, check: str | None = None,
+        check_parts: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
         self.path, self.label, self.fd, self.state = path, label, fd, state
         self.size = state.size
         self.hasher = hashlib.sha256()
         # A source's own checksum, computed over the same read-back as the sha256.
-        self.checker: Hasher | None = new_hasher(check, self.size) if check else None
+        self.checker: Hasher | None = new_hasher(check, self.size, check_parts) if check else None
         self.hashed = 0
         self.digest: str | None = None
         self.check_digest: str | None = None
@@ -62,8 +63,9 @@ class PartialFile:
 
     @classmethod
     def open(
-        cls, path: Path, label: str, size: int, part_size: int, check: str | None = None
-    ) -> PartialFile:
+        cls, path: Path, label: str, size: int, part_size: int, check: str | None = None,
+        check_parts: tuple[int, ...] = (),
+    ) -> PartialFile:  # fmt: skip
         """Open (or create and preallocate) `path` for a `size`-byte blob, resuming the
         bytes its saved state records (and rehashing them: both digests start at byte 0).
         Raises NoSpaceError when the disk cannot hold it."""
@@ -82,7 +84,7 @@ class PartialFile:
         except BaseException:
             os.close(fd)
             raise
-        return cls(path, label, fd, state, check)
+        return cls(path, label, fd, state, check, check_parts)
 
     def close(self) -> None:
         """Persist the bytes written since the last periodic save if the download stopped

@@ -77,13 +77,15 @@ class NullObserver:
 class BlobJob:
     """One blob to bring from `source` into `partial`; `label` (the manifest path) names
     it in messages and in `Downloaded.digests`. With `check` (an algorithm of
-    checksums.py), its digest by that algorithm is computed too (`Downloaded.checks`)."""
+    checksums.py; a composite one with its `check_parts`), its digest by that algorithm is
+    computed too (`Downloaded.checks`)."""
 
     source: BlobSource
     size: int
     partial: Path
     label: str
     check: str | None = None
+    check_parts: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -195,7 +197,8 @@ class RangedDownloader:
         try:
             for job in jobs:
                 part_size = part_size_for(job.source, job.size, self.settings.part_size)
-                partial = PartialFile.open(job.partial, job.label, job.size, part_size, job.check)
+                partial = PartialFile.open(job.partial, job.label, job.size, part_size,
+                                           job.check, job.check_parts)  # fmt: skip
                 files.append(_File(job, partial, run))
             digests = self._download(files, run)
             for f in files:

@@ -9,30 +9,30 @@ A cold fetch's first GET waits for the control plane, and importing botocore and
 its S3 client cost more than the rest of the process start (design §4). So when the
 credentials are static ones from the environment and the endpoint is given (an
 S3-compatible store), the three calls a fetch makes (list, small GET, presign) are signed
-here with SigV4 and sent with http.client: exactly what botocore would pick in that case
+here with SigV4 (sigv4.py) and sent with http.client: exactly what botocore would pick in that case
 (its chain reads the environment first), without loading it. Everything else (uploads,
 other credentials, AWS's own endpoints) goes through boto3 as before, built on first use.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import http.client
 import logging
 import os
+import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
 from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
 from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.sigv4 import PRESIGN_SECONDS, static_signer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,8 +64,8 @@ _DENIED_CODES = frozenset(
         "AllAccessDisabled",
     }
 )
-PRESIGN_SECONDS = 3600
-_UNRESERVED = "-_.~"  # RFC 3986: never percent-encoded in a SigV4 canonical request
+#: A store's answer to a request it does not implement (some say 501 without a code).
+_UNSUPPORTED = re.compile(r"\b(NotImplemented|501)\b")
 
 
 def without_expect_continue(client: Any) -> Any:
@@ -88,6 +88,9 @@ def _drop_expect_header(request: Any, **_: Any) -> None:
 
 class Origin:
     """One S3-compatible endpoint. Thread-safe; create one per process."""
+
+    #: Parts per GetObjectAttributes page (S3's most; an upload has at most 10,000 parts).
+    parts_page = 1000
 
     def __init__(self, settings: OriginSettings, backoff: Backoff | None = None) -> None:
         self.settings = settings
@@ -198,6 +201,67 @@ class Origin:
             return {k: str(v) for k, v in resp.items() if k.startswith("Checksum")}
 
         return self.call(f"HEAD s3://{bucket}/{key}", head)
+
+    def part_sizes(self, bucket: str, key: str, count: int) -> tuple[int, ...] | None:
+        """The sizes of a multipart object's `count` parts, in order: from GetObjectAttributes
+        (ObjectParts, paged), else from one HeadObject with PartNumber per part (a store
+        without it, or credentials without s3:GetObjectAttributes); None if neither tells
+        them. Raises TransientError."""
+        where = f"s3://{bucket}/{key}"
+        listed = partial(self._listed_parts, bucket, key)
+        sizes = self._unless_refused(f"GetObjectAttributes {where}", listed)
+        if sizes is not None and len(sizes) == count:
+            return tuple(sizes)
+        heads = []
+        for number in range(1, count + 1):
+            head = partial(self._part_size, bucket, key, number)
+            size = self._unless_refused(f"HEAD part {number} of {where}", head)
+            if size is None:
+                return None
+            heads.append(size)
+        return tuple(heads)
+
+    def _unless_refused(self, what: str, fn: Callable[[], T]) -> T | None:
+        """`call(what, fn)`, or None when the store refuses it as unknown, unsupported or
+        not allowed (its transient failures are retried by `call`)."""
+
+        def attempt() -> T | None:
+            try:
+                return fn()
+            except Exception as e:
+                error = translate(e, what)
+                if isinstance(error, TransientError) and not _UNSUPPORTED.search(str(error)):
+                    raise
+                return None
+
+        return self.call(what, attempt)
+
+    def _listed_parts(self, bucket: str, key: str) -> list[int] | None:
+        """The part sizes GetObjectAttributes lists, every page (None: not all of them)."""
+        sizes: list[int] = []
+        marker = 0
+        while True:
+            resp = self._client.get_object_attributes(
+                Bucket=bucket,
+                Key=key,
+                ObjectAttributes=["ObjectParts"],
+                MaxParts=self.parts_page,
+                PartNumberMarker=marker,
+            )
+            parts = resp.get("ObjectParts", {})
+            for part in parts.get("Parts", []):
+                if int(part["PartNumber"]) != len(sizes) + 1:
+                    return None  # not every part, in order: the boundaries are unknown
+                sizes.append(int(part["Size"]))
+            if not parts.get("IsTruncated"):
+                return sizes
+            if int(parts.get("NextPartNumberMarker") or 0) <= marker:
+                return None  # a page that does not move on: the rest is unknown
+            marker = int(parts["NextPartNumberMarker"])
+
+    def _part_size(self, bucket: str, key: str, number: int) -> int:
+        resp = self._client.head_object(Bucket=bucket, Key=key, PartNumber=number)
+        return int(resp["ContentLength"])
 
     def upload_file(self, path: Path, bucket: str, key: str) -> None:
         from boto3.s3.transfer import TransferConfig
@@ -318,80 +382,6 @@ class StoreError(Exception):
         except ElementTree.ParseError:
             return cls(status, "", "")
         return cls(status, root.findtext("{*}Code", ""), root.findtext("{*}Message", ""))
-
-
-@dataclass(frozen=True)
-class SigV4:
-    """AWS Signature Version 4 query signing (presigned URLs) for S3, stdlib only."""
-
-    access_key: str
-    secret_key: str
-    token: str | None
-    region: str
-
-    def presign(self, url: str, query: Mapping[str, str], now: datetime) -> str:
-        """`url` (scheme, host, percent-encoded path) with `query` and the signature
-        parameters, valid PRESIGN_SECONDS from `now`, for a GET."""
-        parts = urllib.parse.urlsplit(url)
-        date, stamp = now.strftime("%Y%m%d"), now.strftime("%Y%m%dT%H%M%SZ")
-        scope = f"{date}/{self.region}/s3/aws4_request"
-        params = {
-            **query,
-            "X-Amz-Algorithm": "AWS4-HMAC-SHA256",
-            "X-Amz-Credential": f"{self.access_key}/{scope}",
-            "X-Amz-Date": stamp,
-            "X-Amz-Expires": str(PRESIGN_SECONDS),
-            "X-Amz-SignedHeaders": "host",
-        }
-        if self.token:
-            params["X-Amz-Security-Token"] = self.token
-        canonical_query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(params.items()))
-        canonical = "\n".join(
-            ["GET", parts.path or "/", canonical_query, f"host:{_host(parts)}", "", "host",
-             "UNSIGNED-PAYLOAD"]
-        )  # fmt: skip
-        digest = hashlib.sha256(canonical.encode()).hexdigest()
-        to_sign = f"AWS4-HMAC-SHA256\n{stamp}\n{scope}\n{digest}"
-        signature = hmac.new(self._key(date), to_sign.encode(), hashlib.sha256).hexdigest()
-        query_text = f"{canonical_query}&X-Amz-Signature={signature}"
-        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, query_text, ""))
-
-    def _key(self, date: str) -> bytes:
-        key = f"AWS4{self.secret_key}".encode()
-        for part in (date, self.region, "s3", "aws4_request"):
-            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-        return key
-
-
-def _quote(text: str) -> str:
-    return urllib.parse.quote(text, safe=_UNRESERVED)
-
-
-def _host(url: urllib.parse.SplitResult) -> str:
-    """The Host header http.client sends: the port only when it is not the scheme's default."""
-    default = {"http": 80, "https": 443}[url.scheme]
-    host = url.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    return host if url.port in (None, default) else f"{host}:{url.port}"
-
-
-def static_signer(endpoint_url: str | None, env: Mapping[str, str]) -> SigV4 | None:
-    """The signer for what botocore would use at an explicit endpoint when the environment
-    holds static credentials (its chain reads them first); None where only botocore can
-    decide: no endpoint (AWS's endpoint rules), credentials that expire, no region in the
-    environment while a shared config file (whose profile may name one) exists."""
-    access_key, secret_key = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    if not endpoint_url or urllib.parse.urlsplit(endpoint_url).scheme not in ("http", "https"):
-        return None
-    if not access_key or not secret_key or env.get("AWS_CREDENTIAL_EXPIRATION"):
-        return None
-    region = env.get("AWS_DEFAULT_REGION")
-    if not region:
-        if Path(env.get("AWS_CONFIG_FILE") or "~/.aws/config").expanduser().exists():
-            return None
-        region = "us-east-1"
-    token = env.get("AWS_SESSION_TOKEN") or env.get("AWS_SECURITY_TOKEN") or None
-    return SigV4(access_key, secret_key, token, region)
 
 
 def translate(e: BaseException, what: str) -> WeightcacheError:

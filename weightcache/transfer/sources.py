@@ -23,11 +23,14 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from weightcache.errors import IntegrityError, SourceError
+
+if TYPE_CHECKING:
+    from weightcache.transfer.checksums import Vouch
 
 #: Seconds one read from a source may block before the range is cut and retried (an HTTP
 #: source's socket timeout, capped by --timeout). A peer serving a partial that does not grow
@@ -119,11 +122,13 @@ class RevisionSource(Protocol):
     def blob(self, relpath: str) -> BlobSource:
         """The file `relpath` (a validated manifest path) as a BlobSource."""
 
-    def vouches(self) -> dict[str, tuple[str, str]]:
+    def vouches(self) -> Mapping[str, tuple[str, str] | Vouch]:
         """{relpath: (algorithm, lowercase hex digest)} of what the source itself vouches for
         each file's content; files it vouches nothing for are absent. Algorithms:
-        "sha256", "crc32c", "md5", "crc64nvme", "git-sha1" (a git blob id). Called only when
-        the revision has no SHA256SUMS (design §4, Verification without SHA256SUMS)."""
+        checksums.ALGORITHMS ("sha256", "crc32c", "md5", "crc64nvme", "git-sha1" (a git
+        blob id), ...), or a composite one given as a `Vouch` with its part sizes. Called
+        only when the revision has no SHA256SUMS (design §4, Verification without
+        SHA256SUMS)."""
 
 
 class DirectoryRevision:
