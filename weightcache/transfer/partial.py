@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -206,7 +207,12 @@ class PartialFile:
         return self.digest
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (None off Linux), loaded when the first part is done: ctypes
+    costs milliseconds to import, and a cold fetch's first GET would wait for them."""
+    if os.uname().sysname != "Linux":
+        return None
     try:
         import ctypes
 
@@ -217,15 +223,15 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return None
 
 
-_sync_file_range = _load_sync_file_range() if os.uname().sysname == "Linux" else None
 _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Start writing a finished part to disk now (async), so that the fsync before the
     blob is published finds little left to do. Best effort: a no-op off Linux."""
-    if _sync_file_range is not None and length > 0:
-        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    sync_file_range = _sync_file_range()
+    if sync_file_range is not None and length > 0:
+        sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def _make_writable(partial: Path) -> None:
