@@ -287,6 +287,7 @@ class Fetcher:
             manifest, verified, fetched = self.read_contents(source, lock)
             if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
+            self.index.create_aside()  # while the blobs download, not after them
             fetched += self.blobs.bring(source, manifest)
             marker = Marker(
                 name=source.name,
