@@ -151,6 +151,24 @@ class PartialFile:
         if snapshot is not None:
             self.state.save(state_path(self.path), snapshot)
 
+    def hash_landed(self, data: memoryview, offset: int) -> None:
+        """Hash `data`, just written at `offset` (after `wrote`), straight from the caller's
+        buffer if it extends the hashed prefix and no other thread hashes this file; else
+        nothing (`advance_hash` reads it back later). The part at the hash frontier is so
+        hashed as it lands, not once it is done: less is left to hash after the last byte."""
+        with self.lock:
+            if self._hashing or self.hashed != offset or not data:
+                return
+            self._hashing = True
+        try:
+            self.hasher.update(data)
+            if self.checker is not None:
+                self.checker.update(data)
+        finally:
+            with self.lock:
+                self.hashed += len(data)
+                self._hashing = False
+
     def advance_hash(self, buf: bytearray) -> None:
         """Hash the newly contiguous prefix, reading it back through `buf`; only one
         thread hashes a file at a time (the others return at once)."""
