@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
-from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse, render
+from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.cache.marker import Marker
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
@@ -340,6 +340,8 @@ class Fetcher:
         try:
             data = revision.read_bytes(MANIFEST_NAME)
         except SourceError:  # none: the one made of the sha256 it vouches for, if any
+            from weightcache.fetch.vouched import vouched_manifest
+
             data = vouched_manifest(revision, revision.list_sizes())
         if hashlib.sha256(data).hexdigest() == marker.manifest_sha256:
             log.info("%s was fetched from %s; %s has the same %s, serving it", source.label,
@@ -409,23 +411,6 @@ class Fetcher:
             )
             self.blobs.bring(source, manifest)
             return str(self.cache.assemble(marker, manifest))
-
-
-def vouched_manifest(revision: RevisionSource, sizes: dict[str, int]) -> bytes:
-    """The SHA256SUMS `weightcache manifest` would write for a revision without one whose
-    source vouches for the sha256 of every file (a Hub revision all in LFS), known without
-    reading a byte: it tells whether another source's revision has the same content.
-    Raises SourceError when some file's sha256 only its bytes would tell."""
-    from weightcache.fetch.vouched import plan_vouched
-
-    plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)
-    if plan.pending:
-        raise SourceError(
-            f"{revision.url} vouches for no sha256 of {len(plan.pending)} file(s), e.g. "
-            f"{plan.pending[0].path!r}; the content is known only once downloaded: add a "
-            f"{MANIFEST_NAME} ({revision.manifest_hint})"
-        )
-    return render([(e.sha256, e.path) for e in plan.known])
 
 
 def _nothing() -> None:
