@@ -160,13 +160,15 @@ class PartialFile:
             if self._hashing or self.hashed != offset or not data:
                 return
             self._hashing = True
+        hashed = 0
         try:
             self.hasher.update(data)
             if self.checker is not None:
                 self.checker.update(data)
+            hashed = len(data)
         finally:
             with self.lock:
-                self.hashed += len(data)
+                self.hashed += hashed
                 self._hashing = False
 
     def advance_hash(self, buf: bytearray) -> None:
