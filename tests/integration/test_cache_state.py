@@ -335,3 +335,27 @@ def test_a_blob_a_running_fetch_is_about_to_link_is_not_collected(
     assert_blobs_valid(cache_dir)
     if collector == "daemon":
         assert daemon.alive(), daemon.log()
+
+
+def test_a_first_fetch_creates_state_db_while_it_downloads(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    """Made after the last byte, state.db (its file, WAL and schema, each synced) added
+    tens of milliseconds to a cold fetch on a new cache: it is made during the download,
+    and the fetch's record of the revision is then one transaction."""
+    pub = publish([2 * MiB], name="statedb", rev="r", small_files=False)
+    running = wc.fetch_popen(pub.source, cache_dir, "--bwlimit", "512K",
+                             endpoint=wc.store.endpoint_url)  # fmt: skip
+    db = cache_dir / ".weightcache" / "state.db"
+    tmp = cache_dir / ".weightcache" / "tmp"
+    deadline = time.monotonic() + 60
+    while not (tmp.is_dir() and any(p.suffix == ".part" for p in tmp.iterdir())):
+        assert running.poll() is None and time.monotonic() < deadline, "no download seen"
+        time.sleep(0.02)
+    while not db.exists() and running.poll() is None:
+        time.sleep(0.02)
+    downloading = any(p.suffix == ".part" for p in tmp.iterdir())
+    assert_ok_path(running.finish(), pub.local_path(cache_dir))
+    assert downloading, "state.db was made only once the download was over"
+    row = ls_json(wc, cache_dir)[("statedb", "r")]
+    assert row["size"] == pub.model.total_size, row

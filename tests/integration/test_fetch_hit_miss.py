@@ -32,6 +32,29 @@ WITH_MODULES = (
     "sys.argv[0] = 'weightcache'\n"
     "runpy.run_module('weightcache', run_name='__main__', alter_sys=True)\n"
 )
+#: `python -m weightcache ARGS`, printing on stderr the modules it had loaded when its first
+#: GET of a model's file (not the listing, not SHA256SUMS) went out.
+AT_FIRST_GET = (
+    "import json, runpy, sys\n"
+    "def hook(event, args):\n"
+    "    data = args[1] if event == 'http.client.send' else b''\n"
+    "    line = data.split(b'\\r\\n')[0] if isinstance(data, bytes) else b''\n"
+    "    if line.startswith(b'GET ') and b'.safetensors' in line and not hook.seen:\n"
+    "        hook.seen = True\n"
+    "        print('modules:', json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+    "hook.seen = False\n"
+    "sys.addaudithook(hook)\n"
+    "import atexit, gc\n"
+    "atexit.register(lambda: print('frozen:', gc.get_freeze_count(), file=sys.stderr))\n"
+    "sys.argv[0] = 'weightcache'\n"
+    "runpy.run_module('weightcache', run_name='__main__', alter_sys=True)\n"
+)
+#: What a cold fetch loads only after its first data GET is out, if at all: the other
+#: commands, the fetch of a revision without SHA256SUMS, ctypes (the writeback hint).
+NOT_BEFORE_FIRST_GET = (
+    "weightcache.cli.admin", "weightcache.cli.node", "weightcache.fetch.vouched", "ctypes",
+    "xml.dom", "weightcache.node.daemon", "weightcache.ops", "s3transfer",
+)  # fmt: skip
 SLACK = 64 * 1024  # manifest, listing and error bodies on top of the model's bytes
 
 pytestmark = pytest.mark.timeout(180)
@@ -153,6 +176,35 @@ def _miss_modules(wc: CLI, source: str, cache: Path, env: dict[str, str | None])
     loaded = json.loads(line.removeprefix("modules: "))
     assert "weightcache.transfer.ranged" in loaded, loaded  # the measurement saw a miss
     return {m.split(".")[0] for m in loaded}
+
+
+def test_a_cold_fetch_loads_only_what_its_first_get_needs(
+    wc: CLI, publish: Callable[..., Published], cache_dir: Path
+) -> None:
+    """Every import before the first data GET delays it (design §4): by then a cold fetch
+    has loaded the control plane (the listing, SHA256SUMS) and the data plane, nothing
+    else. And its exit spares the teardown's collection of every object."""
+    pub = publish([300 * 1024, 64 * 1024], name="first", rev="r")
+    args = wc.fetch_args(pub.source, cache_dir, endpoint=wc.store.endpoint_url)
+    miss = subprocess.run(
+        [sys.executable, "-c", AT_FIRST_GET, *map(str, args)],
+        env=cli_env(wc.store),
+        cwd=wc.cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert_ok_path(miss, pub.local_path(cache_dir))
+    line = next(x for x in miss.stderr.splitlines() if x.startswith("modules: "))
+    loaded = set(json.loads(line.removeprefix("modules: ")))
+    assert "weightcache.transfer.ranged" in loaded, sorted(loaded)  # it saw the first GET
+    early = sorted(m for m in loaded for n in (*NOT_BEFORE_FIRST_GET, *HEAVY)
+                   if m == n or m.startswith(f"{n}."))  # fmt: skip
+    assert early == [], f"loaded before the first data GET: {early}"
+    # Its objects are out of the teardown's garbage collection: the exit is quicker.
+    frozen = next(x for x in miss.stderr.splitlines() if x.startswith("frozen: "))
+    assert int(frozen.removeprefix("frozen: ")) > 0, miss.stderr
 
 
 def test_a_miss_with_static_credentials_loads_no_boto(

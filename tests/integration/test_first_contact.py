@@ -160,7 +160,9 @@ def _help_texts() -> dict[str, str]:
 
     root = click.Context(main, info_name="weightcache")
     texts = {"weightcache": main.get_help(root)}
-    for name, command in main.commands.items():
+    for name in main.list_commands(root):  # the commands load on demand: ask the group
+        command = main.get_command(root, name)
+        assert command is not None, name
         texts[name] = command.get_help(click.Context(command, info_name=name, parent=root))
     return texts
 

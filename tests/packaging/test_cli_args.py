@@ -107,9 +107,13 @@ def option_param(ctx: Any, flag: str) -> Any:
 
 def commands(command: Any) -> list[Any]:
     """A click command and every subcommand under it."""
+    import click
+
     found = [command]
-    for sub in getattr(command, "commands", {}).values():
-        found += commands(sub)
+    if isinstance(command, click.Group):  # its commands load on demand: ask the group
+        ctx = click.Context(command)
+        for name in command.list_commands(ctx):
+            found += commands(command.get_command(ctx, name))
     return found
 
 

@@ -11,7 +11,7 @@ import pytest
 from weightcache.cache.manifest import parse
 from weightcache.config import Source, SourcePrefix
 from weightcache.errors import SourceError, UsageError
-from weightcache.fetch.revision import vouched_manifest
+from weightcache.fetch.vouched import vouched_manifest
 from weightcache.node.models import parse_entry
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

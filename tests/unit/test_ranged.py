@@ -20,7 +20,7 @@ from weightcache.config import OriginSettings
 from weightcache.errors import IntegrityError, SourceError, TransientError
 from weightcache.node.peerserver import PARTIAL_WAIT
 from weightcache.transfer.pacing import Backoff
-from weightcache.transfer.partial import state_path
+from weightcache.transfer.partial import PartialFile, state_path
 from weightcache.transfer.parts import PartState, plan_parts
 from weightcache.transfer.ranged import BlobJob, RangedDownloader
 from weightcache.transfer.sources import READ_TIMEOUT, BlobSource, FileBlob, RangeReader, RetryRange
@@ -133,6 +133,33 @@ def test_parts_are_read_in_parallel_and_written_at_their_offsets(
     assert j.partial.read_bytes() == data
     assert sorted(source.opened) == plan_parts(len(data), PART)
     assert len(source.threads) == 4
+
+
+def test_the_part_at_the_hash_frontier_is_hashed_as_it_lands(tmp_path: Path) -> None:
+    """What is hashed when the last byte lands is not left to hash after it: bytes that
+    extend the hashed prefix are hashed from the buffer they came in, as they are written;
+    others wait for their part's turn (`advance_hash`, which reads them back)."""
+    data = random.Random(9).randbytes(4 * PART)
+    view = memoryview(data)
+    partial = PartialFile.open(tmp_path / "b.part", "b", len(data), 2 * PART)  # two parts
+
+    def land(index: int, start: int, end: int) -> None:
+        partial.write(view[start:end], start)
+        partial.wrote(index, end)
+        partial.hash_landed(view[start:end], start)
+
+    try:
+        land(1, 2 * PART, 3 * PART)  # the second part first: not at the frontier
+        assert partial.hashed == 0
+        land(0, 0, PART)
+        assert partial.hashed == PART  # the first part, half written: hashed so far
+        land(0, PART, 2 * PART)
+        partial.mark_done(0)
+        land(1, 3 * PART, 4 * PART)
+        partial.mark_done(1)
+        assert partial.finish(bytearray(PART)) == hashlib.sha256(data).hexdigest()
+    finally:
+        partial.close()
 
 
 def test_a_download_stopped_short_resumes_after_the_parts_it_finished(

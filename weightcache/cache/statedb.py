@@ -49,6 +49,21 @@ class StateDb:
         #: had open (replaced, deleted or recovered); the daemon then writes its pins again.
         self.generation = 0
 
+    def create_aside(self) -> None:
+        """Create the database now if it does not exist yet, in a thread of its own: its
+        first write (a cold fetch's, after the revision is published) then costs one
+        transaction instead of the file, the WAL and the schema, with their syncs. Best
+        effort: any failure is left for that write to meet."""
+        if self.read_only or self.path.exists():
+            return
+        threading.Thread(target=self._create, name="statedb-create", daemon=True).start()
+
+    def _create(self) -> None:
+        try:
+            self._using(lambda: self.db)  # the thread's connection closes as the thread ends
+        except Exception as e:  # the caller's first real use reports it
+            log.debug("could not create %s ahead of use: %s", self.path, e)
+
     def _refill(self) -> None:
         """Fill a database just started in place of a corrupt one (nothing here)."""
 

@@ -4,29 +4,66 @@ Every option also reads WEIGHTCACHE_<OPTION> from the environment (design §2), 
 settings object is built by its one builder in weightcache/options.py. Errors print one
 sentence on stderr and exit with the code of design §2.2 (weightcache/cli/reporting.py);
 stdout carries only results. The commands live by audience: fetching.py (`fetch`,
-`publish`, `manifest`), node.py (`prefetch`, `daemon`), admin.py (`ls`, `verify`, `gc`, `demo`).
+`publish`, `manifest`), node.py (`prefetch`, `daemon`), admin.py (`ls`, `verify`, `gc`, `demo`),
+each imported only when one of its commands runs (or `--help` lists them): a `fetch` (a Pod's
+InitContainer, on the way to its first GET) loads no other command's options.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 
 import click
 
-from weightcache.cli.admin import demo, gc, ls_, verify
-from weightcache.cli.fetching import fetch, manifest, publish
-from weightcache.cli.node import daemon, prefetch
 from weightcache.cli.reporting import Group
 
 __all__ = [
     "daemon", "demo", "fetch", "gc", "ls_", "main", "manifest", "prefetch", "publish", "verify"
 ]  # fmt: skip
 
+#: Each command: (its module under weightcache.cli, its attribute there).
+_COMMANDS = {
+    "fetch": ("fetching", "fetch"),
+    "publish": ("fetching", "publish"),
+    "manifest": ("fetching", "manifest"),
+    "prefetch": ("node", "prefetch"),
+    "daemon": ("node", "daemon"),
+    "ls": ("admin", "ls_"),
+    "verify": ("admin", "verify"),
+    "gc": ("admin", "gc"),
+    "demo": ("admin", "demo"),
+}
+
+
+def _load(name: str) -> click.Command:
+    module, attr = _COMMANDS[name]
+    command: click.Command = getattr(importlib.import_module(f"weightcache.cli.{module}"), attr)
+    return command
+
+
+class _LazyGroup(Group):
+    """The commands of `_COMMANDS`, each module imported on the first look at one of them."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)  # as click.Group lists its own
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return _load(cmd_name) if cmd_name in _COMMANDS else None
+
+
+def __getattr__(attr: str) -> click.Command:
+    """`from weightcache.cli import fetch` (and the others) still works: loaded on use."""
+    for name, (_, command_attr) in _COMMANDS.items():
+        if command_attr == attr:
+            return _load(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
 
 @click.group(
-    cls=Group,
+    cls=_LazyGroup,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.option("-v", "--verbose", count=True, help="More logs on stderr (-vv for debug).")
@@ -42,10 +79,6 @@ def main(verbose: int, quiet: bool) -> None:
     )
     if verbose < 2:
         logging.getLogger("botocore").setLevel(logging.WARNING)
-
-
-for _command in (fetch, publish, manifest, prefetch, daemon, ls_, verify, gc, demo):
-    main.add_command(_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

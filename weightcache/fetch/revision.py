@@ -22,27 +22,28 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
-from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse, render
+from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.cache.marker import Marker
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import SourceError, UsageError
 from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled
-from weightcache.fetch.vouched import VouchedFetch, plan_vouched
 from weightcache.progress import human
 
 if TYPE_CHECKING:
+    from weightcache.fetch.vouched import VouchedFetch
     from weightcache.transfer.httprange import HttpRanges
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
     from weightcache.transfer.s3 import Origin
     from weightcache.transfer.sources import BlobSource, RevisionSource
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,13 @@ def resolve(source: Source) -> Source:
     return dataclasses.replace(source, revision=commit)
 
 
-class _Background:
+class _Background(Generic[T]):
     """`fn()` run in a daemon thread; `result()` waits and returns or raises what it did.
     Left unread, it finishes on its own (the control plane's calls are bounded by --timeout)."""
 
-    def __init__(self, fn: Callable[[], bytes]) -> None:
+    def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
-        self._value: bytes | None = None
+        self._value: T | None = None
         self._error: Exception | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -148,7 +149,7 @@ class _Background:
         except Exception as e:  # re-raised in the caller's thread by result()
             self._error = e
 
-    def result(self) -> bytes:
+    def result(self) -> T:
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -188,13 +189,12 @@ class Fetcher:
         # building it at once made two token buckets, one that interrupt() never reached.
         self._build_lock = threading.Lock()
         self._interrupted = False
-        verify_failed = observer.verify_failed if observer is not None else _nothing
+        self._verify_failed = observer.verify_failed if observer is not None else _nothing
+        self._reserve = reserve
         self.blobs = BlobFetch(layout, self.cache, settings.timeout, lambda: self.downloader,
-                               self._origin_blob, verify_failed, reserve, peers)  # fmt: skip
-        self.vouched = VouchedFetch(layout, self.cache, settings.timeout,
-                                    lambda: self.downloader,
-                                    lambda s, path: self.revision_source(s).blob(path),
-                                    verify_failed, reserve)  # fmt: skip
+                               self._origin_blob, self._verify_failed, reserve,
+                               peers)  # fmt: skip
+        self._vouched: VouchedFetch | None = None
 
     @property
     def downloader(self) -> RangedDownloader:
@@ -209,6 +209,21 @@ class Fetcher:
                 if self._interrupted:
                     self._downloader.interrupt()
             return self._downloader
+
+    @property
+    def vouched(self) -> VouchedFetch:
+        """What brings the files of a revision without SHA256SUMS (built on first use: most
+        revisions have one, and a cold fetch's first GET should not wait for its import)."""
+        from weightcache.fetch.vouched import VouchedFetch
+
+        with self._build_lock:
+            if self._vouched is None:
+                self._vouched = VouchedFetch(
+                    self.layout, self.cache, self.settings.timeout, lambda: self.downloader,
+                    lambda s, path: self.revision_source(s).blob(path), self._verify_failed,
+                    self._reserve,
+                )  # fmt: skip
+            return self._vouched
 
     @property
     def origin(self) -> Origin:
@@ -272,6 +287,7 @@ class Fetcher:
             manifest, verified, fetched = self.read_contents(source, lock)
             if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
+            self.index.create_aside()  # while the blobs download, not after them
             fetched += self.blobs.bring(source, manifest)
             marker = Marker(
                 name=source.name,
@@ -324,6 +340,8 @@ class Fetcher:
         try:
             data = revision.read_bytes(MANIFEST_NAME)
         except SourceError:  # none: the one made of the sha256 it vouches for, if any
+            from weightcache.fetch.vouched import vouched_manifest
+
             data = vouched_manifest(revision, revision.list_sizes())
         if hashlib.sha256(data).hexdigest() == marker.manifest_sha256:
             log.info("%s was fetched from %s; %s has the same %s, serving it", source.label,
@@ -341,19 +359,24 @@ class Fetcher:
         """(the manifest with each file's size from the listing, {path: how verified} of the
         files not verified by SHA256SUMS, bytes downloaded to learn it).
 
-        SHA256SUMS is requested while the listing is read (both come before the first data
-        GET); the listing's verdict comes first: its error, or no manifest in it. Without
-        one, what the source vouches for decides (design §4, Verification without
-        SHA256SUMS): the files whose sha256 only their bytes tell are downloaded and
-        published here, under the revision's `lock`."""
+        SHA256SUMS and the listing are requested at once (both come before the first data
+        GET), and the data plane is made ready while they are answered; the listing's
+        verdict comes first: its error, or no manifest in it. Without one, what the source
+        vouches for decides (design §4, Verification without SHA256SUMS): the files whose
+        sha256 only their bytes tell are downloaded and published here, under the
+        revision's `lock`."""
         revision = self.revision_source(source)
         content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
-        sizes = revision.list_sizes()
+        listing = _Background(revision.list_sizes)
+        self.downloader  # noqa: B018 - built (its modules imported) while the store answers
+        sizes = listing.result()
         if MANIFEST_NAME in sizes:
             return self._parsed(source, revision, content, sizes), {}, 0
         if not sizes:
             where = f"{revision.url}/{MANIFEST_NAME}"
             raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
+        from weightcache.fetch.vouched import plan_vouched
+
         plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)
 
         def note(hashes: list[str]) -> None:
@@ -364,8 +387,9 @@ class Fetcher:
         return plan.manifest(sha256s), plan.verified, fetched
 
     def _parsed(
-        self, source: Source, revision: RevisionSource, content: _Background, sizes: dict[str, int]
-    ) -> Manifest:
+        self, source: Source, revision: RevisionSource, content: _Background[bytes],
+        sizes: dict[str, int],
+    ) -> Manifest:  # fmt: skip
         """The SHA256SUMS `content` parsed, validated against the listing `sizes`."""
         where = f"{revision.url}/{MANIFEST_NAME}"
         manifest = parse(content.result(), where)
@@ -387,21 +411,6 @@ class Fetcher:
             )
             self.blobs.bring(source, manifest)
             return str(self.cache.assemble(marker, manifest))
-
-
-def vouched_manifest(revision: RevisionSource, sizes: dict[str, int]) -> bytes:
-    """The SHA256SUMS `weightcache manifest` would write for a revision without one whose
-    source vouches for the sha256 of every file (a Hub revision all in LFS), known without
-    reading a byte: it tells whether another source's revision has the same content.
-    Raises SourceError when some file's sha256 only its bytes would tell."""
-    plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)
-    if plan.pending:
-        raise SourceError(
-            f"{revision.url} vouches for no sha256 of {len(plan.pending)} file(s), e.g. "
-            f"{plan.pending[0].path!r}; the content is known only once downloaded: add a "
-            f"{MANIFEST_NAME} ({revision.manifest_hint})"
-        )
-    return render([(e.sha256, e.path) for e in plan.known])
 
 
 def _nothing() -> None:

@@ -44,6 +44,7 @@ from weightcache.transfer.sources import BlobSource
 
 if TYPE_CHECKING:
     from weightcache.transfer.ranged import RangedDownloader
+    from weightcache.transfer.sources import RevisionSource
 
 log = logging.getLogger(__name__)
 #: Hex digits of each algorithm's digest: anything else from a source is not a checksum.
@@ -255,3 +256,18 @@ def _allocated(partial: Path, size: int) -> int:
         return min(partial.stat().st_blocks * 512, size)
     except FileNotFoundError:
         return 0
+
+
+def vouched_manifest(revision: RevisionSource, sizes: dict[str, int]) -> bytes:
+    """The SHA256SUMS `weightcache manifest` would write for a revision without one whose
+    source vouches for the sha256 of every file (a Hub revision all in LFS), known without
+    reading a byte: it tells whether another source's revision has the same content.
+    Raises SourceError when some file's sha256 only its bytes would tell."""
+    plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)
+    if plan.pending:
+        raise SourceError(
+            f"{revision.url} vouches for no sha256 of {len(plan.pending)} file(s), e.g. "
+            f"{plan.pending[0].path!r}; the content is known only once downloaded: add a "
+            f"{MANIFEST_NAME} ({revision.manifest_hint})"
+        )
+    return render([(e.sha256, e.path) for e in plan.known])

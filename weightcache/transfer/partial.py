@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import os
@@ -152,6 +153,26 @@ class PartialFile:
         if snapshot is not None:
             self.state.save(state_path(self.path), snapshot)
 
+    def hash_landed(self, data: memoryview, offset: int) -> None:
+        """Hash `data`, just written at `offset` (after `wrote`), straight from the caller's
+        buffer if it extends the hashed prefix and no other thread hashes this file; else
+        nothing (`advance_hash` reads it back later). The part at the hash frontier is so
+        hashed as it lands, not once it is done: less is left to hash after the last byte."""
+        with self.lock:
+            if self._hashing or self.hashed != offset or not data:
+                return
+            self._hashing = True
+        hashed = 0
+        try:
+            self.hasher.update(data)
+            if self.checker is not None:
+                self.checker.update(data)
+            hashed = len(data)
+        finally:
+            with self.lock:
+                self.hashed += hashed
+                self._hashing = False
+
     def advance_hash(self, buf: bytearray) -> None:
         """Hash the newly contiguous prefix, reading it back through `buf`; only one
         thread hashes a file at a time (the others return at once)."""
@@ -208,7 +229,12 @@ class PartialFile:
         return self.digest
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (None off Linux), loaded when the first part is done: ctypes
+    costs milliseconds to import, and a cold fetch's first GET would wait for them."""
+    if os.uname().sysname != "Linux":
+        return None
     try:
         import ctypes
 
@@ -219,15 +245,15 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
         return None
 
 
-_sync_file_range = _load_sync_file_range() if os.uname().sysname == "Linux" else None
 _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Start writing a finished part to disk now (async), so that the fsync before the
     blob is published finds little left to do. Best effort: a no-op off Linux."""
-    if _sync_file_range is not None and length > 0:
-        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    sync_file_range = _sync_file_range()
+    if sync_file_range is not None and length > 0:
+        sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def _make_writable(partial: Path) -> None:

@@ -301,8 +301,9 @@ class RangedDownloader:
                         self.tokens.take(want)
                     got, broke = self._fill(f, reader, view[:want])
                     self._write(f, view[:got], pos)
+                    f.partial.wrote(index, pos + got)
+                    f.partial.hash_landed(view[:got], pos)
                     pos += got
-                    f.partial.wrote(index, pos)
                     if broke is not None:
                         raise broke  # through the source's context: it drops the connection
                     if f.run.stop.is_set() and pos < end:

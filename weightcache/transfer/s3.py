@@ -332,12 +332,13 @@ class Origin:
 
     def _signed_list(self, bucket: str, prefix: str) -> dict[str, int]:
         """{path relative to prefix: size}, paging through ListObjectsV2 as botocore does."""
-        from xml.etree import ElementTree
-
         sizes: dict[str, int] = {}
         query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
         while True:
-            root = ElementTree.fromstring(self._signed_get(bucket, "", query))
+            body = self._signed_get(bucket, "", query)
+            from xml.etree import ElementTree  # once the request is out: not before it
+
+            root = ElementTree.fromstring(body)
             encoded = root.findtext("{*}EncodingType") == "url"
             for obj in root.iterfind("{*}Contents"):
                 key = obj.findtext("{*}Key", "")
