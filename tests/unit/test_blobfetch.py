@@ -5,10 +5,8 @@ after its re-check, an origin that serves wrong bytes twice (exit 4, nothing pub
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +16,8 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
-from weightcache.errors import IntegrityError, TransientError
-from weightcache.fetch.blobs import SWARM_BLOBS, BlobFetch, NodePeers
+from weightcache.errors import IntegrityError
+from weightcache.fetch.blobs import BlobFetch, NodePeers
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.ranged import RangedDownloader
 from weightcache.transfer.sources import BlobSource, FileBlob
@@ -175,51 +173,3 @@ def test_an_origin_serving_wrong_bytes_twice_is_an_integrity_error(
         fetch.bring(SOURCE, origin.manifest)
     assert failures == [1, 1]
     assert not Cache(layout).has_blob(b.sha256, b.size)
-
-
-class OverlapPeers(FakePeers):
-    """FakePeers whose swarm waits until it has company (or a timeout), noting the most
-    blobs swarmed at once and failing the blob named `fail`."""
-
-    def __init__(self, fail: str = "") -> None:
-        super().__init__({})
-        self.lock, self.running, self.most = threading.Lock(), 0, 0
-        self.both = threading.Barrier(2)
-        self.fail = fail
-
-    def swarm(self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-              downloader: RangedDownloader) -> Swarmed:  # fmt: skip
-        with self.lock:
-            self.running += 1
-            self.most = max(self.most, self.running)
-        try:
-            with contextlib.suppress(threading.BrokenBarrierError):
-                self.both.wait(timeout=2)
-            if label == self.fail:
-                raise TransientError(f"{label}: the store is gone")
-            return super().swarm(sha256, size, partial, label, origin, downloader)
-        finally:
-            with self.lock:
-                self.running -= 1
-
-
-def test_the_swarm_brings_two_blobs_at_once(tmp_path: Path, layout: Layout) -> None:
-    """One blob's end game overlaps the next one's start (design §8, Swarm)."""
-    origin = Origin(tmp_path / "o", {f"{i}.bin": 100 * KiB for i in range(5)})
-    peers = OverlapPeers()
-    fetch, _ = blob_fetch(layout, origin, peers)
-    assert fetch.bring(SOURCE, origin.manifest) == 500 * KiB
-    assert peers.most == SWARM_BLOBS == 2
-    assert sorted(peers.released) == sorted(e.sha256 for e in origin.manifest.entries)
-
-
-def test_a_failed_blob_ends_the_batch_without_starting_the_rest(
-    tmp_path: Path, layout: Layout
-) -> None:
-    origin = Origin(tmp_path / "o", {f"{i}.bin": 100 * KiB for i in range(6)})
-    peers = OverlapPeers(fail="0.bin")
-    fetch, _ = blob_fetch(layout, origin, peers)
-    with pytest.raises(TransientError, match="the store is gone"):
-        fetch.bring(SOURCE, origin.manifest)
-    assert len(peers.claimed) < 6  # the blobs not started were not started
-    assert sorted(peers.released) == sorted(peers.claimed)  # every claim released
