@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -33,8 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: Blob locks (one fd each) held at once by one fetch.
 LOCK_BATCH = 64
-#: Blobs the swarm downloads at once (`BlobFetch._download_verified`).
-SWARM_BLOBS = 2
 
 ClaimT = TypeVar("ClaimT")
 
@@ -183,32 +180,21 @@ class BlobFetch:
         """
         if self.peers is None:
             return self._from_origin(source, todo)
-        swarmed = [w for w in todo if not w.private]  # a private partial is never served
-        rest = [w for w in todo if w.private]
-        strikes: dict[str, int] = {}
-        fetched = 0
-        # SWARM_BLOBS at once: one blob's end game (its last pieces, from whoever has
-        # them) overlaps the next blob's start, instead of the links idling in between.
-        pool = ThreadPoolExecutor(SWARM_BLOBS, thread_name_prefix="swarm-blob")
-        try:
-            results = pool.map(lambda w: self._claimed_swarm(source, w), swarmed)
-            for w, (published, got) in zip(swarmed, results, strict=True):
-                fetched += got
-                if not published:
-                    strikes[w.sha256] = 1  # every byte of it came from the origin: one strike
-                    rest.append(w)
-        finally:  # a failure ends the batch: the blobs not started are not started
-            pool.shutdown(wait=True, cancel_futures=True)
+        fetched, rest, strikes = 0, [], {}
+        for w in todo:
+            if w.private:  # a private partial is never served, so never swarmed
+                rest.append(w)
+                continue
+            claim = self.peers.claim(w.sha256, w.partial, w.entry.size)
+            try:
+                published, got = self._from_swarm(source, w)
+            finally:
+                self.peers.release(w.sha256, claim)
+            fetched += got
+            if not published:
+                strikes[w.sha256] = 1  # every byte of it came from the origin: one strike
+                rest.append(w)
         return fetched + self._from_origin(source, rest, strikes)
-
-    def _claimed_swarm(self, source: Source, w: Wanted) -> tuple[bool, int]:
-        """`_from_swarm` under a claim, so that peers may fetch its pieces from us."""
-        assert self.peers is not None
-        claim = self.peers.claim(w.sha256, w.partial, w.entry.size)
-        try:
-            return self._from_swarm(source, w)
-        finally:
-            self.peers.release(w.sha256, claim)
 
     def _from_swarm(self, source: Source, w: Wanted) -> tuple[bool, int]:
         """(published, bytes from the origin) of one blob brought by the swarm. A first
