@@ -8,9 +8,9 @@ its prediction with the measured swarm.
 Measures, per daemon, CPU-seconds from /proc/<pid>/stat (every thread), nothing fitted to
 the swarm's results:
 1. *start-up*: a `weightcache daemon` (as benchmarks/swarm.py starts them: the model pinned,
-   peers on) from its spawn until its /metrics answers;
+   peers on) from its spawn until its /readyz answers;
 2. *received, fast*: daemon `a` fetches the pinned model from the store through a link of
-   `--link` (CPU from /metrics answering until the model is ready);
+   `--link` (CPU from /readyz answering until the model is ready);
 3. *sent*, *received from a peer*: daemon `b` then fetches it, the store slowed to 1/50 of
    the link so that nearly every piece comes from `a`: `a`'s CPU meanwhile per MiB it
    uploaded; `b`'s download checks the model below;
@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -88,6 +89,18 @@ def metrics(addr: str) -> str | None:
         return None
 
 
+def readyz(addr: str) -> str | None:
+    """The body of the daemon's /readyz ("" while it answers 503), None if it does not
+    answer: `swarm.pinned_ready` reads it."""
+    try:
+        with _DIRECT.open(f"http://{addr}:{METRICS_PORT}/readyz", timeout=5) as r:
+            return str(r.read().decode())
+    except urllib.error.HTTPError:
+        return ""
+    except OSError:
+        return None
+
+
 def wait(what: str, test: Callable[[], bool], timeout: float, period: float = 0.02) -> float:
     """Poll `test` until true; the monotonic time it was. Raises RuntimeError on timeout."""
     deadline = time.monotonic() + timeout
@@ -116,13 +129,13 @@ class Daemon:
         return 0.0 if value != value else value
 
     def up(self, timeout: float = 60) -> tuple[float, float]:
-        """(seconds from the spawn, CPU-s) when /metrics first answers."""
-        t = wait(f"{self.name}'s /metrics", lambda: metrics(self.addr) is not None, timeout)
+        """(seconds from the spawn, CPU-s) when /readyz first answers."""
+        t = wait(f"{self.name}'s /readyz", lambda: readyz(self.addr) is not None, timeout)
         return t - self.spawned, self.cpu()
 
     def ready(self, timeout: float = 300) -> tuple[float, float]:
         """(seconds from the spawn, CPU-s) when the pinned model is ready."""
-        t = wait(f"{self.name}'s model", lambda: pinned_ready(metrics(self.addr) or ""), timeout)
+        t = wait(f"{self.name}'s model", lambda: pinned_ready(readyz(self.addr) or ""), timeout)
         return t - self.spawned, self.cpu()
 
 
