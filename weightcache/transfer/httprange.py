@@ -77,9 +77,10 @@ class _Response(http.client.HTTPResponse):
         have arrived (SO_RCVLOWAT, a power of two up to WAKE_MAX), never waiting for more
         than the `want` bytes still to come. Without it a read woke for every few packets:
         sixteen connections sharing a shaped link cost a thread switch (and its GIL
-        handoff) per 10-20 KB, 12,000 futex calls a second for 20 MB/s. The wait is short
-        beside any read timeout: only a rate that falls a thousandfold at once could turn
-        it into a timeout, which is retried as any other."""
+        handoff) per 10-20 KB, 12,000 futex calls a second for 20 MB/s. A read now times
+        out only if less than its mark arrives within the read timeout: a connection that
+        fell below 52 KB/s (a peer's 5 s) or 8.7 KB/s (the store's 30 s) at once, which is
+        retried, or its piece asked elsewhere, as any other timeout."""
         now = time.monotonic()
         if not self._began:
             self._began = now
