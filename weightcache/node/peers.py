@@ -319,8 +319,9 @@ class Peers:
 
     def _forget_connections(self, keep: Sequence[str] = ()) -> None:
         """Close the kept connections of peers not in `keep` (gone from discovery)."""
+        wanted = set(keep)
         with self._lock:
-            gone = [p for p in self._kept if p not in keep]
+            gone = [p for p in self._kept if p not in wanted]
             conns = [self._kept.pop(p) for p in gone]
         for conn in conns:
             conn.close()
