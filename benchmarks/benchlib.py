@@ -462,8 +462,12 @@ def s3_client(endpoint_url: str, store_env: dict[str, str]) -> Any:
     return without_expect_continue(client)
 
 
-def upload_model(model: Model, endpoint_url: str, store_env: dict[str, str]) -> float:
-    """Upload with boto3 straight to the store (not measured, not through any proxy)."""
+def upload_model(
+    model: Model, endpoint_url: str, store_env: dict[str, str], tries: int = 3
+) -> float:
+    """Upload with boto3 straight to the store (not measured, not through any proxy); each
+    file up to `tries` times, 3 s apart: a SeaweedFS just started, on a machine still busy
+    with the previous benchmark, may answer 500 InternalError for a while."""
     from boto3.s3.transfer import TransferConfig
 
     client = s3_client(endpoint_url, store_env)
@@ -472,9 +476,17 @@ def upload_model(model: Model, endpoint_url: str, store_env: dict[str, str]) -> 
     )
     t0 = time.perf_counter()
     for rel in model.files:
-        client.upload_file(
-            str(model.local_dir / rel), BUCKET, f"{model.prefix}/{rel}", Config=config
-        )
+        for attempt in range(1, tries + 1):
+            try:
+                client.upload_file(
+                    str(model.local_dir / rel), BUCKET, f"{model.prefix}/{rel}", Config=config
+                )
+                break
+            except Exception as e:  # boto3's S3UploadFailedError, among others
+                if attempt == tries:
+                    raise
+                log(f"upload of {rel}, attempt {attempt}/{tries}: {e}; again in 3 s")
+                time.sleep(3)
     return time.perf_counter() - t0
 
 

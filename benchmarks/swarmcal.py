@@ -260,17 +260,9 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
     )  # fmt: skip
 
 
-def upload(model: bl.Model, store: nl.DevStore, tries: int = 3) -> None:
-    """The model onto the store; a store just started may answer 500 for a while."""
-    for attempt in range(1, tries + 1):
-        try:
-            bl.upload_model(model, store.endpoint_url, store.env)
-            return
-        except Exception as e:  # boto3's S3UploadFailedError, among others
-            if attempt == tries:
-                raise
-            bl.log(f"upload, attempt {attempt}/{tries}: {e}; again in 3 s")
-            time.sleep(3)
+def upload(model: bl.Model, store: nl.DevStore) -> None:
+    """The model onto the store (`benchlib.upload_model` retries a store just started)."""
+    bl.upload_model(model, store.endpoint_url, store.env)
 
 
 def receive(d: Daemon, up: tuple[float, float] | None = None
