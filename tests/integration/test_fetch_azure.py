@@ -7,8 +7,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CLI, Published, cli_env
-from tests.integration.test_fetch_hit_miss import WITH_MODULES
+from tests.conftest import CLI, Published
+from tests.integration.test_fetch_hit_miss import WITH_MODULES, measured
 from tests.support.azurite import ACCOUNT, Azurite, connection_string, find_binary, upload_dir
 from tests.support.checks import (
     assert_blobs_valid,
@@ -113,15 +111,10 @@ def test_a_hit_loads_no_azure_library_and_a_miss_no_boto(
 
 def _loaded(wc: CLI, url: str, cache_dir: Path, env: dict[str, Any]) -> set[str]:
     """The top-level packages `fetch url` loaded, measured inside its own process."""
-    proc = subprocess.run(
-        [sys.executable, "-c", WITH_MODULES, "fetch", url, "--cache-dir", str(cache_dir),
-         "--no-daemon"],
-        env=cli_env(wc.store, env), cwd=wc.cwd, capture_output=True, text=True, timeout=120,
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    args = ["fetch", url, "--cache-dir", str(cache_dir), "--no-daemon"]
+    proc, modules = measured(wc, WITH_MODULES, args, env)
     assert proc.returncode == 0, describe(proc)
-    line = next(x for x in proc.stderr.splitlines() if x.startswith("modules: "))
-    return {m.split(".")[0] for m in json.loads(line.removeprefix("modules: "))}
+    return {m.split(".")[0] for m in modules}
 
 
 @pytest.mark.timeout(180)

@@ -7,16 +7,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import CLI, Published, cli_env
-from tests.integration.test_fetch_hit_miss import HEAVY, WITH_MODULES
+from tests.conftest import CLI, Published
+from tests.integration.test_fetch_hit_miss import HEAVY, WITH_MODULES, measured
 from tests.support.checks import (
     assert_blobs_valid,
     assert_fails,
@@ -95,14 +93,10 @@ def test_a_hit_loads_no_gcs_library(
     url, _ = gput([64 * 1024])
     _fetch_json(wc, gcs, url, cache_dir)
     args = wc.fetch_args(url, cache_dir, "--no-daemon", endpoint=None)
-    hit = subprocess.run(
-        [sys.executable, "-c", WITH_MODULES, *map(str, args)],
-        env=cli_env(wc.store, {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}),
-        cwd=wc.cwd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    emulator_down = {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}
+    hit, modules = measured(wc, WITH_MODULES, args, emulator_down, timeout=60)
     assert_ok_path(hit, cache_dir / "llama" / "v1")
-    line = next(x for x in hit.stderr.splitlines() if x.startswith("modules: "))
-    loaded = {m.split(".")[0] for m in json.loads(line.removeprefix("modules: "))}
+    loaded = {m.split(".")[0] for m in modules}
     assert not loaded & {*HEAVY, "gcsfs", "google"}, sorted(loaded & {*HEAVY, "gcsfs", "google"})
 
 

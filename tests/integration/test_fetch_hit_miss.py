@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,21 @@ NOT_BEFORE_FIRST_GET = (
 SLACK = 64 * 1024  # manifest, listing and error bodies on top of the model's bytes
 
 pytestmark = pytest.mark.timeout(180)
+
+
+def measured(
+    wc: CLI, script: str, args: list[str], env: dict[str, Any] | None = None, timeout: float = 120
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """`weightcache ARGS` run under `script` (WITH_MODULES, AT_FIRST_GET), which prints the
+    modules it saw loaded as a `modules: <json>` line on stderr; (the process, those
+    modules)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], env=cli_env(wc.store, env),
+        cwd=wc.cwd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    line = next((x for x in proc.stderr.splitlines() if x.startswith("modules: ")), None)
+    assert line is not None, describe(proc)
+    return proc, json.loads(line.removeprefix("modules: "))
 
 
 def test_miss_then_hit_needs_no_network(
@@ -142,18 +158,8 @@ def test_hit_loads_no_heavy_library(
     assert wc.fetch(pub.source, cache_dir).returncode == 0
     down = dead_endpoint()
     args = wc.fetch_args(pub.source, cache_dir, endpoint=down)
-    hit = subprocess.run(
-        [sys.executable, "-c", WITH_MODULES, *map(str, args)],
-        env=cli_env(wc.store, {"AWS_ENDPOINT_URL": down}),
-        cwd=wc.cwd,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
+    hit, loaded = measured(wc, WITH_MODULES, args, {"AWS_ENDPOINT_URL": down}, timeout=60)
     assert_ok_path(hit, pub.local_path(cache_dir))
-    line = next(x for x in hit.stderr.splitlines() if x.startswith("modules: "))
-    loaded = json.loads(line.removeprefix("modules: "))
     assert "weightcache.fetch" in loaded, loaded  # the measurement saw the hit path
     heavy = sorted({m.split(".")[0] for m in loaded} & set(HEAVY))
     assert heavy == [], f"a hit imported {heavy}"
@@ -162,18 +168,8 @@ def test_hit_loads_no_heavy_library(
 def _miss_modules(wc: CLI, source: str, cache: Path, env: dict[str, str | None]) -> set[str]:
     """The top-level packages a miss loaded, measured inside its own process."""
     args = wc.fetch_args(source, cache, endpoint=wc.store.endpoint_url)
-    miss = subprocess.run(
-        [sys.executable, "-c", WITH_MODULES, *map(str, args)],
-        env=cli_env(wc.store, env),
-        cwd=wc.cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    miss, loaded = measured(wc, WITH_MODULES, args, env)
     assert miss.returncode == 0, describe(miss)
-    line = next(x for x in miss.stderr.splitlines() if x.startswith("modules: "))
-    loaded = json.loads(line.removeprefix("modules: "))
     assert "weightcache.transfer.ranged" in loaded, loaded  # the measurement saw a miss
     return {m.split(".")[0] for m in loaded}
 
@@ -186,18 +182,9 @@ def test_a_cold_fetch_loads_only_what_its_first_get_needs(
     else. And its exit spares the teardown's collection of every object."""
     pub = publish([300 * 1024, 64 * 1024], name="first", rev="r")
     args = wc.fetch_args(pub.source, cache_dir, endpoint=wc.store.endpoint_url)
-    miss = subprocess.run(
-        [sys.executable, "-c", AT_FIRST_GET, *map(str, args)],
-        env=cli_env(wc.store),
-        cwd=wc.cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    miss, modules = measured(wc, AT_FIRST_GET, args)
     assert_ok_path(miss, pub.local_path(cache_dir))
-    line = next(x for x in miss.stderr.splitlines() if x.startswith("modules: "))
-    loaded = set(json.loads(line.removeprefix("modules: ")))
+    loaded = set(modules)
     assert "weightcache.transfer.ranged" in loaded, sorted(loaded)  # it saw the first GET
     early = sorted(m for m in loaded for n in (*NOT_BEFORE_FIRST_GET, *HEAVY)
                    if m == n or m.startswith(f"{n}."))  # fmt: skip
