@@ -81,19 +81,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def metrics(addr: str) -> str | None:
+def page(addr: str, path: str) -> str | None:
+    """The body of the daemon's page at `path` ("" for an error status: /readyz answers 503
+    while not serving), None if it does not answer. `swarm.pinned_ready` reads /readyz's."""
     try:
-        with _DIRECT.open(f"http://{addr}:{METRICS_PORT}/metrics", timeout=5) as r:
-            return str(r.read().decode())
-    except OSError:
-        return None
-
-
-def readyz(addr: str) -> str | None:
-    """The body of the daemon's /readyz ("" while it answers 503), None if it does not
-    answer: `swarm.pinned_ready` reads it."""
-    try:
-        with _DIRECT.open(f"http://{addr}:{METRICS_PORT}/readyz", timeout=5) as r:
+        with _DIRECT.open(f"http://{addr}:{METRICS_PORT}{path}", timeout=5) as r:
             return str(r.read().decode())
     except urllib.error.HTTPError:
         return ""
@@ -124,18 +116,20 @@ class Daemon:
         return cpu_seconds(self.proc.pid)
 
     def counter(self, key: str) -> float:
-        text = metrics(self.addr) or ""
+        text = page(self.addr, "/metrics") or ""
         value = bl.metric_value(text, bl.DAEMON_COUNTERS[key])
         return 0.0 if value != value else value
 
     def up(self, timeout: float = 60) -> tuple[float, float]:
         """(seconds from the spawn, CPU-s) when /readyz first answers."""
-        t = wait(f"{self.name}'s /readyz", lambda: readyz(self.addr) is not None, timeout)
+        t = wait(f"{self.name}'s /readyz", lambda: page(self.addr, "/readyz") is not None, timeout)
         return t - self.spawned, self.cpu()
 
     def ready(self, timeout: float = 300) -> tuple[float, float]:
         """(seconds from the spawn, CPU-s) when the pinned model is ready."""
-        t = wait(f"{self.name}'s model", lambda: pinned_ready(readyz(self.addr) or ""), timeout)
+        t = wait(
+            f"{self.name}'s model", lambda: pinned_ready(page(self.addr, "/readyz") or ""), timeout
+        )
         return t - self.spawned, self.cpu()
 
 
@@ -225,7 +219,7 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
     store = (nl.NetnsStore(workdir / "store", host=nl.Host("store", args.store_ns, STORE_ADDR,
              "", "")) if args.store_ns else nl.DevStore(workdir / "store"))  # fmt: skip
     with store:
-        upload(model, store)
+        bl.upload_model(model, store.endpoint_url, store.env)
         env = {**bl.peer_env(store.endpoint_url, store.env), "WEIGHTCACHE_PEER_TOKEN": "c" * 32}
 
         def start(k: int, store_bits: int) -> Daemon:
@@ -258,11 +252,6 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
         serve / max(sent / MiB, 1e-9), sent / MiB, hash_cost(), probe,
         "loopback" if args.loopback else "tc", args.link,
     )  # fmt: skip
-
-
-def upload(model: bl.Model, store: nl.DevStore) -> None:
-    """The model onto the store (`benchlib.upload_model` retries a store just started)."""
-    bl.upload_model(model, store.endpoint_url, store.env)
 
 
 def receive(d: Daemon, up: tuple[float, float] | None = None
