@@ -48,11 +48,11 @@ from weightcache.node.swarm import (
     Request,
     StoreView,
     choose,
-    next_window,
     piece_ranges,
 )
 
 # fmt: on
+from weightcache.node.swarmorigin import StoreGate
 from weightcache.node.swarmviews import VIEW_EVERY, PeerViews
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
@@ -69,8 +69,6 @@ TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
-ROOM_FACTOR = 5.0  # a store request this much faster than a peer's: the store has room
-ALONE_GRACE = 1.0  # seconds alone before the store window may grow
 HASH_BUFFER = 256 << 10
 
 
@@ -145,13 +143,8 @@ class SwarmDownload:
         self.inflight: dict[int, set[str]] = {}
         self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
         self.views = PeerViews(peers, sha256, size, self.piece_size)
-        self.store = StoreView()
-        self.idle_since = self.started = time.monotonic()
-        self.per_request: dict[str, float] = {}  # bytes/s of one request, by kind (EWMA)
-        self.throttled_at = float("-inf")
-        self.origin_failures = 0
-        self.origin_pause = 0.0
-        self.origin_bytes = 0
+        self.store = StoreGate(self.limits, downloader, origin.where, label)
+        self.idle_since = time.monotonic()
         self.errors: list[BaseException] = []
         self.last_progress = time.monotonic()
         self.events: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -178,12 +171,12 @@ class SwarmDownload:
             digest = self._digest()
             self._log_summary()
             if digest == self.sha256:
-                return Outcome(digest, False, self.origin_bytes)
+                return Outcome(digest, False, self.store.bytes)
             log.warning("%s: the swarm's copy has sha256 %s, expected %s; fetching the "
                         "pieces peers sent again from the store", self.label, digest,
                         self.sha256)  # fmt: skip
             liars = self._recheck(pool)
-            return Outcome(self.file.rehash(self._buffer()), True, self.origin_bytes, liars)
+            return Outcome(self.file.rehash(self._buffer()), True, self.store.bytes, liars)
         finally:
             self.stop.set()
             self.peers.unadvertise(self.sha256, self)
@@ -212,7 +205,7 @@ class SwarmDownload:
             by = collections.Counter(s if s in (ORIGIN, "resumed") else "peer"
                                      for s in self.sources.values())  # fmt: skip
             senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
-            store = self.store
+        store = self.store.view()
         log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers, %d resumed; "
                  "store window %d, room %s", self.label, self.count, by[ORIGIN], by["peer"],
                  len(senders), by["resumed"], store.window, store.room)  # fmt: skip
@@ -236,7 +229,7 @@ class SwarmDownload:
         now = time.monotonic()
         with self.lock:
             inflight = {p: frozenset(s) for p, s in self.inflight.items()}
-            store = self.store
+        store = self.store.view()
         views, rank, members = self.views.current()
         spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
         local = Local(self._held(), inflight, rank, members, spare)
@@ -255,7 +248,7 @@ class SwarmDownload:
                 for r in choose(local, views, StoreView(True, store.window), self.limits, self.rng)
                 if not claimed >> r.piece & 1
             ]
-        if now < self.origin_pause:
+        if self.store.paused():
             requests = [r for r in requests if r.source != ORIGIN]
         return requests
 
@@ -298,7 +291,8 @@ class SwarmDownload:
             data = self._read(piece, source, kind)
             if data is not None:
                 self._land(piece, source, data)
-                self._measure(kind, len(data) / max(1e-3, time.monotonic() - started))
+                rate = len(data) / max(1e-3, time.monotonic() - started)
+                self.store.measured(kind, rate, self.views.alone())
         except (RetryRange, WeightcacheError, OSError) as e:
             self._failed(source, e)
         except BaseException as e:
@@ -347,10 +341,8 @@ class SwarmDownload:
         """Write a complete piece at its offset and record it (first source wins)."""
         assert self.file is not None
         start, end = self.ranges[piece]
-        with self.lock:
-            if source == ORIGIN:
-                self.origin_bytes += len(data)
-                self.origin_failures = 0
+        if source == ORIGIN:
+            self.store.received(len(data))
         with self.land_lock:
             if self.file.state.done[piece]:
                 return
@@ -370,45 +362,9 @@ class SwarmDownload:
                      error)  # fmt: skip
             self.views.shun(source)
             return
-        if not isinstance(error, (RetryRange, OSError)):
-            self.errors.append(error)  # the store refuses (403, 404, size changed): fatal
-            return
-        with self.lock:
-            self.origin_failures += 1
-            failures = self.origin_failures
-            if isinstance(error, RetryRange) and error.throttle:
-                self.throttled_at = time.monotonic()
-                self.store = StoreView(False, next_window(self.store.window, False, self.limits))
-            self.origin_pause = time.monotonic() + self.downloader.backoff.delay(failures)
-        if error.__class__ is RetryRange and getattr(error, "throttle", False):
-            self.observer.throttled()
-        attempts = self.downloader.settings.max_attempts
-        log.warning("%s: a piece from the store failed, attempt %d/%d (%s)", self.label,
-                    failures, attempts, error)  # fmt: skip
-        if failures >= attempts:
-            self.errors.append(TransientError(
-                f"giving up on {self.label} ({self.origin.where}) after {failures} failed "
-                f"requests to the store, last: {error}; partial data is kept, run the fetch "
-                "again when the store recovers"))  # fmt: skip
-
-    def _measure(self, kind: str, rate: float) -> None:
-        """After a piece: the per-request rates (EWMA), and after one from the store, its
-        room and window. The store has room when a request to it delivers at least
-        ROOM_FACTOR times as fast as one to a peer: it is not what limits this node, and
-        the peers are. Until a peer delivered a piece it is assumed to be the bottleneck."""
-        with self.lock:
-            old = self.per_request.get(kind)
-            self.per_request[kind] = rate if old is None else old + 0.3 * (rate - old)
-            if kind != ORIGIN:
-                return
-            peer = self.per_request.get("peer")
-            recent = time.monotonic() - self.throttled_at < 2 * RATE_WINDOW
-            # Alone for a while (no peer holds or fetches the blob), nothing is lost by
-            # asking the store more; sooner, peers may be about to show up.
-            alone = self.views.alone() and time.monotonic() - self.started >= ALONE_GRACE
-            faster = rate >= ROOM_FACTOR * peer if peer is not None else alone
-            room = not recent and faster
-            self.store = StoreView(room, next_window(self.store.window, room, self.limits))
+        fatal = self.store.failed(error)
+        if fatal is not None:
+            self.errors.append(fatal)
 
     # -- the integrity re-check --------------------------------------------------------------
 
@@ -442,8 +398,7 @@ class SwarmDownload:
                 assert data is not None or self.stop.is_set()
                 if data is None:
                     raise Interrupted("download interrupted; partial files are kept")
-                with self.lock:
-                    self.origin_bytes += len(data)
+                self.store.received(len(data))
                 return data
             except (RetryRange, OSError) as e:
                 log.warning("%s: re-check piece %d from the store, attempt %d (%s)",

@@ -1,0 +1,104 @@
+"""StoreGate: the store's window, room, pause and give-up as a swarm download sees them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from weightcache.errors import SourceError, TransientError
+from weightcache.node import swarmorigin
+from weightcache.node.swarm import Limits, StoreView
+from weightcache.node.swarmorigin import StoreGate
+from weightcache.transfer.sources import RetryRange
+
+LIMITS = Limits(per_origin=8, claims=1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(swarmorigin.time, "monotonic", c)
+    return c
+
+
+def gate(attempts: int = 3, delay: float = 2.0) -> tuple[StoreGate, list[str]]:
+    seen: list[str] = []
+    downloader: Any = SimpleNamespace(
+        backoff=SimpleNamespace(delay=lambda attempt: delay * attempt),
+        settings=SimpleNamespace(max_attempts=attempts),
+        observer=SimpleNamespace(throttled=lambda: seen.append("throttled")),
+    )
+    return StoreGate(LIMITS, downloader, "s3://b/m", "model.bin"), seen
+
+
+def test_the_window_grows_only_while_the_store_outpaces_a_peer(clock: Clock) -> None:
+    g, _ = gate()
+    assert g.view() == StoreView(False, 1)
+    g.measured("origin", 50e6, alone=False)  # no peer measured yet, not alone: no room
+    assert g.view() == StoreView(False, 1)
+    g.measured("peer", 10e6, alone=False)
+    g.measured("origin", 50e6, alone=False)  # ROOM_FACTOR x a peer's: room
+    assert g.view() == StoreView(True, 2)
+    g.measured("origin", 50e6, alone=False)
+    assert g.view() == StoreView(True, 3)
+    g.measured("origin", 20e6, alone=False)  # only 2x a peer's: the peers are not the limit
+    assert g.view() == StoreView(False, 1)
+
+
+def test_alone_grows_the_window_only_after_the_grace(clock: Clock) -> None:
+    g, _ = gate()
+    g.measured("origin", 1e6, alone=True)
+    assert g.view() == StoreView(False, 1)
+    clock.now += swarmorigin.ALONE_GRACE
+    g.measured("origin", 1e6, alone=True)
+    assert g.view() == StoreView(True, 2)
+
+
+def test_a_throttle_halves_the_window_and_denies_room_for_a_while(clock: Clock) -> None:
+    g, seen = gate()
+    g.measured("peer", 1e6, alone=False)
+    for _ in range(5):
+        g.measured("origin", 50e6, alone=False)
+    assert g.view() == StoreView(True, 6)
+    assert g.failed(RetryRange("503 SlowDown", throttle=True)) is None
+    assert g.view() == StoreView(False, 3) and seen == ["throttled"]
+    assert g.paused()
+    clock.now += swarmorigin.THROTTLE_MEMORY - 0.1
+    g.measured("origin", 50e6, alone=False)  # fast, but too soon after the throttle
+    assert g.view() == StoreView(False, 1)
+    clock.now += 0.1
+    g.measured("origin", 50e6, alone=False)
+    assert g.view() == StoreView(True, 2)
+
+
+def test_failures_pause_then_give_up_unless_bytes_arrive_between(clock: Clock) -> None:
+    g, seen = gate(attempts=3, delay=2.0)
+    assert g.failed(OSError("reset")) is None
+    assert g.paused() and seen == []
+    clock.now += 2.0
+    assert not g.paused()
+    assert g.failed(RetryRange("timeout")) is None
+    g.received(4 << 20)  # a piece landed: the failures in a row start again
+    assert g.bytes == 4 << 20
+    assert g.failed(RetryRange("timeout")) is None
+    assert g.failed(RetryRange("timeout")) is None
+    fatal = g.failed(RetryRange("timeout"))
+    assert isinstance(fatal, TransientError)
+    assert "after 3 failed requests" in str(fatal) and "s3://b/m" in str(fatal)
+
+
+def test_a_refusal_ends_the_download_at_once(clock: Clock) -> None:
+    g, _ = gate()
+    refusal = SourceError("403 Forbidden")
+    assert g.failed(refusal) is refusal
+    assert not g.paused()
