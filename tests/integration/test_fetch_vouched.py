@@ -288,3 +288,26 @@ def test_part_sizes_come_from_head_part_when_get_object_attributes_is_unsupporte
     assert marker_of(cache_dir / "m" / "r1")["files"]["w.bin"]["verified"] == (
         "s3:crc32c-composite"
     )
+
+
+@pytest.mark.timeout(120)
+def test_the_part_heads_of_a_many_part_object_run_at_once(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Without GetObjectAttributes, the HeadObject per part of a 9-part object run on the
+    vouching pool together, not in a row (a far store's round trip each), and the object is
+    verified by its composite checksum at those part boundaries."""
+    prefix = f"{uniq}/m/r1"
+    data = _bytes(8 * 5 * MiB + 5, "many")  # 5 MiB parts, the smallest S3 allows: 9 parts
+    put_multipart(bare_s3, tmp_path, f"{prefix}/w.bin", data, "CRC32C")
+    source = f"s3://{BUCKET}/{prefix}"
+    proxy.configure(unsupported=("attributes",), head_latency=0.2)
+
+    assert_ok_path(wc.fetch(source, cache_dir, endpoint=proxy.url), cache_dir / "m" / "r1")
+    assert (cache_dir / "m" / "r1" / "w.bin").read_bytes() == data
+    files = marker_of(cache_dir / "m" / "r1")["files"]
+    assert files["w.bin"]["verified"] == "s3:crc32c-composite"
+    stats = proxy.stats()
+    assert stats.faults["unsupported"] == 1, stats.faults  # GetObjectAttributes, once
+    # One object: before, its 9 part HEADs went one at a time (a peak of 1).
+    assert stats.peak_heads >= 4, stats.peak_heads

@@ -313,24 +313,66 @@ class S3Revision:
         return OriginBlob(self._http, self._origin, self.bucket, f"{self.prefix}/{relpath}")
 
     def vouches(self) -> dict[str, Vouch]:
-        """The checksum of each object (one HeadObject with ChecksumMode=ENABLED per object,
-        HEAD_CONCURRENCY at once), by `s3_vouched`; a composite one with its part sizes
-        (`Origin.part_sizes`), or none when the store does not tell them."""
+        """The checksum of each object (one HeadObject with ChecksumMode=ENABLED per object),
+        by `s3_vouched`; a composite one with its part sizes, from GetObjectAttributes or
+        else one HeadObject per part (`_headed_parts`); none when the store tells neither.
+        Every request runs on one pool of HEAD_CONCURRENCY threads."""
         sizes = self._sizes if self._sizes is not None else self.list_sizes()
         paths = sorted(sizes)
-
-        def head(relpath: str) -> Vouch | None:
-            key = f"{self.prefix}/{relpath}"
-            vouch = s3_vouched(self._origin.head_checksums(self.bucket, key))
-            count = composite_parts(vouch.digest) if vouch is not None else None
-            if vouch is None or count is None:
-                return vouch
-            parts = self._origin.part_sizes(self.bucket, key, count)
-            return vouch._replace(parts=parts) if parts is not None else None
-
         with ThreadPoolExecutor(HEAD_CONCURRENCY) as pool:
-            found = zip(paths, pool.map(head, paths), strict=True)
-            return {p: v for p, v in found if v is not None}
+            found = dict(zip(paths, pool.map(self._vouch, paths), strict=True))
+            unsized = {
+                path: count
+                for path, vouch in found.items()
+                if vouch is not None and not vouch.parts
+                and (count := composite_parts(vouch.digest)) is not None
+            }  # fmt: skip
+            for path, parts in self._headed_parts(pool, unsized).items():
+                vouch = found[path]
+                found[path] = vouch._replace(parts=parts) if vouch and parts else None
+        return {p: v for p, v in found.items() if v is not None}
+
+    def _vouch(self, relpath: str) -> Vouch | None:
+        """The object's vouch; a composite one with the parts GetObjectAttributes lists, or
+        with no parts when it does not (for `_headed_parts`)."""
+        key = f"{self.prefix}/{relpath}"
+        vouch = s3_vouched(self._origin.head_checksums(self.bucket, key))
+        count = composite_parts(vouch.digest) if vouch is not None else None
+        if vouch is None or count is None:
+            return vouch
+        parts = self._origin.listed_part_sizes(self.bucket, key, count)
+        return vouch._replace(parts=parts) if parts is not None else vouch
+
+    def _headed_parts(
+        self, pool: ThreadPoolExecutor, counts: Mapping[str, int]
+    ) -> dict[str, tuple[int, ...] | None]:
+        """{relpath: its `counts[relpath]` part sizes, or None when the store does not tell
+        them}, from one HeadObject with PartNumber per part. The HEADs of every part of
+        every object run on `pool` at once (an object of thousands of parts would otherwise
+        take thousands of round trips in a row); part 1 of each goes first, so a store that
+        refuses PartNumber costs one request per object, not one per part."""
+
+        def size(job: tuple[str, int]) -> int | None:
+            return self._origin.part_size(self.bucket, f"{self.prefix}/{job[0]}", job[1])
+
+        firsts = [(path, 1) for path in counts]
+        sized = dict(zip(firsts, pool.map(size, firsts), strict=True))
+        rest = [
+            (path, number)
+            for path, count in counts.items()
+            if sized[(path, 1)] is not None
+            for number in range(2, count + 1)
+        ]
+        sized.update(zip(rest, pool.map(size, rest), strict=True))
+        return {path: _all_parts(sized, path, count) for path, count in counts.items()}
+
+
+def _all_parts(
+    sized: Mapping[tuple[str, int], int | None], path: str, count: int
+) -> tuple[int, ...] | None:
+    """Parts 1..count of `path` from `sized`, or None if any is unknown."""
+    parts = tuple(sized.get((path, number)) for number in range(1, count + 1))
+    return None if None in parts else tuple(p for p in parts if p is not None)
 
 
 #: HeadObject requests in flight while `S3Revision.vouches` asks for every object's checksum.
