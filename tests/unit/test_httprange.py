@@ -16,6 +16,7 @@ from weightcache.transfer.httprange import HttpRanges
 
 SLOW = 1 << 20  # bytes of /slow, sent 2 KiB every 2 ms (about 1 MB/s)
 FAST = 200 << 10  # bytes of /fast, sent at once
+TAIL = 20_000  # bytes of /tail, sent at once: past what one fill of the reader's buffer holds
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -28,7 +29,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"tiny\n")
             return
-        size = SLOW if self.path == "/slow" else FAST
+        size = {"/slow": SLOW, "/tail": TAIL}.get(self.path, FAST)
         self.send_response(206)
         self.send_header("Content-Length", str(size))
         self.send_header("Content-Range", f"bytes 0-{size - 1}/{size}")
@@ -81,4 +82,20 @@ def test_the_next_response_on_a_kept_connection_is_not_held_back(server: str) ->
     resp, body = ranges.request("GET", f"{server}/tiny", {}, 2.0, "AWS_CA_BUNDLE")
     assert (resp.status, body) == (200, b"tiny\n")
     read_all(ranges, f"{server}/fast", FAST, timeout=2.0)
+    assert time.monotonic() - began < 1.5
+
+
+def test_a_body_partly_buffered_is_not_waited_for_past_its_end(server: str) -> None:
+    """The reader's buffer holds part of the body (a small read came first): the socket's
+    low-water mark must not ask for more than the socket will still bring, or the read
+    waits out the timeout (a 30 s stall at the end of a resumed part)."""
+    ranges = HttpRanges()
+    buf = memoryview(bytearray(TAIL))
+    began = time.monotonic()
+    with ranges.get(f"{server}/tail", {}, 0, TAIL, TAIL, 2.0, "tail") as reader:
+        got = reader.readinto(buf[:4000])  # from the bytes read in with the head
+        while got < TAIL:
+            n = reader.readinto(buf[got:])
+            assert n, "the body ended early"
+            got += n
     assert time.monotonic() - began < 1.5

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import os
 import re
 import socket
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 #: (SO_RCVLOWAT), at most WAKE_MAX bytes: see `_Response.recv_into`.
 WAKE_SECONDS = 0.1
 WAKE_MAX = 256 << 10
+#: The most of a body `HTTPResponse.fp` (`socket.makefile("rb")`) can hold read ahead.
+READER_BUFFER = io.DEFAULT_BUFFER_SIZE
 
 
 class _Response(http.client.HTTPResponse):
@@ -61,7 +64,9 @@ class _Response(http.client.HTTPResponse):
             data = self.read1(len(b))  # odd servers: a copy, but rare
             b[: len(data)] = data
             return len(data)
-        self._wake_at(min(len(b), self.length))
+        # Up to a buffer's worth of the body may sit in fp's buffer, not on the socket: a
+        # mark asking for it would wait for bytes that never come (until the timeout).
+        self._wake_at(min(len(b), self.length - READER_BUFFER))
         n = self.fp.readinto1(b[: self.length])
         self._got += n
         if not n and b:
