@@ -1,6 +1,7 @@
 """Reading ranged GETs' bodies (transfer/httprange.py) from a small local server: a body
 that trickles in is read in few large reads, not one per packet, and a kept connection's
-next response is not held back by the previous body's read size."""
+next response is not held back by the previous body's read size. And how S3Revision asks
+for the part sizes of composite checksums, with an Origin that counts the calls."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from weightcache.transfer.httprange import HttpRanges
+from weightcache.errors import TransientError
+from weightcache.transfer.httprange import HttpRanges, S3Revision
 
 SLOW = 1 << 20  # bytes of /slow, sent 2 KiB every 2 ms (about 1 MB/s)
 FAST = 200 << 10  # bytes of /fast, sent at once
@@ -99,3 +101,55 @@ def test_a_body_partly_buffered_is_not_waited_for_past_its_end(server: str) -> N
             assert n, "the body ended early"
             got += n
     assert time.monotonic() - began < 1.5
+
+
+PART = 5 << 20
+
+
+class _PartsOrigin:
+    """The calls `S3Revision.vouches` makes of an Origin: one object "w.bin" whose COMPOSITE
+    crc32c has `parts` parts, GetObjectAttributes refused, each HeadObject PartNumber
+    answered after 10 ms (failing for good from part `fail_from` on)."""
+
+    def __init__(self, parts: int, fail_from: int | None = None) -> None:
+        self.parts, self.fail_from = parts, fail_from
+        self.lock = threading.Lock()
+        self.inflight = self.peak = self.asked = 0
+
+    def list_sizes(self, bucket: str, prefix: str) -> dict[str, int]:
+        return {"w.bin": self.parts * PART}
+
+    def head_checksums(self, bucket: str, key: str) -> dict[str, str]:
+        return {"ChecksumCRC32C": f"aZDu2w==-{self.parts}", "ChecksumType": "COMPOSITE"}
+
+    def listed_part_sizes(self, bucket: str, key: str, count: int) -> None:
+        return None
+
+    def part_size(self, bucket: str, key: str, number: int) -> int:
+        with self.lock:
+            self.asked += 1
+            self.inflight += 1
+            self.peak = max(self.peak, self.inflight)
+        time.sleep(0.01)
+        with self.lock:
+            self.inflight -= 1
+        if self.fail_from is not None and number >= self.fail_from:
+            raise TransientError(f"HEAD part {number}: SlowDown (attempt 6/6)")
+        return PART
+
+
+def test_the_part_heads_of_a_composite_object_run_at_once() -> None:
+    origin = _PartsOrigin(parts=64)
+    vouches = S3Revision(HttpRanges(), origin, "models", "m/r1").vouches()  # type: ignore[arg-type]
+    assert vouches["w.bin"].parts == (PART,) * 64
+    assert origin.asked == 64 and origin.peak >= 4, (origin.asked, origin.peak)
+
+
+def test_a_part_head_failing_for_good_sends_no_more() -> None:
+    """The fetch fails (exit 6) without sending the thousands of HEADs queued behind
+    (Executor.map cancels what is still queued once a result raises)."""
+    origin = _PartsOrigin(parts=2000, fail_from=2)
+    revision = S3Revision(HttpRanges(), origin, "models", "m/r1")  # type: ignore[arg-type]
+    with pytest.raises(TransientError, match="HEAD part"):
+        revision.vouches()
+    assert origin.asked < 200, origin.asked
