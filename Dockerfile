@@ -34,12 +34,16 @@ RUN python -m venv --without-pip /opt/weightcache \
 
 # The package itself: the same pyproject.toml and source tree that `pip install .` installs
 # for the tests, built into a wheel here and installed without touching the pinned deps.
+# With its extras `gcs` and `azure`, whose libraries the lock holds: one image reads every
+# scheme (s3, file, http(s), hf, gs, az/abfs). `pip check` fails the build if the lock
+# misses a dependency of anything installed; the import proves the scheme libraries load.
 COPY pyproject.toml README.md /src/
 COPY weightcache /src/weightcache
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /tmp/wheels /src \
     && pip --python /opt/weightcache/bin/python install --no-cache-dir --no-deps \
-        /tmp/wheels/weightcache-*.whl \
+        "$(echo /tmp/wheels/weightcache-*.whl)[azure,gcs]" \
     && pip --python /opt/weightcache/bin/python check \
+    && /opt/weightcache/bin/python -c "import adlfs, gcsfs" \
     && /opt/weightcache/bin/weightcache --help > /dev/null
 
 

@@ -85,6 +85,37 @@ def dead_endpoint() -> str:
     return f"http://127.0.0.1:{port}"
 
 
+# --- the other schemes' servers (gs://, az://) -----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """fake-gcs-server (tests/support/gcsemu.py) with the bucket "models", for the session."""
+    from tests.support.gcsemu import FakeGcs
+
+    with FakeGcs(tmp_path_factory.mktemp("gcs")) as server:
+        server.fs().mkdir(BUCKET)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One azurite-blob (tests/support/azurite.py) for the session, with the container
+    "models"; skips when Azurite is not installed (.ci/run installs it from npm)."""
+    from tests.support.azurite import Azurite, find_binary
+
+    binary = find_binary()
+    if binary is None:
+        pytest.skip("azurite-blob not installed (.ci/run installs it under /opt/azurite)")
+    server = Azurite(binary, tmp_path_factory.mktemp("azurite") / "data")
+    server.start()
+    try:
+        server.service().create_container(BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
 # --- per-test names and directories ----------------------------------------------------
 
 

@@ -3,7 +3,8 @@
 The init container of initcontainer/ and the daemon of daemonset/ are taken from the rendered
 YAML and run with podman (`conftest.podman_args`): uid 65532, read-only root, every
 capability dropped, no-new-privileges, the memory limit, exactly their volumes. The store is
-the tests' SeaweedFS on 127.0.0.1, reached with the host's network.
+the tests' SeaweedFS on 127.0.0.1 (fake-gcs-server and Azurite for gs:// and az://), reached
+with the host's network.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from tests.packaging.conftest import (
     kustomize,
     overlay,
 )
+from tests.support.azurite import upload_dir
+from tests.support.checks import assert_revision_ok
+from tests.support.modelgen import Model, make_model
 
 #: Added to the rendered environment only so the test can tell a hit from a miss:
 #: `fetch --json` reads it (every option has a WEIGHTCACHE_* variable).
@@ -169,6 +173,64 @@ def test_init_container_hits_with_the_store_stopped(
     read_only = _with_source(_only(initcontainer_rendered, "fetch"), "s3://models/offline/m/r1")
     hit = _run_fetch(podman, image, read_only, sandbox)
     assert hit["hit"] is True and hit["bytes_from_origin"] == 0, hit
+
+
+def _miss_then_hit(
+    podman: Podman,
+    image: str,
+    rendered: Rendered,
+    tmp_path: Path,
+    source: str,
+    model: Model,
+    env: dict[str, str],
+) -> None:
+    """The read-write init container fetches `source` (model llama/v1) alone, then the
+    default read-only one hits: as for S3 above, with the scheme's library in the image."""
+    fetch = _with_source(_only(_read_write(tmp_path), "fetch"), source)
+    cache = node_dir(tmp_path / "node" / "weightcache")
+    sandbox = PodSandbox(
+        tmp_path / "pod", host_paths={"weight-cache": cache}, secrets={**env, **JSON_OUTPUT}
+    )
+    miss = _run_fetch(podman, image, fetch, sandbox)
+    assert miss["hit"] is False and miss["bytes_from_origin"] == model.total_size, miss
+    assert miss["path"] == f"{fetch.option('--cache-dir')}/llama/v1", miss
+    assert_revision_ok(cache, "llama", "v1", model)
+    read_only = _with_source(_only(rendered, "fetch"), source)
+    hit = _run_fetch(podman, image, read_only, sandbox)
+    assert hit["hit"] is True and hit["bytes_from_origin"] == 0, hit
+
+
+def test_init_container_miss_then_hit_from_gcs(
+    image: str,
+    podman: Podman,
+    initcontainer_rendered: Rendered,
+    gcs: Any,
+    uniq: str,
+    tmp_path: Path,
+) -> None:
+    """gs:// through the image's gcsfs (fake-gcs-server; GCS's crc32c beside sha256)."""
+    model = make_model(tmp_path / "src" / "llama" / "v1", [3 << 20, 1 << 20])
+    prefix = f"models/{uniq}/llama/v1"
+    gcs.fs().put(f"{model.root}/", f"{prefix}/", recursive=True)
+    env = {"STORAGE_EMULATOR_HOST": gcs.url}
+    _miss_then_hit(podman, image, initcontainer_rendered, tmp_path, f"gs://{prefix}", model, env)
+
+
+def test_init_container_miss_then_hit_from_azure(
+    image: str,
+    podman: Podman,
+    initcontainer_rendered: Rendered,
+    azurite: Any,
+    uniq: str,
+    tmp_path: Path,
+) -> None:
+    """az:// through the image's adlfs and Azure SDK (Azurite; Content-MD5 beside sha256)."""
+    model = make_model(tmp_path / "src" / "llama" / "v1", [3 << 20, 1 << 20])
+    container = azurite.service().get_container_client("models")
+    upload_dir(container, model.root, f"{uniq}/llama/v1")
+    env = {"AZURE_STORAGE_CONNECTION_STRING": azurite.connection_string}
+    source = f"az://models/{uniq}/llama/v1"
+    _miss_then_hit(podman, image, initcontainer_rendered, tmp_path, source, model, env)
 
 
 def _put_model(s3: Any, prefix: str, files: dict[str, bytes]) -> None:

@@ -8,7 +8,7 @@ import base64
 import hashlib
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import CLI, Published
 from tests.integration.test_fetch_hit_miss import WITH_MODULES, measured
-from tests.support.azurite import ACCOUNT, Azurite, connection_string, find_binary, upload_dir
+from tests.support.azurite import ACCOUNT, Azurite, connection_string, upload_dir
 from tests.support.checks import (
     assert_blobs_valid,
     assert_fails,
@@ -31,21 +31,6 @@ from tests.support.modelgen import MANIFEST, Model, make_model
 
 MiB = 1024 * 1024
 CONTAINER = "models"
-
-
-@pytest.fixture(scope="session")
-def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
-    """One azurite-blob for the session, with the container "models"."""
-    binary = find_binary()
-    if binary is None:
-        pytest.skip("azurite-blob not installed (.ci/run installs it under /opt/azurite)")
-    server = Azurite(binary, tmp_path_factory.mktemp("azurite") / "data")
-    server.start()
-    try:
-        server.service().create_container(CONTAINER)
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

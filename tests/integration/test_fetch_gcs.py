@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +33,6 @@ MiB = 1024 * 1024
 BUCKET = "models"
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="session")
-def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGcs]:
-    """fake-gcs-server with the bucket "models", for the whole session."""
-    with FakeGcs(tmp_path_factory.mktemp("gcs")) as server:
-        server.fs().mkdir(BUCKET)
-        yield server
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,33 @@ def pyproject_dependencies() -> list[Requirement]:
     return [Requirement(r) for r in data["project"]["dependencies"]]
 
 
+def image_extras() -> set[str]:
+    """The extras the Dockerfile installs the package with (`weightcache-*.whl)[a,b]`)."""
+    found = re.findall(r"weightcache-\*\.whl\)?\[([\w,-]+)\]", DOCKERFILE.read_text())
+    return {e.strip() for group in found for e in group.split(",")}
+
+
+def image_requirements() -> list[Requirement]:
+    """What the image promises to run: the dependencies and those of the installed extras."""
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    reqs = pyproject_dependencies()
+    for extra in sorted(image_extras()):
+        assert extra in extras, f"the Dockerfile installs extra [{extra}], which pyproject lacks"
+        reqs += [Requirement(r) for r in extras[extra]]
+    return reqs
+
+
+def extras_the_package_asks_for() -> set[str]:
+    """Extras named by the package's own hints (`pip install 'weightcache[gcs]'`): what a
+    scheme needs at run time, so what an image that takes every scheme must hold."""
+    hints: set[str] = set()
+    for path in (REPO / "weightcache").rglob("*.py"):
+        hints |= set(re.findall(r"pip install '?weightcache\[([\w-]+)\]", path.read_text()))
+    return hints
+
+
 def test_hadolint_is_clean(hadolint: str) -> None:
     proc = subprocess.run(
         [hadolint, "--failure-threshold", "style", str(DOCKERFILE)],
@@ -207,11 +234,20 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
         assert excluded(path), f".dockerignore lets {path} into the build context"
 
 
+def test_image_installs_every_extra_a_scheme_needs() -> None:
+    """gs:// and az:// need extras; the image must read them without a rebuild."""
+    asked = extras_the_package_asks_for()
+    assert {"gcs", "azure"} <= asked, f"the hints this test reads have moved: {asked}"
+    missing = asked - image_extras()
+    assert not missing, f"the Dockerfile does not install the package with extras {missing}"
+
+
 def test_lock_pins_every_dependency_within_pyproject_ranges() -> None:
+    """Every requirement of the package and of the extras the image installs is locked."""
     pins = lock_pins(LOCK)
-    for req in pyproject_dependencies():
+    for req in image_requirements():
         name = canonicalize_name(req.name)
-        assert name in pins, f"requirements.lock does not pin {req.name} (pyproject dependency)"
+        assert name in pins, f"requirements.lock does not pin {req.name} (needed by the image)"
         version = pins[name][0]
         assert req.specifier.contains(version, prereleases=True), (
             f"requirements.lock pins {req.name}=={version}, outside pyproject's {req.specifier}"
@@ -238,7 +274,8 @@ def locked_requirements(name: str, version: str, hashes: list[str], tmp: Path) -
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
          "--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
-         "--abi", "cp311", "--platform", "manylinux2014_x86_64", "-d", str(dest),
+         "--abi", "cp311", "--abi", "abi3", "--abi", "none", "--platform", "manylinux2014_x86_64",
+         "--platform", "manylinux_2_17_x86_64", "--platform", "any", "-d", str(dest),
          f"{name}=={version}"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -257,19 +294,28 @@ def locked_requirements(name: str, version: str, hashes: list[str], tmp: Path) -
 
 
 def test_lock_is_closed_under_dependencies(tmp_path: Path) -> None:
-    """Every dependency of every locked package is locked too, at a version it accepts.
+    """Every dependency of every locked package is locked too, at a version it accepts,
+    including what an extra asks for (`google-api-core[grpc]` needs grpcio-status).
 
     Requirements come from the metadata of exactly the locked version (see
     `locked_requirements`), never from a different version that happens to be installed.
     """
     pins = lock_pins(LOCK)
-    for name, (version, hashes) in pins.items():
-        for raw in locked_requirements(name, version, hashes, tmp_path):
+    requires = {n: locked_requirements(n, v, h, tmp_path) for n, (v, h) in pins.items()}
+    extras: dict[str, set[str]] = {name: {""} for name in pins}  # "" is the plain install
+    for req in image_requirements():
+        extras[canonicalize_name(req.name)] |= req.extras
+    todo = [(name, extra) for name, asked in extras.items() for extra in asked]
+    while todo:
+        name, extra = todo.pop()
+        for raw in requires[name]:
             req = Requirement(raw)
-            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            if req.marker is not None and not req.marker.evaluate({"extra": extra}):
                 continue
-            dep = canonicalize_name(req.name)
+            dep, version = canonicalize_name(req.name), pins[name][0]
             assert dep in pins, f"{name}=={version} needs {req}, which requirements.lock lacks"
             assert req.specifier.contains(pins[dep][0], prereleases=True), (
                 f"{name}=={version} needs {req}; the lock has {dep}=={pins[dep][0]}"
             )
+            todo += [(dep, e) for e in req.extras - extras[dep]]
+            extras[dep] |= req.extras

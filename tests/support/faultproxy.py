@@ -22,7 +22,8 @@ eligible request. `script` names faults to inject first, in order, before the ra
 row on one path so that a client with a handful of retries is sure to finish.
 
 `unsupported` names query parameters (e.g. "attributes", "partNumber") whose requests are
-answered 501 NotImplemented: a store without that API.
+answered 501 NotImplemented: a store without that API. `head_latency` delays every HEAD
+(a far store's round trip), so that HEADs a client sends at once overlap.
 
 `set_down()` makes the store unreachable through the proxy: "refuse" (listener closed,
 connections refused), "reset" (accepted then RST) or "hang" (accepted, never answered).
@@ -32,9 +33,10 @@ pieces of a tenth of a second's worth (one byte at 10 B/s or less), each after i
 pause: a store that keeps a connection busy without ever filling a read buffer.
 
 Counters (`stats()`): requests received (including those answered with SlowDown), GETs,
-GETs with Range, response body bytes sent to clients (in total and per path), and
-injected faults by kind. `concurrency()` is the timeline of ranged GETs in progress (each
-change, with its monotonic time), which shows a client's concurrency going up and down.
+GETs with Range, response body bytes sent to clients (in total and per path), injected
+faults by kind, and the most HEADs in progress at once (`peak_heads`). `concurrency()` is
+the timeline of ranged GETs in progress (each change, with its monotonic time), which shows
+a client's concurrency going up and down.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Faults:
     #: Query parameters of requests answered 501 NotImplemented, of any method, without
     #: asking the store: a store without that API ("attributes": GetObjectAttributes).
     unsupported: tuple[str, ...] = ()
+    head_latency: float = 0.0  # seconds added before forwarding each HEAD request
 
     def validate(self) -> None:
         rates = (self.slowdown_rate, self.reset_rate, self.truncate_rate, self.corrupt_rate,
@@ -114,6 +117,7 @@ class Stats:
     faults: dict[str, int] = field(default_factory=dict)
     path_bytes: dict[str, int] = field(default_factory=dict)
     path_requests: dict[str, int] = field(default_factory=dict)
+    peak_heads: int = 0  # the most HEAD requests in progress at once
 
     def bytes_for(self, suffix: str) -> int:
         """Body bytes sent for all paths ending with `suffix` (e.g. a file name)."""
@@ -132,6 +136,7 @@ class _Counters:
         self.faults: collections.Counter[str] = collections.Counter()
         self.path_bytes: collections.Counter[str] = collections.Counter()
         self.path_requests: collections.Counter[str] = collections.Counter()
+        self.peak_heads = 0
 
 
 class _TokenBucket:
@@ -181,6 +186,7 @@ class FaultProxy:
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._ranged_inflight = 0
+        self._heads_inflight = 0
         self._timeline: list[tuple[float, int]] = []
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -334,6 +340,7 @@ class FaultProxy:
                 faults=dict(c.faults),
                 path_bytes=dict(c.path_bytes),
                 path_requests=dict(c.path_requests),
+                peak_heads=c.peak_heads,
             )
 
     def reset_stats(self) -> None:
@@ -369,6 +376,9 @@ class FaultProxy:
             c = self._counters
             c.requests += 1
             c.path_requests[path] += 1
+            if method == "HEAD":
+                self._heads_inflight += 1
+                c.peak_heads = max(c.peak_heads, self._heads_inflight)
             if method == "GET":
                 c.gets += 1
                 if ranged:
@@ -381,6 +391,8 @@ class FaultProxy:
             if method == "GET" and ranged:
                 self._ranged_inflight -= 1
                 self._timeline.append((time.monotonic(), self._ranged_inflight))
+            if method == "HEAD":
+                self._heads_inflight -= 1
             self._inflight -= 1
             if not self._inflight:
                 self._idle.notify_all()

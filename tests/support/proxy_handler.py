@@ -83,6 +83,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         proxy = self.proxy
         fault = None
         self.trickle = None
+        if self.command == "HEAD" and proxy.faults.head_latency > 0:
+            time.sleep(proxy.faults.head_latency)
         if proxy.eligible(self.command, self.path, has_range):
             faults = proxy.faults
             if faults.latency > 0:

@@ -18,8 +18,7 @@ import pytest
 from weightcache.cache.marker import Marker
 from weightcache.errors import IntegrityError, SourceError
 from weightcache.fetch.vouched import Vouched, plan_vouched
-from weightcache.transfer.checksums import Vouch, b64_to_hex, new_hasher
-from weightcache.transfer.httprange import s3_vouched
+from weightcache.transfer.checksums import Vouch, b64_to_hex, new_hasher, s3_vouched
 
 CHECK = b"123456789"  # the CRC catalogue's check input
 

@@ -1,6 +1,7 @@
 """Reading ranged GETs' bodies (transfer/httprange.py) from a small local server: a body
 that trickles in is read in few large reads, not one per packet, and a kept connection's
-next response is not held back by the previous body's read size."""
+next response is not held back by the previous body's read size. And how S3Revision asks
+for the part sizes of composite checksums, with an Origin that counts the calls."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from typing import Any
 
 import pytest
 
-from weightcache.transfer.httprange import HttpRanges
+from weightcache.errors import TransientError
+from weightcache.transfer.httprange import HttpRanges, S3Revision
 
 SLOW = 1 << 20  # bytes of /slow, sent 2 KiB every 2 ms (about 1 MB/s)
 FAST = 200 << 10  # bytes of /fast, sent at once
+TAIL = 20_000  # bytes of /tail, sent at once: past what one fill of the reader's buffer holds
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -28,7 +31,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"tiny\n")
             return
-        size = SLOW if self.path == "/slow" else FAST
+        size = {"/slow": SLOW, "/tail": TAIL}.get(self.path, FAST)
         self.send_response(206)
         self.send_header("Content-Length", str(size))
         self.send_header("Content-Range", f"bytes 0-{size - 1}/{size}")
@@ -82,3 +85,71 @@ def test_the_next_response_on_a_kept_connection_is_not_held_back(server: str) ->
     assert (resp.status, body) == (200, b"tiny\n")
     read_all(ranges, f"{server}/fast", FAST, timeout=2.0)
     assert time.monotonic() - began < 1.5
+
+
+def test_a_body_partly_buffered_is_not_waited_for_past_its_end(server: str) -> None:
+    """The reader's buffer holds part of the body (a small read came first): the socket's
+    low-water mark must not ask for more than the socket will still bring, or the read
+    waits out the timeout (a 30 s stall at the end of a resumed part)."""
+    ranges = HttpRanges()
+    buf = memoryview(bytearray(TAIL))
+    began = time.monotonic()
+    with ranges.get(f"{server}/tail", {}, 0, TAIL, TAIL, 2.0, "tail") as reader:
+        got = reader.readinto(buf[:4000])  # from the bytes read in with the head
+        while got < TAIL:
+            n = reader.readinto(buf[got:])
+            assert n, "the body ended early"
+            got += n
+    assert time.monotonic() - began < 1.5
+
+
+PART = 5 << 20
+
+
+class _PartsOrigin:
+    """The calls `S3Revision.vouches` makes of an Origin: one object "w.bin" whose COMPOSITE
+    crc32c has `parts` parts, GetObjectAttributes refused, each HeadObject PartNumber
+    answered after 10 ms (failing for good from part `fail_from` on)."""
+
+    def __init__(self, parts: int, fail_from: int | None = None) -> None:
+        self.parts, self.fail_from = parts, fail_from
+        self.lock = threading.Lock()
+        self.inflight = self.peak = self.asked = 0
+
+    def list_sizes(self, bucket: str, prefix: str) -> dict[str, int]:
+        return {"w.bin": self.parts * PART}
+
+    def head_checksums(self, bucket: str, key: str) -> dict[str, str]:
+        return {"ChecksumCRC32C": f"aZDu2w==-{self.parts}", "ChecksumType": "COMPOSITE"}
+
+    def listed_part_sizes(self, bucket: str, key: str, count: int) -> None:
+        return None
+
+    def part_size(self, bucket: str, key: str, number: int) -> int:
+        with self.lock:
+            self.asked += 1
+            self.inflight += 1
+            self.peak = max(self.peak, self.inflight)
+        time.sleep(0.01)
+        with self.lock:
+            self.inflight -= 1
+        if self.fail_from is not None and number >= self.fail_from:
+            raise TransientError(f"HEAD part {number}: SlowDown (attempt 6/6)")
+        return PART
+
+
+def test_the_part_heads_of_a_composite_object_run_at_once() -> None:
+    origin = _PartsOrigin(parts=64)
+    vouches = S3Revision(HttpRanges(), origin, "models", "m/r1").vouches()  # type: ignore[arg-type]
+    assert vouches["w.bin"].parts == (PART,) * 64
+    assert origin.asked == 64 and origin.peak >= 4, (origin.asked, origin.peak)
+
+
+def test_a_part_head_failing_for_good_sends_no_more() -> None:
+    """The fetch fails (exit 6) without sending the thousands of HEADs queued behind
+    (Executor.map cancels what is still queued once a result raises)."""
+    origin = _PartsOrigin(parts=2000, fail_from=2)
+    revision = S3Revision(HttpRanges(), origin, "models", "m/r1")  # type: ignore[arg-type]
+    with pytest.raises(TransientError, match="HEAD part"):
+        revision.vouches()
+    assert origin.asked < 200, origin.asked

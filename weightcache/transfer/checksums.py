@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import re
 import zlib
+from collections.abc import Mapping
 from typing import NamedTuple, Protocol
 
 #: The algorithms a RevisionSource may vouch with (`RevisionSource.vouches`), and each
@@ -172,3 +173,38 @@ def b64_to_hex(value: str) -> str:
         return base64.b64decode(value, validate=True).hex()
     except binascii.Error as e:
         raise ValueError(f"not a base64 digest: {value!r}") from e
+
+
+#: HeadObject's checksum fields weightcache can verify, strongest first. S3 defines crc64nvme
+#: for full objects only; the others also as COMPOSITE checksums of multipart uploads.
+_S3_CHECKSUMS = (
+    ("ChecksumSHA256", "sha256"), ("ChecksumCRC64NVME", "crc64nvme"),
+    ("ChecksumCRC32C", "crc32c"), ("ChecksumSHA1", "sha1"), ("ChecksumCRC32", "crc32"),
+)  # fmt: skip
+_COMPOSITE = re.compile(r"(.*)-([1-9][0-9]*)")  # "<base64>-<parts>": of the parts' checksums
+
+
+def s3_vouched(headers: Mapping[str, str]) -> Vouch | None:
+    """The strongest checksum among HeadObject's fields, or None: a full-object one as
+    (algorithm, hex); a COMPOSITE one (of a multipart upload: the checksum of the parts'
+    binary checksums, "<base64>-<parts>") as ("<algorithm>-composite", "<hex>-<parts>"),
+    whose part sizes the caller must learn. A store that sends no ChecksumType (SeaweedFS)
+    has a composite checksum when the value has the "-<parts>" suffix."""
+    kind = headers.get("ChecksumType")
+    for field, algorithm in _S3_CHECKSUMS:
+        value = headers.get(field)
+        if not value:
+            continue
+        composite = _COMPOSITE.fullmatch(value)
+        if kind not in (None, "COMPOSITE" if composite else "FULL_OBJECT"):
+            continue  # the value contradicts its type: a store's garbage
+        if composite:
+            algorithm, value = f"{algorithm}{COMPOSITE_SUFFIX}", composite.group(1)
+        if not available(algorithm):
+            continue
+        try:
+            digest = b64_to_hex(value)
+        except ValueError:
+            continue  # a store's garbage is "not vouched", never a crash
+        return Vouch(algorithm, f"{digest}-{composite.group(2)}" if composite else digest)
+    return None

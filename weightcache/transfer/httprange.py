@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import os
-import re
 import socket
 import ssl
 import threading
@@ -23,13 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import IntegrityError, SourceError
-from weightcache.transfer.checksums import (
-    COMPOSITE_SUFFIX,
-    Vouch,
-    available,
-    b64_to_hex,
-    composite_parts,
-)
+from weightcache.transfer.checksums import Vouch, composite_parts, s3_vouched
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 if TYPE_CHECKING:
@@ -40,6 +34,8 @@ if TYPE_CHECKING:
 #: (SO_RCVLOWAT), at most WAKE_MAX bytes: see `_Response.recv_into`.
 WAKE_SECONDS = 0.1
 WAKE_MAX = 256 << 10
+#: The most of a body `HTTPResponse.fp` (`socket.makefile("rb")`) can hold read ahead.
+READER_BUFFER = io.DEFAULT_BUFFER_SIZE
 
 
 class _Response(http.client.HTTPResponse):
@@ -61,7 +57,9 @@ class _Response(http.client.HTTPResponse):
             data = self.read1(len(b))  # odd servers: a copy, but rare
             b[: len(data)] = data
             return len(data)
-        self._wake_at(min(len(b), self.length))
+        # Up to a buffer's worth of the body may sit in fp's buffer, not on the socket: a
+        # mark asking for it would wait for bytes that never come (until the timeout).
+        self._wake_at(min(len(b), self.length - READER_BUFFER))
         n = self.fp.readinto1(b[: self.length])
         self._got += n
         if not n and b:
@@ -313,58 +311,67 @@ class S3Revision:
         return OriginBlob(self._http, self._origin, self.bucket, f"{self.prefix}/{relpath}")
 
     def vouches(self) -> dict[str, Vouch]:
-        """The checksum of each object (one HeadObject with ChecksumMode=ENABLED per object,
-        HEAD_CONCURRENCY at once), by `s3_vouched`; a composite one with its part sizes
-        (`Origin.part_sizes`), or none when the store does not tell them."""
+        """The checksum of each object (one HeadObject with ChecksumMode=ENABLED per object),
+        by `s3_vouched`; a composite one with its part sizes, from GetObjectAttributes or
+        else one HeadObject per part (`_headed_parts`); none when the store tells neither.
+        Every request runs on one pool of HEAD_CONCURRENCY threads."""
         sizes = self._sizes if self._sizes is not None else self.list_sizes()
         paths = sorted(sizes)
-
-        def head(relpath: str) -> Vouch | None:
-            key = f"{self.prefix}/{relpath}"
-            vouch = s3_vouched(self._origin.head_checksums(self.bucket, key))
-            count = composite_parts(vouch.digest) if vouch is not None else None
-            if vouch is None or count is None:
-                return vouch
-            parts = self._origin.part_sizes(self.bucket, key, count)
-            return vouch._replace(parts=parts) if parts is not None else None
-
         with ThreadPoolExecutor(HEAD_CONCURRENCY) as pool:
-            found = zip(paths, pool.map(head, paths), strict=True)
-            return {p: v for p, v in found if v is not None}
+            found = dict(zip(paths, pool.map(self._vouch, paths), strict=True))
+            unsized = {
+                path: count
+                for path, vouch in found.items()
+                if vouch is not None and not vouch.parts
+                and (count := composite_parts(vouch.digest)) is not None
+            }  # fmt: skip
+            for path, parts in self._headed_parts(pool, unsized).items():
+                vouch = found[path]
+                found[path] = vouch._replace(parts=parts) if vouch and parts else None
+        return {p: v for p, v in found.items() if v is not None}
+
+    def _vouch(self, relpath: str) -> Vouch | None:
+        """The object's vouch; a composite one with the parts GetObjectAttributes lists, or
+        with no parts when it does not (for `_headed_parts`)."""
+        key = f"{self.prefix}/{relpath}"
+        vouch = s3_vouched(self._origin.head_checksums(self.bucket, key))
+        count = composite_parts(vouch.digest) if vouch is not None else None
+        if vouch is None or count is None:
+            return vouch
+        parts = self._origin.listed_part_sizes(self.bucket, key, count)
+        return vouch._replace(parts=parts) if parts is not None else vouch
+
+    def _headed_parts(
+        self, pool: ThreadPoolExecutor, counts: Mapping[str, int]
+    ) -> dict[str, tuple[int, ...] | None]:
+        """{relpath: its `counts[relpath]` part sizes, or None when the store does not tell
+        them}, from one HeadObject with PartNumber per part. The HEADs of every part of
+        every object run on `pool` at once (an object of thousands of parts would otherwise
+        take thousands of round trips in a row); part 1 of each goes first, so a store that
+        refuses PartNumber costs one request per object, not one per part."""
+
+        def size(job: tuple[str, int]) -> int | None:
+            return self._origin.part_size(self.bucket, f"{self.prefix}/{job[0]}", job[1])
+
+        firsts = [(path, 1) for path in counts]
+        sized = dict(zip(firsts, pool.map(size, firsts), strict=True))
+        rest = [
+            (path, number)
+            for path, count in counts.items()
+            if sized[(path, 1)] is not None
+            for number in range(2, count + 1)
+        ]
+        sized.update(zip(rest, pool.map(size, rest), strict=True))
+        return {path: _all_parts(sized, path, count) for path, count in counts.items()}
+
+
+def _all_parts(
+    sized: Mapping[tuple[str, int], int | None], path: str, count: int
+) -> tuple[int, ...] | None:
+    """Parts 1..count of `path` from `sized`, or None if any is unknown."""
+    parts = tuple(sized.get((path, number)) for number in range(1, count + 1))
+    return None if None in parts else tuple(p for p in parts if p is not None)
 
 
 #: HeadObject requests in flight while `S3Revision.vouches` asks for every object's checksum.
 HEAD_CONCURRENCY = 16
-#: HeadObject's checksum fields weightcache can verify, strongest first. S3 defines crc64nvme
-#: for full objects only; the others also as COMPOSITE checksums of multipart uploads.
-_S3_CHECKSUMS = (
-    ("ChecksumSHA256", "sha256"), ("ChecksumCRC64NVME", "crc64nvme"),
-    ("ChecksumCRC32C", "crc32c"), ("ChecksumSHA1", "sha1"), ("ChecksumCRC32", "crc32"),
-)  # fmt: skip
-_COMPOSITE = re.compile(r"(.*)-([1-9][0-9]*)")  # "<base64>-<parts>": of the parts' checksums
-
-
-def s3_vouched(headers: Mapping[str, str]) -> Vouch | None:
-    """The strongest checksum among HeadObject's fields, or None: a full-object one as
-    (algorithm, hex); a COMPOSITE one (of a multipart upload: the checksum of the parts'
-    binary checksums, "<base64>-<parts>") as ("<algorithm>-composite", "<hex>-<parts>"),
-    whose part sizes the caller must learn. A store that sends no ChecksumType (SeaweedFS)
-    has a composite checksum when the value has the "-<parts>" suffix."""
-    kind = headers.get("ChecksumType")
-    for field, algorithm in _S3_CHECKSUMS:
-        value = headers.get(field)
-        if not value:
-            continue
-        composite = _COMPOSITE.fullmatch(value)
-        if kind not in (None, "COMPOSITE" if composite else "FULL_OBJECT"):
-            continue  # the value contradicts its type: a store's garbage
-        if composite:
-            algorithm, value = f"{algorithm}{COMPOSITE_SUFFIX}", composite.group(1)
-        if not available(algorithm):
-            continue
-        try:
-            digest = b64_to_hex(value)
-        except ValueError:
-            continue  # a store's garbage is "not vouched", never a crash
-        return Vouch(algorithm, f"{digest}-{composite.group(2)}" if composite else digest)
-    return None

@@ -202,24 +202,22 @@ class Origin:
 
         return self.call(f"HEAD s3://{bucket}/{key}", head)
 
-    def part_sizes(self, bucket: str, key: str, count: int) -> tuple[int, ...] | None:
-        """The sizes of a multipart object's `count` parts, in order: from GetObjectAttributes
-        (ObjectParts, paged), else from one HeadObject with PartNumber per part (a store
-        without it, or credentials without s3:GetObjectAttributes); None if neither tells
-        them. Raises TransientError."""
-        where = f"s3://{bucket}/{key}"
+    def listed_part_sizes(self, bucket: str, key: str, count: int) -> tuple[int, ...] | None:
+        """The sizes of a multipart object's `count` parts, in order, as GetObjectAttributes
+        lists them (ObjectParts, paged); None when the store or the credentials refuse it,
+        or it lists other than `count` parts (then `part_size` per part may tell them).
+        Raises TransientError."""
         listed = partial(self._listed_parts, bucket, key)
-        sizes = self._unless_refused(f"GetObjectAttributes {where}", listed)
-        if sizes is not None and len(sizes) == count:
-            return tuple(sizes)
-        heads = []
-        for number in range(1, count + 1):
-            head = partial(self._part_size, bucket, key, number)
-            size = self._unless_refused(f"HEAD part {number} of {where}", head)
-            if size is None:
-                return None
-            heads.append(size)
-        return tuple(heads)
+        sizes = self._unless_refused(f"GetObjectAttributes s3://{bucket}/{key}", listed)
+        return tuple(sizes) if sizes is not None and len(sizes) == count else None
+
+    def part_size(self, bucket: str, key: str, number: int) -> int | None:
+        """The size of part `number` of a multipart object, from one HeadObject with
+        PartNumber (for a store without GetObjectAttributes, or credentials without
+        s3:GetObjectAttributes); None when the store refuses it. Thread-safe: callers ask
+        for many parts at once. Raises TransientError."""
+        head = partial(self._part_size, bucket, key, number)
+        return self._unless_refused(f"HEAD part {number} of s3://{bucket}/{key}", head)
 
     def _unless_refused(self, what: str, fn: Callable[[], T]) -> T | None:
         """`call(what, fn)`, or None when the store refuses it as unknown, unsupported or
