@@ -438,7 +438,8 @@ def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | Non
     predicted = swarmplot.predict(output, runs, sim_piece, cpu)
     host = f"CPU: {cpu.describe()}" if cpu.on else "links only, the daemons' measured start-up"
     pieces = f"pieces of {bl.fmt_size(sim_piece)}" if sim_piece else "the daemons' pieces"
-    print(f"\nsimulated (benchmarks/swarmsim.py, the model's blobs in turn, {pieces}, "
+    print(f"\nsimulated (benchmarks/swarmsim.py, the median of {swarmplot.SEEDS} seeds; the "
+          f"model's blobs in turn, {pieces}, "
           f"{host}):\n")  # fmt: skip
     print(swarmplot.agreement(output, runs, predicted))
     if plot_path:

@@ -100,14 +100,22 @@ def model_blobs(shards_bytes: int, total: int, shards: int = 4) -> tuple[int, ..
     return (config, *sizes, total - shards_bytes - config - sums)
 
 
+#: Simulated swarms per setting (seeds 1..SEEDS), the median one shown: one run's last node
+#: moves by 10-30% with the order in which nodes reach each blob, as a measured run's does.
+SEEDS = 5
+
+
 def predict(output: dict[str, Any], runs: list[RunLike], piece: int, cpu: Cpu | None = None
             ) -> dict[tuple[int, int], dict[str, sim.Outcome]]:  # fmt: skip
-    """The simulated swarm and peers-off, by (regime, N), for every measured setting."""
+    """The simulated swarm (the median of SEEDS runs by last node) and peers-off, by
+    (regime, N), for every measured setting."""
     out = {}
     for regime in output["params"]["regime_values"]:
         for n in output["params"]["n_values"]:
             p = sim_params(output, runs, regime, n, piece, cpu)
-            out[regime, n] = {"p2p": sim.Swarm(p).run(), "off": sim.peers_off(p)}
+            swarms = sorted((sim.Swarm(replace(p, seed=s)).run() for s in range(1, SEEDS + 1)),
+                            key=lambda o: o.last)  # fmt: skip
+            out[regime, n] = {"p2p": swarms[len(swarms) // 2], "off": sim.peers_off(p)}
     return out
 
 
