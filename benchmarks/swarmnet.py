@@ -258,8 +258,10 @@ class Network:
     def __init__(self, up: list[float], down: list[float], cpu: Cpu | None = None) -> None:
         self.up, self.down = up, down  # bytes/s
         self.cpu = cpu if cpu is not None and cpu.on else None
-        self.up_flows: list[set[Flow]] = [set() for _ in up]
-        self.down_flows: list[set[Flow]] = [set() for _ in down]
+        # dicts, not sets: flows in the order they started, so that a run is the same every
+        # time (a set's order is its objects' addresses: ties among events moved with it)
+        self.up_flows: list[dict[Flow, None]] = [{} for _ in up]
+        self.down_flows: list[dict[Flow, None]] = [{} for _ in down]
         self.up_rate, self.down_rate = [0.0] * len(up), [0.0] * len(down)  # sums of flow rates
         self.sent = [0.0] * len(up)  # bytes sent by each uplink up to `stamp`
         self.stamp = [0.0] * len(up)
@@ -282,8 +284,8 @@ class Network:
 
     def start(self, f: Flow) -> None:
         f.active, f.stamp = True, self.now
-        self.up_flows[f.src].add(f)
-        self.down_flows[f.dst].add(f)
+        self.up_flows[f.src][f] = None
+        self.down_flows[f.dst][f] = None
         self._reshare(f.src, f.dst)
 
     def stop(self, f: Flow) -> float:
@@ -292,8 +294,8 @@ class Network:
         self._set_rate(f, 0.0)
         f.active = False
         f.ver += 1
-        self.up_flows[f.src].discard(f)
-        self.down_flows[f.dst].discard(f)
+        self.up_flows[f.src].pop(f, None)
+        self.down_flows[f.dst].pop(f, None)
         self._reshare(f.src, f.dst)
         return f.size - max(f.left, 0.0)
 

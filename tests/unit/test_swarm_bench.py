@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,14 @@ def test_from_json_simulates_with_the_cpu_model_of_flags_or_a_calibration(tmp_pa
         for name in ("flags", "file"):
             assert 4.8 <= float(results[name]["3", mode][4]) <= 4.8 * 1.15
             assert float(results[name]["3", mode][7]) == pytest.approx(4.8, rel=0.15)
+
+
+def test_the_prediction_is_the_median_of_several_simulated_swarms() -> None:
+    import swarmsim as sim
+
+    out = saved([6], size=64 << 20)
+    runs = [swarm.Run(**r) for r in out["runs"]]  # type: ignore[attr-defined]
+    p = swarmplot.sim_params(out, runs, regime=1, n=6, piece=1 << 20)
+    lasts = sorted(sim.Swarm(replace(p, seed=s)).run().last for s in range(1, 6))
+    assert lasts[0] < lasts[-1]  # the seeds do differ here
+    assert swarmplot.predict(out, runs, 1 << 20)[1, 6]["p2p"].last == lasts[2]
