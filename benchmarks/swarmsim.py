@@ -28,7 +28,7 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   less than SPARE of the best rate seen for the blob.
 A node watches at most `--view` peers (a random sample, fixed per node; the daemons watch
 every peer): polling a thousand peers' bitmaps every second is not something a daemon
-would do, and rarity is then local, as in BitTorrent.
+would do, and rarity is then local, as in BitTorrent; its stripe is then among all N nodes.
 Not modelled: the daemon's 0.1 s loop tick (a node chooses at each event), a HEAD's
 RTT (the round's answers are its peers' state at the round), failures.
 
@@ -271,7 +271,11 @@ class Swarm:
         if node.ready is not None or not node.joined:
             return
         count = self.counts[node.blob]
-        members = sorted(node.view.keys() | {i})
+        # the daemons' membership: the peers advertising the blob; a node watching only some
+        # of them stripes among all nodes instead (as by discovery's list), or each group in
+        # view would take the whole blob from the store (23 copies at 1,000 nodes, view 32)
+        partial = len(node.watches) < self.p.nodes - 1
+        members = range(self.p.nodes) if partial else sorted(node.view.keys() | {i})
         inflow = self.net.inflow(i)
         node.best = max(node.best, inflow)
         local = Local(

@@ -128,3 +128,10 @@ def test_an_idle_node_waits_for_its_next_view_round_as_the_daemon_does() -> None
     p = sim.Params(2, 2 * MiB, MiB, 8 * MiB, 8 * MiB, refresh=0.3, efficiency=1.0)
     out = sim.Swarm(p).run()
     assert out.ready == pytest.approx([2.1 + 1.0 + p.rtt] * 2, abs=1e-6)
+
+
+def test_a_node_watching_some_peers_stripes_among_all_nodes() -> None:
+    # 40 nodes each watching 8: striped among the 9 each sees, every group of them would
+    # take the whole blob from the store (4 copies); among all 40, about one
+    p = sim.Params(40, 64 * MiB, 2 * MiB, 400e6, 400e6, view=8)
+    assert sim.Swarm(p).run().store_copies < 1.5
