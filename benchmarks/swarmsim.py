@@ -108,10 +108,10 @@ from weightcache.node.swarm import (
     next_window,
     piece_count,
 )
+from weightcache.node.swarmfetch import ALONE_GRACE, IDLE_GRACE, ROOM_FACTOR
 
 __all__ = ["Cpu", "Flow", "MiB", "Network", "Outcome", "Params", "Swarm", "bound", "fmt_bits",
            "line", "parse_bits", "peers_off", "run", "store_rates", "today"]  # fmt: skip
-from weightcache.node.swarmfetch import ALONE_GRACE, IDLE_GRACE, ROOM_FACTOR
 
 #: The daemon's rules (weightcache/node/swarmfetch.py, `SwarmDownload._choose`): its link is
 #: spare while it receives less than this share of the best rate it has seen for the blob.
