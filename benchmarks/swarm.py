@@ -3,7 +3,7 @@ one ready, and how much did the store send? Peers on against peers off and the l
 
     sudo python benchmarks/swarm.py [--nodes 8,16] [--size 256M] [--link 400mbit]
                                     [--regimes 1,4] [--rounds 1] [--modes p2p,off]
-                                    [--json out.json] [--plot out.png] [--sim-piece 4M]
+                                    [--json out.json] [--plot out.png] [--sim-piece 0]
                                     [--sim-calibration cal.json | --sim-cores 2 ...]
     sudo python benchmarks/swarm.py --cleanup     # remove leftovers of a crashed run
     python benchmarks/swarm.py --from-json n8.json n16.json --plot benchmarks/swarm.png
@@ -33,7 +33,8 @@ back to back in their namespaces. Measured from outside the daemons:
 
 The line rate is the model's bytes over one node's link: no node can be ready sooner.
 Next to the measurements, benchmarks/swarmsim.py's prediction for the same setting (the
-daemons' measured start-up included, pieces of `--sim-piece`), in a table and in the plot
+daemons' measured start-up included, the model's blobs one after another in the daemons'
+pieces, or in pieces of `--sim-piece`), in a table and in the plot
 (benchmarks/swarmplot.py). With `--sim-calibrate` (benchmarks/swarmcal.py runs first), or
 `--sim-calibration cal.json` (from `swarmcal.py --json cal.json` on the same host), or
 `--sim-cores 2 --sim-cpu-per-mib-recv ...`, the simulator shares the host's cores among
@@ -58,7 +59,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,7 @@ import benchlib as bl
 import measure as ms
 import netlab as nl
 import swarmplot
-from swarmnet import Cpu, add_cpu_options, cpu_from_args
+from swarmnet import Cpu, add_cpu_options
 
 MODES = ("p2p", "off")
 PEER_PORT, METRICS_PORT = 9401, 9402
@@ -334,8 +335,8 @@ def parse_args() -> argparse.Namespace:
         metavar="FILE",
         help="print the tables (and --plot) of saved --json files again (merged), run nothing",
     )
-    p.add_argument("--sim-piece", default="4M",
-                   help="piece size of the simulator's prediction (default 4M)")  # fmt: skip
+    p.add_argument("--sim-piece", default="0",
+                   help="the simulator's piece size (0: the daemons', per blob)")  # fmt: skip
     p.add_argument("--sim-calibration", type=Path, metavar="FILE",
                    help="the simulator's CPU model from `swarmcal.py --json FILE` (with this "
                    "host's cores); the --sim-cpu-* flags set it by hand")  # fmt: skip
@@ -352,22 +353,13 @@ def parse_args() -> argparse.Namespace:
         args.link_bits = nl.parse_rate(args.link)
         args.size_bytes = bl.parse_size(args.size)
         args.sim_piece_bytes = bl.parse_size(args.sim_piece)
-        args.sim_cpu = sim_cpu(args)
+        args.sim_cpu = swarmplot.sim_cpu(args)
     except (ValueError, OSError, KeyError, TypeError) as e:
         p.error(str(e))
     args.mode_values = [m for m in args.modes.split(",") if m]
     if set(args.mode_values) - set(MODES) or not 1 <= min(args.n_values) <= 250:
         p.error(f"modes from {MODES}; 1 <= N <= 250")
     return args
-
-
-def sim_cpu(args: argparse.Namespace) -> Cpu:
-    """The simulator's CPU model: a calibration file's (the host's cores unless --sim-cores
-    says), else the --sim-* flags (by default none: links only)."""
-    if args.sim_calibration is None:
-        return cpu_from_args(args, "sim-")
-    cpu = Cpu(**json.loads(args.sim_calibration.read_text())["cpu"])
-    return replace(cpu, cores=args.sim_cores if args.sim_cores != Cpu().cores else cpu.cores)
 
 
 def _raise_on_sigterm(signum: int, frame: object) -> None:
@@ -398,7 +390,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(Path(__file__).with_name("swarmcal.py")), "--link",
                         args.link, "--size", args.size, "--json", str(args.sim_calibration)],
                        check=True)  # fmt: skip
-        args.sim_cpu = sim_cpu(args)
+        args.sim_cpu = swarmplot.sim_cpu(args)
     runs: list[Run] = []
     try:
         with nl.Lab(max(max(args.n_values), 2)) as lab:
@@ -445,7 +437,9 @@ def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | Non
     cpu = cpu or Cpu()
     predicted = swarmplot.predict(output, runs, sim_piece, cpu)
     host = f"CPU: {cpu.describe()}" if cpu.on else "links only, the daemons' measured start-up"
-    print(f"\nsimulated (benchmarks/swarmsim.py, pieces of {bl.fmt_size(sim_piece)}, "
+    pieces = f"pieces of {bl.fmt_size(sim_piece)}" if sim_piece else "the daemons' pieces"
+    print(f"\nsimulated (benchmarks/swarmsim.py, the median of {swarmplot.SEEDS} seeds; the "
+          f"model's blobs in turn, {pieces}, "
           f"{host}):\n")  # fmt: skip
     print(swarmplot.agreement(output, runs, predicted))
     if plot_path:

@@ -17,7 +17,10 @@ the swarm's results:
 4. *a view round's HEAD*: `Peers.probe` (the daemons' code) from this process to `a`, 300
    times, this process's CPU and `a`'s;
 5. *received, slow*: daemon `c` (no peers) fetches it with the store at a quarter of the link;
-6. *hashed*: sha256 in this process (the daemons' hasher), per MiB.
+6. *hashed*: sha256 in this process (the daemons' hasher), per MiB;
+7. *a /readyz*: daemon a's CPU per /readyz answered (300 asked in a row), by which this
+   process's own waiting (about 40 polls a second) is taken out of a's and c's CPU, and
+   the swarm benchmark's (one every 0.1 s) becomes the model's `poll`.
 A MiB costs more when bytes trickle in: a daemon spends CPU per second while it downloads,
 whatever its rate. So received CPU = busy x seconds + per-MiB x MiB, solved from the fast
 and the slow download: the model's `busy` (cores) and `recv` (per MiB, less the hashing,
@@ -32,8 +35,8 @@ removed after.
 path may not honour `--bwlimit`; a lower bound of the CPU.
 
 Then the simulator (benchmarks/swarmsim.py) with this CPU model and `--cores` (default: this
-machine's) against the swarm as measured in benchmarks/RESULTS.md ("Swarm: the piece
-swarm"), and the flags that give benchmarks/swarm.py the same model (`--sim-...`).
+machine's) against the swarm as measured in benchmarks/RESULTS.md ("Swarm, fourth
+pass"), and the flags that give benchmarks/swarm.py the same model (`--sim-...`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from typing import Any
 import benchlib as bl
 import measure as ms
 import netlab as nl
+import swarmplot
 import swarmsim as sim
 from swarm import METRICS_PORT, PEER_PORT, daemon_argv, pinned_ready
 from swarmnet import Cpu, MiB, cpu_flags
@@ -67,12 +71,15 @@ ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # daemons a, b and c
 #: benchmarks; nothing outside them routes it).
 STORE_ADDR, NODES_ADDR = "198.18.0.1", "198.18.0.2"
 
-#: benchmarks/RESULTS.md, "Swarm: the piece swarm" (commits 0834ae9, 3960086): 256.69 MiB,
-#: 400 mbit links; (N, store egress in links) -> (last node ready s, the daemons' CPU-s),
-#: peers on, then off.
-MEASURED = {(8, 1): ((16.4, 27), (48.8, 70)), (8, 4): ((14.7, 26), (15.2, 19)),
-            (16, 1): ((26.9, 52), (95.6, 163)), (16, 4): ((30.0, 57), (28.6, 44))}  # fmt: skip
-MEASURED_BYTES = int(256.69 * MiB)
+#: benchmarks/RESULTS.md, "Swarm, fourth pass" (commit 6d71f3c): 256 MiB of shards and 0.69
+#: MiB of small files, 400 mbit links; (N, store egress in links) -> (last node ready s, the
+#: daemons' CPU-s), peers on, then off; and the spread of the daemons' start (s, peers on).
+MEASURED = {(8, 1): ((15.7, 27), (48.5, 31), 0.63), (8, 4): ((13.7, 26), (14.7, 18), 0.72),
+            (16, 1): ((28.4, 55), (94.9, 119), 0.57),
+            (16, 4): ((35.3, 67), (29.7, 44), 0.36)}  # fmt: skip
+MEASURED_BYTES, MEASURED_SHARDS = 269161025, 256 * MiB
+#: Seconds between benchmarks/swarm.py's /readyz polls of a daemon (its --poll).
+SWARM_POLL = 0.1
 
 
 def cpu_seconds(pid: int) -> float:
@@ -111,6 +118,11 @@ class Daemon:
     addr: str
     proc: subprocess.Popen[bytes]
     spawned: float
+    polls: int = 0  # /readyz requests this process made of it: each costs it CPU
+
+    def readyz(self) -> str | None:
+        self.polls += 1
+        return page(self.addr, "/readyz")
 
     def cpu(self) -> float:
         return cpu_seconds(self.proc.pid)
@@ -122,25 +134,25 @@ class Daemon:
 
     def up(self, timeout: float = 60) -> tuple[float, float]:
         """(seconds from the spawn, CPU-s) when /readyz first answers."""
-        t = wait(f"{self.name}'s /readyz", lambda: page(self.addr, "/readyz") is not None, timeout)
+        t = wait(f"{self.name}'s /readyz", lambda: self.readyz() is not None, timeout)
         return t - self.spawned, self.cpu()
 
     def ready(self, timeout: float = 300) -> tuple[float, float]:
         """(seconds from the spawn, CPU-s) when the pinned model is ready."""
-        t = wait(
-            f"{self.name}'s model", lambda: pinned_ready(page(self.addr, "/readyz") or ""), timeout
-        )
+        t = wait(f"{self.name}'s model", lambda: pinned_ready(self.readyz() or ""), timeout)
         return t - self.spawned, self.cpu()
 
 
 @dataclass(frozen=True)
 class Receive:
-    """One daemon's download: MiB received, seconds from serving to ready, CPU-s meanwhile."""
+    """One daemon's download: MiB received, seconds from serving to ready, CPU-s meanwhile
+    and the /readyz polls it answered meanwhile (this process waiting for it)."""
 
     who: str
     mib: float
     seconds: float
     cpu: float
+    polls: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,19 +170,24 @@ class Calibration:
     probe: float  # CPU-s per HEAD of a view round, both ends
     mode: str  # "tc" (a shaped loopback in a namespace) or "loopback" (self-paced)
     link: str
+    poll: float = 0.0  # CPU-s of a daemon per /readyz it answers (0: not measured)
 
     def split(self) -> tuple[float, float]:
         """(busy cores, CPU-s per MiB) with cpu = busy x seconds + per_mib x MiB through
-        the fast and the slow download (two equations, two unknowns)."""
-        f, s = self.fast, self.slow
-        per_mib = (f.cpu / f.seconds - s.cpu / s.seconds) / (f.mib / f.seconds - s.mib / s.seconds)
-        return max(0.0, f.cpu / f.seconds - per_mib * f.mib / f.seconds), per_mib
+        the fast and the slow download (two equations, two unknowns), the CPU of this
+        process's own polls taken out first: waiting for a download, it asks /readyz about
+        40 times a second, 0.06-0.08 cores of the daemon, half of what was taken for busy."""
+        (fc, fs, fm), (sc, ss, sm) = ((r.cpu - r.polls * self.poll, r.seconds, r.mib)
+                                      for r in (self.fast, self.slow))  # fmt: skip
+        per_mib = (fc / fs - sc / ss) / (fm / fs - sm / ss)
+        return max(0.0, fc / fs - per_mib * fm / fs), per_mib
 
     def cpu(self, cores: float) -> Cpu:
+        """The model's costs; `poll`: the swarm benchmark's polls (every SWARM_POLL s)."""
         busy, per_mib = self.split()
         return Cpu(cores, recv=max(0.0, per_mib - self.hash), sent=self.sent, hash=self.hash,
                    startup=sum(self.startup) / len(self.startup), busy=busy,
-                   probe=self.probe)  # fmt: skip
+                   probe=self.probe, poll=self.poll / SWARM_POLL)  # fmt: skip
 
 
 def hash_cost(mib: int = 256) -> float:
@@ -242,6 +259,7 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
             bl.log(f"b: {b.counter('peer_bytes') / MiB:.1f} MiB from a, "
                    f"{b.counter('origin_bytes') / MiB:.1f} MiB from the store")  # fmt: skip
             probe = probe_cost(a, model.sha256[max(model.listed, key=model.listed.__getitem__)])
+            poll = poll_cost(a)
             c = start(2, link // 4)
             boot_c, slow = receive(c)
         finally:
@@ -250,7 +268,7 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
     return Calibration(
         [x[1] for x in boots], [x[0] for x in boots], fast, peer, slow,
         serve / max(sent / MiB, 1e-9), sent / MiB, hash_cost(), probe,
-        "loopback" if args.loopback else "tc", args.link,
+        "loopback" if args.loopback else "tc", args.link, poll,
     )  # fmt: skip
 
 
@@ -258,9 +276,18 @@ def receive(d: Daemon, up: tuple[float, float] | None = None
             ) -> tuple[tuple[float, float], Receive]:  # fmt: skip
     """(d's start-up: seconds, CPU-s; its download) until its model is ready."""
     up = up or d.up()
+    polls = d.polls
     ready, cpu = d.ready()
     mib = (d.counter("origin_bytes") + d.counter("peer_bytes")) / MiB
-    return up, Receive(d.name, mib, ready - up[0], cpu - up[1])
+    return up, Receive(d.name, mib, ready - up[0], cpu - up[1], d.polls - polls)
+
+
+def poll_cost(a: Daemon, count: int = 300) -> float:
+    """CPU-s daemon a (done, idle) spends per /readyz, asked as `Daemon.ready` asks."""
+    theirs = a.cpu()
+    for _ in range(count):
+        a.readyz()
+    return (a.cpu() - theirs) / count
 
 
 def probe_cost(a: Daemon, sha256: str, count: int = 300) -> float:
@@ -320,6 +347,8 @@ def report(cal: Calibration) -> str:
         ["a: sent to b", f"{cal.sent_mib:.0f}", "", "", f"{cal.sent:.5f} per MiB", ""],
         ["sha256, this process", "", "", "", f"{cal.hash:.5f} per MiB", "in the received"],
         ["a view round's HEAD", "", "", "", f"{cal.probe:.5f} per HEAD", "asker + a"],
+        ["a: /readyz answered", "", "", "", f"{cal.poll:.5f} per poll",
+         f"polls a, c: {cal.fast.polls}, {cal.slow.polls}"],
         ["from a and c", "", "", "", f"{per_mib:.5f} per MiB", f"busy {busy:.3f} cores"],
     ]  # fmt: skip
     return ms.md_table(["what", "MiB", "s", "CPU-s", "CPU-s", "note"], rows)
@@ -328,8 +357,10 @@ def report(cal: Calibration) -> str:
 def compare(cpu: Cpu, piece: int) -> str:
     """The simulator with `cpu` (and without) against the measured swarm."""
     rows = []
-    for (n, x), (on, off) in MEASURED.items():
-        p = sim.Params(n, MEASURED_BYTES, piece, 400e6, x * 400e6, cpu=cpu)
+    blobs = swarmplot.model_blobs(MEASURED_SHARDS, MEASURED_BYTES)
+    for (n, x), (on, off, spread) in MEASURED.items():
+        p = sim.Params(n, MEASURED_BYTES, piece, 400e6, x * 400e6, jitter=spread, cpu=cpu,
+                       blobs=blobs)  # fmt: skip
         links = sim.Swarm(replace(p, cpu=Cpu())).run().last
         for mode, got, want in (("peers on", on, sim.Swarm(p).run()),
                                 ("peers off", off, sim.peers_off(p))):  # fmt: skip
@@ -351,7 +382,7 @@ def main() -> None:
     ap.add_argument("--store-ns", help=argparse.SUPPRESS)
     ap.add_argument("--cores", type=float, default=float(os.cpu_count() or 1),
                     help="the host's cores in the model (default: this machine's)")  # fmt: skip
-    ap.add_argument("--piece", default="4M", help="the simulator's piece size (default 4M)")
+    ap.add_argument("--piece", default="0", help="the simulator's piece size (0: the daemons')")
     ap.add_argument("--json", type=Path, help="write the calibration here")
     ap.add_argument("--from-json", type=Path, help="a saved calibration: compare only")
     args = ap.parse_args()
@@ -379,8 +410,8 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}:\n\n{report(cal)}\n")  # fmt: skip
     print(f"CPU model: {cpu.describe()}\n  swarmsim.py {cpu_flags(cpu)}\n  swarm.py "
           f"{cpu_flags(cpu, 'sim-')}\n")  # fmt: skip
-    print("against benchmarks/RESULTS.md 'Swarm: the piece swarm' (256.69 MiB, 400 mbit, "
-          "pieces of 4 MiB):\n")  # fmt: skip
+    print("against benchmarks/RESULTS.md 'Swarm, fourth pass' (256.69 MiB, 400 mbit; the "
+          "model's blobs in turn):\n")  # fmt: skip
     print(compare(cpu, bl.parse_size(args.piece)))
 
 

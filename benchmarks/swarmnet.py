@@ -11,14 +11,19 @@ CPU (`Cpu`, off by default: a real cluster has a node's cores per node): the hos
 capped at `node_cores` and at what it asks (`share`). A node asks for CPU in proportion to
 its flows at their link rates: `recv + hash` CPU-s per MiB it receives (from the store or a
 peer), `sent` per MiB it serves to peers; plus, while it downloads, `busy` cores (what a
-daemon spends per second whatever its rate: timers, polling; why a MiB costs more when bytes
-trickle in) and `probe` CPU-s per HEAD of its view rounds (the simulator sets this
-`background`: slowed with the flows when the node is short, as polls and timers of a
-descheduled process fire less often); a booting node (`startup` CPU-s of work from its
-spawn until it serves) asks for a whole `node_cores`. A node granted less than it asks
-slows each of its flows by the same factor, and a flow runs at its link rate times the
-smaller factor of its two ends (the store has no CPU limit). With CPU on, every flow's rate
-is recomputed at every start and end of a flow or a boot.
+daemon spends per second whatever its rate: timers, its loops; why a MiB costs more when
+bytes trickle in), `poll` cores (the benchmark asking its /readyz every 0.1 s: about 1.5 ms
+of the daemon's CPU each; not the daemon's own, so kept apart) and `probe` CPU-s per HEAD of
+its view rounds (the simulator sets this `background`: slowed with the flows when the node
+is short, as polls and timers of a descheduled process fire less often); a booting node
+(`startup` CPU-s of work from its spawn until it serves) asks for a whole `node_cores`. A
+node granted less than it asks slows each of its flows by the same factor, and a flow runs
+at its link rate times the smaller factor of its two ends (the store has no CPU limit).
+With CPU on, every flow's rate is recomputed at every start and end of a flow or a boot.
+
+Also here: the simulation's setting (`Params`: nodes, blobs, links, the policy's limits),
+its result (`Outcome`), the closed forms of the same fluid model it is compared with
+(`peers_off`, `today`, `line`, `bound`) and rates in bits (`parse_bits`, `fmt_bits`).
 """
 
 from __future__ import annotations
@@ -27,12 +32,18 @@ import argparse
 import heapq
 import itertools
 import math
+import re
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from weightcache.node.swarm import Limits
+from weightcache.node.swarmfetch import piece_size_for
+from weightcache.node.swarmviews import VIEW_EVERY
 
 MiB = 1 << 20
 #: Event kinds of the simulation's one queue; END and BOOTED are the network's own.
-START, BEGIN, END, REFRESH, POLL, BOOTED = range(6)
+START, BEGIN, END, REFRESH, POLL, BOOTED, JOIN = range(7)
 
 
 @dataclass(frozen=True)
@@ -45,13 +56,21 @@ class Cpu:
     sent: float = 0.0  # per MiB served to peers
     hash: float = 0.0  # per MiB hashed; every received byte is hashed once
     startup: float = 0.0  # from a daemon's spawn until it serves
-    busy: float = 0.0  # cores a downloading daemon uses whatever its rate (timers, polls)
+    busy: float = 0.0  # cores a downloading daemon uses whatever its rate (timers, loops)
     probe: float = 0.0  # per HEAD of a view round (both ends), one per peer per refresh
+    poll: float = 0.0  # cores the benchmark's /readyz polls cost a daemon until it is ready
 
     @property
     def on(self) -> bool:
         """False when no cost is set: the CPU never binds, links alone decide."""
-        return self.recv + self.sent + self.hash + self.startup + self.busy + self.probe > 0
+        costs = (self.recv, self.sent, self.hash, self.startup, self.busy, self.probe, self.poll)
+        return sum(costs) > 0
+
+    @property
+    def waiting(self) -> float:
+        """Cores a downloading daemon uses whatever its rate: its own (`busy`) and the
+        benchmark's polls of its /readyz (`poll`)."""
+        return self.busy + self.poll
 
     def share(self, nodes: int) -> float:
         """Cores each of `nodes` equally busy nodes gets."""
@@ -60,7 +79,7 @@ class Cpu:
     def recv_rate(self, nodes: int, link: float) -> float:
         """Bytes/s a node receives by a link of `link` bytes/s when `nodes` nodes do the same
         (its flows slowed by its share over its demand, as `Network` does)."""
-        demand = self.busy + link * (self.recv + self.hash) / MiB
+        demand = self.waiting + link * (self.recv + self.hash) / MiB
         return link * min(1.0, self.share(nodes) / demand) if demand else link
 
     def boot_time(self, nodes: int) -> float:
@@ -70,8 +89,9 @@ class Cpu:
     def describe(self) -> str:
         return (f"{self.cores:g} cores ({self.node_cores:g} per node at most), CPU-s per MiB "
                 f"received {self.recv:g}, sent {self.sent:g}, hashed {self.hash:g}; start-up "
-                f"{self.startup:g} CPU-s; busy {self.busy:g} cores while downloading; "
-                f"{self.probe:g} CPU-s per view HEAD")  # fmt: skip
+                f"{self.startup:g} CPU-s; busy {self.busy:g} cores while downloading, "
+                f"{self.poll:g} for the /readyz polls; {self.probe:g} CPU-s per view "
+                "HEAD")  # fmt: skip
 
 
 def share(demands: Sequence[float], cores: float, cap: float) -> list[float]:
@@ -105,13 +125,15 @@ def add_cpu_options(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="cores a downloading daemon uses whatever its rate")  # fmt: skip
     ap.add_argument(f"--{prefix}cpu-per-probe", type=float, default=0.0,
                     help="CPU-s per HEAD of a view round (one per peer per refresh)")  # fmt: skip
+    ap.add_argument(f"--{prefix}cpu-poll", type=float, default=0.0,
+                    help="cores the /readyz polls cost a daemon until it is ready")  # fmt: skip
 
 
 def cpu_from_args(a: argparse.Namespace, prefix: str = "") -> Cpu:
     p = prefix.replace("-", "_")
     names = {"cores": "cores", "node_cores": "cpu_node_cores", "recv": "cpu_per_mib_recv",
              "sent": "cpu_per_mib_sent", "hash": "cpu_per_mib_hash", "startup": "cpu_startup",
-             "busy": "cpu_busy", "probe": "cpu_per_probe"}  # fmt: skip
+             "busy": "cpu_busy", "probe": "cpu_per_probe", "poll": "cpu_poll"}  # fmt: skip
     return Cpu(**{k: float(getattr(a, p + v)) for k, v in names.items()})
 
 
@@ -120,16 +142,103 @@ def cpu_flags(cpu: Cpu, prefix: str = "") -> str:
     return (f"--{prefix}cores {cpu.cores:g} --{prefix}cpu-per-mib-recv {cpu.recv:.5f} "
             f"--{prefix}cpu-per-mib-sent {cpu.sent:.5f} --{prefix}cpu-per-mib-hash "
             f"{cpu.hash:.5f} --{prefix}cpu-startup {cpu.startup:.3f} --{prefix}cpu-busy "
-            f"{cpu.busy:.4f} --{prefix}cpu-per-probe {cpu.probe:.5f}")  # fmt: skip
+            f"{cpu.busy:.4f} --{prefix}cpu-per-probe {cpu.probe:.5f} --{prefix}cpu-poll "
+            f"{cpu.poll:.4f}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Params:
+    nodes: int
+    size: int  # bytes, all blobs together
+    piece: int  # bytes; 0: the daemons' own piece size for each blob (`piece_size_for`)
+    link: float  # bits/s, each node's uplink and downlink
+    store_rate: float  # bits/s, the store's egress
+    rtt: float = 0.001  # seconds from a request to its first byte
+    refresh: float = VIEW_EVERY  # seconds between a node's HEAD rounds to its peers
+    jitter: float = 0.0  # nodes start uniformly within this many seconds after `startup`
+    startup: float = 0.0  # seconds from t = 0 until a daemon starts (spawn to serving)
+    view: int = 32  # peers a node watches at most
+    efficiency: float = 0.95  # payload share of a link's rate
+    seed: int = 1
+    limits: Limits = field(default_factory=Limits)
+    cpu: Cpu = field(default_factory=Cpu)  # the host's CPU (swarmnet.py); off by default
+    blobs: tuple[int, ...] = ()  # the blobs' sizes in the daemons' order; () = one of `size`
+
+    def layout(self) -> list[tuple[int, int]]:
+        """(size, piece size) of each blob, in the order every node fetches them."""
+        return [(b, self.piece or piece_size_for(b)) for b in self.blobs or (self.size,)]
+
+
+@dataclass
+class Outcome:
+    last: float  # seconds from t = 0 to the last node ready
+    p50: float
+    store_copies: float  # bytes the store sent / blob size
+    ready: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0  # CPU-s all the nodes used, with a CPU model
+
+
+def peers_off(p: Params) -> Outcome:
+    """Every node streams from the store: equal shares of its egress, capped by the link
+    and by the node's equal share of the CPU (after all boot together, sharing it too)."""
+    link = min(p.store_rate / p.nodes, p.link) * p.efficiency / 8
+    rate, boot = p.cpu.recv_rate(p.nodes, link), p.cpu.boot_time(p.nodes)
+    t = p.startup + boot + p.rtt + p.size / rate
+    cores = min(p.cpu.share(p.nodes), p.cpu.waiting + link * (p.cpu.recv + p.cpu.hash) / MiB)
+    cpu_s = p.nodes * (p.cpu.startup + cores * p.size / rate) if p.cpu.on else 0.0
+    return Outcome(t, t, float(p.nodes), cpu_s=cpu_s)
+
+
+def today(p: Params) -> Outcome:
+    """One node from the store; the others stream its growing prefix through its uplink."""
+    leader = p.startup + p.rtt + p.size / (min(p.store_rate, p.link) * p.efficiency / 8)
+    if p.nodes == 1:
+        return Outcome(leader, leader, 1.0)
+    follower = p.startup + p.rtt + p.size / (min(p.link / (p.nodes - 1), p.link) * p.efficiency / 8)
+    t = max(leader, follower)
+    return Outcome(t, statistics.median([leader] + [t] * (p.nodes - 1)), 1.0)
+
+
+def line(p: Params) -> float:
+    return p.size * 8 / p.link
+
+
+def bound(p: Params) -> float:
+    return p.size * 8 / min(p.link, p.store_rate)
+
+
+_BITS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit|bps|b)?(?:/s)?\s*$", re.IGNORECASE)
+
+
+def parse_bits(text: str) -> float:
+    """`400M`, `25G`, `100Gbit` -> bits per second (decimal units, as links are sold)."""
+    m = _BITS.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (use e.g. 400M, 25G)")
+    return float(m[1]) * 1000 ** ("kmgt".index(m[2].lower()) + 1 if m[2] else 0)
+
+
+def fmt_bits(bits: float) -> str:
+    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6)):
+        if bits >= scale:
+            return f"{bits / scale:g} {unit}"
+    return f"{bits:g} bit"
+
+
+def store_rates(text: str, link: float) -> list[float]:
+    """`1x,4x,25G`: multiples of a node's link, or rates."""
+    return [
+        float(t[:-1]) * link if t.lower().endswith("x") else parse_bits(t) for t in text.split(",")
+    ]
 
 
 class Flow:
     """One request's bytes on the way from `src` (a node, or nodes = the store) to `dst`."""
 
-    __slots__ = ("active", "dst", "left", "piece", "rate", "size", "src", "stamp", "ver")
+    __slots__ = ("active", "dst", "left", "made", "piece", "rate", "size", "src", "stamp", "ver")
 
-    def __init__(self, src: int, dst: int, piece: int, size: int) -> None:
-        self.src, self.dst, self.piece, self.size = src, dst, piece, size
+    def __init__(self, src: int, dst: int, piece: int, size: int, made: float = 0.0) -> None:
+        self.src, self.dst, self.piece, self.size, self.made = src, dst, piece, size, made
         self.left, self.rate, self.stamp, self.ver, self.active = float(size), 0.0, 0.0, 0, False
 
 
@@ -149,8 +258,10 @@ class Network:
     def __init__(self, up: list[float], down: list[float], cpu: Cpu | None = None) -> None:
         self.up, self.down = up, down  # bytes/s
         self.cpu = cpu if cpu is not None and cpu.on else None
-        self.up_flows: list[set[Flow]] = [set() for _ in up]
-        self.down_flows: list[set[Flow]] = [set() for _ in down]
+        # dicts, not sets: flows in the order they started, so that a run is the same every
+        # time (a set's order is its objects' addresses: ties among events moved with it)
+        self.up_flows: list[dict[Flow, None]] = [{} for _ in up]
+        self.down_flows: list[dict[Flow, None]] = [{} for _ in down]
         self.up_rate, self.down_rate = [0.0] * len(up), [0.0] * len(down)  # sums of flow rates
         self.sent = [0.0] * len(up)  # bytes sent by each uplink up to `stamp`
         self.stamp = [0.0] * len(up)
@@ -173,8 +284,8 @@ class Network:
 
     def start(self, f: Flow) -> None:
         f.active, f.stamp = True, self.now
-        self.up_flows[f.src].add(f)
-        self.down_flows[f.dst].add(f)
+        self.up_flows[f.src][f] = None
+        self.down_flows[f.dst][f] = None
         self._reshare(f.src, f.dst)
 
     def stop(self, f: Flow) -> float:
@@ -183,8 +294,8 @@ class Network:
         self._set_rate(f, 0.0)
         f.active = False
         f.ver += 1
-        self.up_flows[f.src].discard(f)
-        self.down_flows[f.dst].discard(f)
+        self.up_flows[f.src].pop(f, None)
+        self.down_flows[f.dst].pop(f, None)
         self._reshare(f.src, f.dst)
         return f.size - max(f.left, 0.0)
 

@@ -5,24 +5,28 @@
 Ready time against N, one panel per regime: peers on and peers off as measured by
 benchmarks/swarm.py (last node solid, p50 dashed), the line rate, and what
 benchmarks/swarmsim.py predicts for the same setting (dotted). The prediction takes the
-setting from the saved results: model bytes, link, store egress = regime x link, N, and the
-daemons' start-up as measured in that run (the first and last node's *up* time become
-the simulator's `startup` and `jitter`); the piece size is the caller's (the daemons' part
-size), and so is the host's CPU model (swarmnet.Cpu, e.g. as benchmarks/swarmcal.py
-measured it: then the start-up is its CPU-s, not the measured *up* times). Several saved
-results (say one per N) are merged first.
+setting from the saved results: the model's blobs (`model_blobs`: its shards and small
+files, swarmed one after another as the daemons do), link, store egress = regime x link, N,
+and the daemons' start-up as measured in that run (the first and last node's *up* time
+become the simulator's `startup` and `jitter`); the piece size is the caller's (0: the
+daemons' own, per blob), and so is the host's CPU model (swarmnet.Cpu, e.g. as
+benchmarks/swarmcal.py measured it: then the start-up is its CPU-s, spread as measured).
+Several saved results (say one per N) are merged first.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import benchlib as bl
 import measure as ms
 import swarmsim as sim
-from swarmnet import Cpu
+from swarmnet import Cpu, cpu_from_args
 
 
 class RunLike(Protocol):
@@ -56,30 +60,62 @@ def merge(outputs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**first, "params": params, "wire_overhead": overheads, "runs": runs}
 
 
+def sim_cpu(args: argparse.Namespace) -> Cpu:
+    """The simulator's CPU model for benchmarks/swarm.py: a calibration file's (the host's
+    cores unless --sim-cores says), else the --sim-* flags (by default none: links only)."""
+    if args.sim_calibration is None:
+        return cpu_from_args(args, "sim-")
+    cpu = Cpu(**json.loads(args.sim_calibration.read_text())["cpu"])
+    return replace(cpu, cores=args.sim_cores if args.sim_cores != Cpu().cores else cpu.cores)
+
+
 def sim_params(output: dict[str, Any], runs: list[RunLike], regime: int, n: int,
                piece: int, cpu: Cpu | None = None) -> sim.Params:  # fmt: skip
     """The simulator's setting for one measured (regime, N): start-up from the peers-on runs,
-    unless `cpu` models it (its `startup` CPU-s, shared by the daemons booting together)."""
+    unless `cpu` models it (its `startup` CPU-s, shared by the daemons booting together);
+    either way the daemons start spread as they came up in those runs (the harness spawns
+    them one after another): booting in lockstep, the same node would be the first at every
+    blob (the owner of config.json's one piece) and pull each shard from the store alone."""
     cpu = cpu or Cpu()
     link = float(output["params"]["link_bits"])
     ups = [u for r in runs if (r.regime, r.n, r.mode) == (regime, n, "p2p")
            for u in r.up_s if u is not None]  # fmt: skip
-    if cpu.startup > 0:
-        ups = []
-    startup = min(ups, default=0.0)
-    return sim.Params(n, int(output["model_bytes"]), piece, link, regime * link,
-                      startup=startup, jitter=max(ups, default=0.0) - startup,
-                      cpu=cpu)  # fmt: skip
+    first, jitter = min(ups, default=0.0), max(ups, default=0.0) - min(ups, default=0.0)
+    total, shards = int(output["model_bytes"]), output["params"].get("size_bytes")
+    return sim.Params(n, total, piece, link, regime * link,
+                      startup=0.0 if cpu.startup > 0 else first, jitter=jitter, cpu=cpu,
+                      blobs=model_blobs(int(shards), total) if shards else ())  # fmt: skip
+
+
+def model_blobs(shards_bytes: int, total: int, shards: int = 4) -> tuple[int, ...]:
+    """The blobs of `benchlib.make_model`'s model of `total` bytes (`shards_bytes` in the
+    shards) in the order a daemon fetches them (its manifest's, by path): config.json, the
+    shards, tokenizer.json (the rest but SHA256SUMS, which is the manifest, not a blob)."""
+    config = len(json.dumps({"architectures": ["BenchForCausalLM"], "hidden_size": 4096,
+                             "bench_bytes": shards_bytes}, indent=2))  # fmt: skip
+    sizes = [shards_bytes // shards + (1 if i < shards_bytes % shards else 0)
+             for i in range(shards)]  # fmt: skip
+    names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+    sums = sum(64 + 2 + len(name) + 1 for name in ["config.json", "tokenizer.json", *names])
+    return (config, *sizes, total - shards_bytes - config - sums)
+
+
+#: Simulated swarms per setting (seeds 1..SEEDS), the median one shown: one run's last node
+#: moves by 10-30% with the order in which nodes reach each blob, as a measured run's does.
+SEEDS = 5
 
 
 def predict(output: dict[str, Any], runs: list[RunLike], piece: int, cpu: Cpu | None = None
             ) -> dict[tuple[int, int], dict[str, sim.Outcome]]:  # fmt: skip
-    """The simulated swarm and peers-off, by (regime, N), for every measured setting."""
+    """The simulated swarm (the median of SEEDS runs by last node) and peers-off, by
+    (regime, N), for every measured setting."""
     out = {}
     for regime in output["params"]["regime_values"]:
         for n in output["params"]["n_values"]:
             p = sim_params(output, runs, regime, n, piece, cpu)
-            out[regime, n] = {"p2p": sim.Swarm(p).run(), "off": sim.peers_off(p)}
+            swarms = sorted((sim.Swarm(replace(p, seed=s)).run() for s in range(1, SEEDS + 1)),
+                            key=lambda o: o.last)  # fmt: skip
+            out[regime, n] = {"p2p": swarms[len(swarms) // 2], "off": sim.peers_off(p)}
     return out
 
 

@@ -1,4 +1,4 @@
-"""Swarm simulator: N nodes fetch one blob through `weightcache.node.swarm.choose`.
+"""Swarm simulator: N nodes fetch a model's blobs through `weightcache.node.swarm.choose`.
 
     python benchmarks/swarmsim.py [--nodes 8,16] [--size 256M] [--piece 4M] [--link 400M]
                                   [--store-rate 1x,4x] [--rtt 0.001] [--refresh 0.5]
@@ -6,18 +6,31 @@
                                   [--json out.json] [--cores 2 --cpu-per-mib-recv 0.005 ...]
 
 A discrete-event simulation of the piece and source choice past what this machine can run.
-Every node calls the exact pure function the daemons use, with the view it would have: its
-own state live; its peers' bitmaps (held, in flight) and upload counts as of its last
-refresh (every `--refresh` seconds, each node at its own phase, the first one a refresh
-after its start: at the start a node knows nothing of the others); a node with nothing in
-flight looks at its peers again (one RTT) before it decides, at most ten times a refresh.
-Whether the store has room is measured at the same moments, idealized: the store sent less
-than 80% of its egress since the node's previous measurement (a daemon has to infer this
-from its own requests' rates and the store's 503s); the node's store window follows with
-`next_window`. Its link is spare if it receives less than 90% of the link's rate. A node
-watches at most `--view` peers (a random sample, fixed per node): polling a thousand peers'
-bitmaps every second is not something a daemon would do, and rarity is then local, as in
-BitTorrent; its rank (its stripe, see `choose`) is among all N nodes.
+Every node calls the exact pure function the daemons use, with what a daemon's download of
+a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
+- *Blobs one after another* (`Params.blobs`, as `fetch/blobs.py` brings them; the command
+  line simulates one blob of `--size`), each in pieces of `--piece` or, with 0, of the
+  daemons' own size (`piece_size_for`: 2 MiB for a 64 MiB shard, 256 KiB for a small file).
+  A node's download of a blob starts with a HEAD round to its peers (one RTT) before its
+  first choice. Its swarm is the peers that advertise the blob: those on it (bitmaps of the
+  pieces held and in flight) or past it (all held); a peer still on an earlier blob answers
+  nothing, so the first node at a blob is alone (its stripe is the whole blob) until the
+  others join (a joining node's HEAD makes it a member at once, `PeerViews.joined`).
+- *Views* are refreshed by HEAD rounds every `--refresh` seconds from the blob's start (0.5:
+  the daemons' VIEW_EVERY), skipping peers that answered a piece request within a round,
+  and by every answer to a piece request (its headers advertise too). An idle node waits
+  for the next round or answer, as the daemon's loop does; after IDLE_GRACE idle it asks
+  the store regardless of its room (not for pieces someone in view holds or fetches).
+- *The store's room and window* as the daemon measures them, after each piece from the
+  store, fresh for each blob: room if that request ran ROOM_FACTOR times as fast as the
+  peers' requests (EWMA), or, no peer piece yet, if alone for ALONE_GRACE; the window
+  follows with `next_window`. The link is spare with nothing in flight or while receiving
+  less than SPARE of the best rate seen for the blob.
+A node watches at most `--view` peers (a random sample, fixed per node; the daemons watch
+every peer): polling a thousand peers' bitmaps every second is not something a daemon
+would do, and rarity is then local, as in BitTorrent; its stripe is then among all N nodes.
+Not modelled: the daemon's 0.1 s loop tick (a node chooses at each event), a HEAD's
+RTT (the round's answers are its peers' state at the round), failures.
 
 The network (benchmarks/swarmnet.py): every node has an uplink and a downlink (`--link`,
 the same both ways; times `--efficiency`, the payload share of a shaped link: 0.95 for
@@ -27,12 +40,11 @@ Nothing fails. Every node's daemon starts `--startup` seconds after t = 0 plus a
 share of `--jitter`; ready times count from t = 0, as the benchmark's do.
 
 The CPU (swarmnet.py, off by default: a real cluster has a node's cores per node): with
-`--cores` and the costs (`--cpu-per-mib-recv`, `-sent`, `-hash`, `--cpu-busy`,
+`--cores` and the costs (`--cpu-per-mib-recv`, `-sent`, `-hash`, `--cpu-busy`, `--cpu-poll`,
 `--cpu-per-probe`, `--cpu-startup`, as benchmarks/swarmcal.py measures them), all nodes
 share the host's cores, and a node's progress is the smaller of its links' and its CPU
-share's; its start-up is CPU work too, so N daemons spawned together on few cores serve only
-after N x start-up / cores seconds.
-Without the CPU model, the measured daemons' start-up goes in `--startup 2 --jitter 2`.
+share's; its start-up is CPU work too. Without it, the measured daemons' start-up goes in
+`--startup 2 --jitter 2`.
 
 Compared with, per N (closed forms of the same fluid model, all nodes starting at once,
 `--startup` after t = 0):
@@ -43,9 +55,8 @@ Compared with, per N (closed forms of the same fluid model, all nodes starting a
 - *line*: one link's time for the blob (wire rate); *bound*: the larger of that and the
   store's time for one copy, below which no schedule can go.
 
-Pieces may be coarse (e.g. 256 MiB for 140 GB on 1,000 nodes: ~560 pieces), which keeps a
-run to minutes; the daemons use pieces of a few MiB. The cost grows with nodes x pieces x
-requests in flight per node.
+Pieces may be coarse (e.g. 1 GiB for 140 GB on 1,000 nodes), which keeps a run to minutes;
+the cost grows with nodes x pieces x requests in flight per node.
 """
 
 from __future__ import annotations
@@ -53,7 +64,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
-import re
 import statistics
 import sys
 import time
@@ -62,10 +72,11 @@ from pathlib import Path
 
 import measure as ms
 from benchlib import parse_size
-from swarmnet import (
+from swarmnet import (  # the setting and closed forms live with the model; used from here
     BEGIN,
     BOOTED,
     END,
+    JOIN,
     POLL,
     REFRESH,
     START,
@@ -73,8 +84,17 @@ from swarmnet import (
     Flow,
     MiB,
     Network,
+    Outcome,
+    Params,
     add_cpu_options,
+    bound,
     cpu_from_args,
+    fmt_bits,
+    line,
+    parse_bits,
+    peers_off,
+    store_rates,
+    today,
 )
 
 from weightcache.node.swarm import (
@@ -88,60 +108,45 @@ from weightcache.node.swarm import (
     next_window,
     piece_count,
 )
+from weightcache.node.swarmfetch import ALONE_GRACE, IDLE_GRACE, ROOM_FACTOR
 
-SPARE = 0.9  # a node receiving less than this share of its link has room for more
-STORE_ROOM = 0.8  # the store has room if it sent less than this share of its egress
+__all__ = ["Cpu", "Flow", "MiB", "Network", "Outcome", "Params", "Swarm", "bound", "fmt_bits",
+           "line", "parse_bits", "peers_off", "run", "store_rates", "today"]  # fmt: skip
 
-
-@dataclass(frozen=True)
-class Params:
-    nodes: int
-    size: int  # bytes
-    piece: int  # bytes
-    link: float  # bits/s, each node's uplink and downlink
-    store_rate: float  # bits/s, the store's egress
-    rtt: float = 0.001  # seconds from a request to its first byte
-    refresh: float = 0.5  # seconds between a node's looks at its peers' advertisements
-    jitter: float = 0.0  # nodes start uniformly within this many seconds after `startup`
-    startup: float = 0.0  # seconds from t = 0 until a daemon starts (spawn to serving)
-    view: int = 32  # peers a node watches at most
-    efficiency: float = 0.95  # payload share of a link's rate
-    seed: int = 1
-    limits: Limits = field(default_factory=Limits)
-    cpu: Cpu = field(default_factory=Cpu)  # the host's CPU (swarmnet.py); off by default
-
-
-@dataclass
-class Outcome:
-    last: float  # seconds from t = 0 to the last node ready
-    p50: float
-    store_copies: float  # bytes the store sent / blob size
-    ready: list[float] = field(default_factory=list)
-    cpu_s: float = 0.0  # CPU-s all the nodes used, with a CPU model
+#: The daemon's rules (weightcache/node/swarmfetch.py, `SwarmDownload._choose`): its link is
+#: spare while it receives less than this share of the best rate it has seen for the blob.
+SPARE = 0.6
 
 
 @dataclass
 class Node:
+    """One daemon: which blob it swarms (`blob`; all done when ready), and the state its
+    `SwarmDownload` for that blob keeps (reset at each blob)."""
+
+    blob: int = 0
+    joined: bool = False  # the blob's first HEAD round has answered
     have: int = 0
     fetching: int = 0  # pieces in flight, as advertised
     inflight: dict[int, list[Flow]] = field(default_factory=dict)
     started: bool = False
     ready: float | None = None
-    room: bool = False
-    window: int = 1  # claims to keep in flight (next_window)
-    polled: float = -1.0  # when it last looked again because it was idle
-    measured: tuple[float, float] = (0.0, 0.0)  # the store's bytes sent, at this time
-    view: list[PeerView] = field(default_factory=list)
+    view: dict[int, PeerView] = field(default_factory=dict)  # members only (they advertise)
+    answered: dict[int, float] = field(default_factory=dict)  # last piece answer, by peer
+    store: StoreView = field(default_factory=StoreView)
+    per_request: dict[str, float] = field(default_factory=dict)  # bytes/s by kind (EWMA)
+    best: float = 0.0  # the best rate received, this blob
+    began: float = 0.0  # when this blob's download began
+    idle_since: float = 0.0
     watches: list[int] = field(default_factory=list)
 
 
 class Swarm:
-    """One run of `choose` on every node of `p`."""
+    """One run of `choose` on every node of `p`, blob after blob (module docstring)."""
 
     def __init__(self, p: Params) -> None:
         self.p = p
-        self.count = piece_count(p.size, p.piece)
-        self.full = (1 << self.count) - 1
+        self.blobs = p.layout()
+        self.counts = [piece_count(size, piece) for size, piece in self.blobs]
         self.rng = random.Random(p.seed)
         link = p.link * p.efficiency / 8
         self.store = p.nodes
@@ -155,7 +160,7 @@ class Swarm:
             self.net.at(p.startup + self.rng.uniform(0, p.jitter), START, i)
 
     def run(self) -> Outcome:
-        net = self.net
+        net, nodes = self.net, self.nodes
         horizon = 4 * peers_off(self.p).last + self.p.jitter + 10 * self.p.refresh
         while net.events and net.now <= horizon:  # a stalled node is reported as never ready
             net.now, _, kind, obj, ver = heapq.heappop(net.events)
@@ -163,16 +168,20 @@ class Swarm:
                 self._arrived(obj)
             elif kind == BEGIN and isinstance(obj, Flow) and obj.ver == ver:
                 net.start(obj)
+                self._answered(obj.dst, obj.src)
             elif kind in (START, BOOTED) and isinstance(obj, int):
                 self._start(obj, kind, ver)
-            elif kind == REFRESH and isinstance(obj, int) and self.nodes[obj].ready is None:
+            elif not isinstance(obj, int) or nodes[obj].ready is not None or nodes[obj].blob != ver:
+                continue  # an event of a blob this node is done with
+            elif kind == JOIN:
+                self._join(obj)
+            elif kind == REFRESH:
                 self._refresh(obj)
                 self._decide(obj)
-                net.at(net.now + self.p.refresh, REFRESH, obj)
-            elif kind == POLL and isinstance(obj, int) and self.nodes[obj].ready is None:
-                self._refresh(obj)
+                net.at(net.now + self.p.refresh, REFRESH, obj, ver)
+            elif kind == POLL:
                 self._decide(obj)
-        ready = [n.ready if n.ready is not None else float("inf") for n in self.nodes]
+        ready = [n.ready if n.ready is not None else float("inf") for n in nodes]
         return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready,
                        net.cpu_used)  # fmt: skip
 
@@ -184,68 +193,137 @@ class Swarm:
         if kind == BOOTED and not self.net.booted(i, ver):
             return  # a stale event: the boot's rate changed since
         self.nodes[i].started = True
+        self._next_blob(i)
+
+    def _next_blob(self, i: int) -> None:
+        """Start node `i`'s download of its next blob: a fresh `SwarmDownload`, whose first
+        HEAD round (one RTT) comes before its first choice; or, all done, ready."""
+        node, now = self.nodes[i], self.net.now
+        if node.blob == len(self.blobs):
+            node.ready = now
+            self._background(i)
+            return
+        node.joined, node.have, node.fetching, node.view = False, 0, 0, {}
+        node.store, node.per_request, node.best = StoreView(), {}, 0.0
+        node.began = node.idle_since = now
+        self.net.at(now + self.p.rtt, JOIN, i, node.blob)
+        self.net.at(now + self.p.refresh, REFRESH, i, node.blob)
         self._background(i)
+
+    def _join(self, i: int) -> None:
+        """The blob's first HEAD round answered: the members' views; each member that
+        swarms the blob counts node `i` in from now on (`PeerViews.joined`)."""
+        node = self.nodes[i]
+        node.joined = True
+        for j in node.watches:
+            self._look(i, j)
+            peer = self.nodes[j]
+            if peer.blob == node.blob and peer.ready is None and i in peer.watches:
+                count = self.counts[node.blob]
+                peer.view.setdefault(i, PeerView(str(i), Bitmap(count), Bitmap(count)))
         self._decide(i)
-        self.net.at(self.net.now + self.p.refresh, REFRESH, i)
+
+    def _look(self, i: int, j: int) -> None:
+        """Node `i` hears from peer `j` about its blob: `j`'s bitmaps (all held when it is
+        past the blob), or, not serving yet or on an earlier blob, no advertisement."""
+        node, peer = self.nodes[i], self.nodes[j]
+        b, count = node.blob, self.counts[node.blob]
+        load = len(self.net.up_flows[j])
+        if not peer.started or peer.blob < b:
+            node.view.pop(j, None)
+        elif peer.blob > b:
+            node.view[j] = PeerView(str(j), Bitmap.full(count), Bitmap(count), load)
+        else:
+            have, fetching = Bitmap(count, peer.have), Bitmap(count, peer.fetching)
+            node.view[j] = PeerView(str(j), have, fetching, load)
+
+    def _answered(self, i: int, j: int) -> None:
+        """A piece request's answer from `j` reached `i`: it advertises, as HEADs do."""
+        if j != self.store and self.nodes[i].ready is None:
+            self._look(i, j)
+            self.nodes[i].answered[j] = self.net.now
+            self._decide(i)
 
     def _background(self, i: int) -> None:
-        """Node `i`'s CPU besides its flows while it downloads: busy, and a view round's
-        HEADs to the peers it watches that did not answer it a piece request lately."""
-        node, cpu = self.nodes[i], self.p.cpu
+        """Node `i`'s CPU besides its flows while it downloads: busy, the benchmark's
+        polls, and a view round's HEADs to the peers it watches that did not answer it a
+        piece request lately."""
+        node, cpu, now = self.nodes[i], self.p.cpu, self.net.now
         if node.ready is not None:
             self.net.set_background(i, 0.0)
             return
-        answering = {f.src for fs in node.inflight.values() for f in fs}
-        heads = sum(1 for j in node.watches if j not in answering)
-        self.net.set_background(i, cpu.busy + cpu.probe * heads / self.p.refresh)
+        heads = sum(1 for j in node.watches if now - node.answered.get(j, -1e9) >= self.p.refresh)
+        self.net.set_background(i, cpu.waiting + cpu.probe * heads / self.p.refresh)
 
     def _refresh(self, i: int) -> None:
-        node, net = self.nodes[i], self.net
-        node.view = [
-            PeerView(
-                str(j),
-                Bitmap(self.count, self.nodes[j].have),
-                Bitmap(self.count, self.nodes[j].fetching),
-                len(net.up_flows[j]),
-            )
-            for j in node.watches
-        ]
-        sent, since = net.sent_by(self.store), net.now - node.measured[1]
-        if since > 0:
-            node.room = sent - node.measured[0] < STORE_ROOM * net.up[self.store] * since
-            node.window = next_window(node.window, node.room, self.p.limits)
-        node.measured = (sent, net.now)
+        """A HEAD round: every watched peer but those that answered a piece request within
+        the last round (`PeerViews.refresh`)."""
+        node, now = self.nodes[i], self.net.now
+        for j in node.watches:
+            if now - node.answered.get(j, -1e9) >= self.p.refresh:
+                self._look(i, j)
         self._background(i)
 
     def _decide(self, i: int) -> None:
-        node = self.nodes[i]
-        if node.ready is not None:
+        """`SwarmDownload._choose`: the policy on the node's view, then the store regardless
+        of its room after IDLE_GRACE idle (not for pieces someone in view claims)."""
+        node, now = self.nodes[i], self.net.now
+        if node.ready is not None or not node.joined:
             return
-        if not node.inflight and node.view and self.net.now >= node.polled + self.p.refresh / 10:
-            # with nothing in flight, look at the peers again before deciding (one RTT)
-            node.polled = self.net.now
-            self.net.at(self.net.now + self.p.rtt, POLL, i)
-            return
+        count = self.counts[node.blob]
+        # the daemons' membership: the peers advertising the blob; a node watching only some
+        # of them stripes among all nodes instead (as by discovery's list), or each group in
+        # view would take the whole blob from the store (23 copies at 1,000 nodes, view 32)
+        partial = len(node.watches) < self.p.nodes - 1
+        members = range(self.p.nodes) if partial else sorted(node.view.keys() | {i})
+        inflow = self.net.inflow(i)
+        node.best = max(node.best, inflow)
         local = Local(
-            Bitmap(self.count, node.have),
+            Bitmap(count, node.have),
             {k: frozenset(self._source(f) for f in fs) for k, fs in node.inflight.items()},
-            rank=i,
-            nodes=self.p.nodes,
-            spare=self.net.inflow(i) < SPARE * self.net.down[i],
+            rank=members.index(i),
+            nodes=len(members),
+            spare=not node.inflight or inflow < SPARE * node.best,
         )
-        requests = choose(
-            local, node.view, StoreView(node.room, node.window), self.p.limits, self.rng
-        )
+        views, limits = list(node.view.values()), self.p.limits
+        requests = choose(local, views, node.store, limits, self.rng)
+        if requests or node.inflight:
+            node.idle_since = now
+        elif now - node.idle_since >= IDLE_GRACE:
+            claimed = 0
+            for v in views:
+                claimed |= v.fetching.bits | v.have.bits
+            room = StoreView(True, node.store.window)
+            requests = [r for r in choose(local, views, room, limits, self.rng)
+                        if not claimed >> r.piece & 1]  # fmt: skip
+        else:  # the daemon's loop looks again every TICK: at the grace's end at the latest
+            self.net.at(node.idle_since + IDLE_GRACE, POLL, i, node.blob)
+        size, piece = self.blobs[node.blob]
         for r in requests:
             src = self.store if r.source == ORIGIN else int(r.source)
-            start, end = r.piece * self.p.piece, min((r.piece + 1) * self.p.piece, self.p.size)
-            f = Flow(src, i, r.piece, end - start)
+            start, end = r.piece * piece, min((r.piece + 1) * piece, size)
+            f = Flow(src, i, r.piece, end - start, now)
             node.inflight.setdefault(r.piece, []).append(f)
             node.fetching |= 1 << r.piece
-            self.net.at(self.net.now + self.p.rtt, BEGIN, f, f.ver)
+            self.net.at(now + self.p.rtt, BEGIN, f, f.ver)
 
     def _source(self, f: Flow) -> str:
         return ORIGIN if f.src == self.store else str(f.src)
+
+    def _measure(self, node: Node, f: Flow) -> None:
+        """`SwarmDownload._measure` after a piece: the per-request rates (EWMA), and after
+        one from the store its room (ROOM_FACTOR times a peer request's rate, or alone for
+        ALONE_GRACE) and window."""
+        kind = "origin" if f.src == self.store else "peer"
+        rate = f.size / max(1e-3, self.net.now - f.made)
+        old = node.per_request.get(kind)
+        node.per_request[kind] = rate if old is None else old + 0.3 * (rate - old)
+        if kind != "origin":
+            return
+        peer = node.per_request.get("peer")
+        alone = not node.view and self.net.now - node.began >= ALONE_GRACE
+        room = rate >= ROOM_FACTOR * peer if peer is not None else alone
+        node.store = StoreView(room, next_window(node.store.window, room, self.p.limits))
 
     def _arrived(self, f: Flow) -> None:
         node = self.nodes[f.dst]
@@ -254,41 +332,14 @@ class Swarm:
             g.ver += 1  # a request still on its way is dropped
             if g.src == self.store:
                 self.store_bytes += sent
+        self._measure(node, f)
         node.have |= 1 << f.piece
         node.fetching &= ~(1 << f.piece)
-        if node.have == self.full:
-            node.ready = self.net.now
-            self._background(f.dst)
-        self._decide(f.dst)
-
-
-def peers_off(p: Params) -> Outcome:
-    """Every node streams from the store: equal shares of its egress, capped by the link
-    and by the node's equal share of the CPU (after all boot together, sharing it too)."""
-    link = min(p.store_rate / p.nodes, p.link) * p.efficiency / 8
-    rate, boot = p.cpu.recv_rate(p.nodes, link), p.cpu.boot_time(p.nodes)
-    t = p.startup + boot + p.rtt + p.size / rate
-    cores = min(p.cpu.share(p.nodes), p.cpu.busy + link * (p.cpu.recv + p.cpu.hash) / MiB)
-    cpu_s = p.nodes * (p.cpu.startup + cores * p.size / rate) if p.cpu.on else 0.0
-    return Outcome(t, t, float(p.nodes), cpu_s=cpu_s)
-
-
-def today(p: Params) -> Outcome:
-    """One node from the store; the others stream its growing prefix through its uplink."""
-    leader = p.startup + p.rtt + p.size / (min(p.store_rate, p.link) * p.efficiency / 8)
-    if p.nodes == 1:
-        return Outcome(leader, leader, 1.0)
-    follower = p.startup + p.rtt + p.size / (min(p.link / (p.nodes - 1), p.link) * p.efficiency / 8)
-    t = max(leader, follower)
-    return Outcome(t, statistics.median([leader] + [t] * (p.nodes - 1)), 1.0)
-
-
-def line(p: Params) -> float:
-    return p.size * 8 / p.link
-
-
-def bound(p: Params) -> float:
-    return p.size * 8 / min(p.link, p.store_rate)
+        if node.have == (1 << self.counts[node.blob]) - 1:
+            node.blob += 1
+            self._next_blob(f.dst)
+        else:
+            self._decide(f.dst)
 
 
 def run(p: Params) -> dict[str, object]:
@@ -323,37 +374,13 @@ def row(r: dict[str, object]) -> list[object]:
     assert isinstance(off, dict) and isinstance(now, dict)
     ln, bd = float(str(r["line"])), float(str(r["bound"]))
     return [
-        p["nodes"], fmt_bits(p["store_rate"]), piece_count(p["size"], p["piece"]),
+        p["nodes"], fmt_bits(p["store_rate"]), sum(piece_count(*b) for b in Params(**{**p,
+            "limits": Limits(), "cpu": Cpu()}).layout()),
         f"{s['last']:.1f}", f"{s['p50']:.1f}", f"{s['store_copies']:.2f}",
         f"{s['last'] / ln:.2f}", f"{off['last']:.1f}", f"{off['store_copies']:.0f}",
         f"{now['last']:.1f}", f"{now['p50']:.1f}", f"{ln:.1f}", f"{bd:.1f}",
         f"{float(str(r['sim_seconds'])):.1f}",
     ]  # fmt: skip
-
-
-_BITS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit|bps|b)?(?:/s)?\s*$", re.IGNORECASE)
-
-
-def parse_bits(text: str) -> float:
-    """`400M`, `25G`, `100Gbit` -> bits per second (decimal units, as links are sold)."""
-    m = _BITS.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (use e.g. 400M, 25G)")
-    return float(m[1]) * 1000 ** ("kmgt".index(m[2].lower()) + 1 if m[2] else 0)
-
-
-def fmt_bits(bits: float) -> str:
-    for unit, scale in (("Gbit", 1e9), ("Mbit", 1e6)):
-        if bits >= scale:
-            return f"{bits / scale:g} {unit}"
-    return f"{bits:g} bit"
-
-
-def store_rates(text: str, link: float) -> list[float]:
-    """`1x,4x,25G`: multiples of a node's link, or rates."""
-    return [
-        float(t[:-1]) * link if t.lower().endswith("x") else parse_bits(t) for t in text.split(",")
-    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,23 @@ def test_the_simulator_gets_the_measured_start_up_and_setting() -> None:
     assert (p.startup, p.jitter) == pytest.approx((0.2, 0.2))
 
 
+def test_the_simulated_model_is_the_benchmark_s_blobs_in_the_daemons_order(tmp_path: Path) -> None:
+    import benchlib
+
+    model = benchlib.make_model(tmp_path, 1 << 20, name="m")
+    blobs = swarmplot.model_blobs(1 << 20, model.total_bytes)
+    order = sorted(model.listed)  # the manifest's order: by path
+    assert blobs == tuple(model.files[rel] for rel in order)
+    assert order[0] == "config.json" and order[-1] == "tokenizer.json"
+    out = {**saved([3]), "model_bytes": model.total_bytes}
+    out["params"] = {**out["params"], "size_bytes": 1 << 20}  # type: ignore[dict-item]
+    runs = [swarm.Run(**r) for r in out["runs"]]  # type: ignore[attr-defined]
+    p = swarmplot.sim_params(out, runs, regime=1, n=3, piece=0)
+    assert p.blobs == blobs and sum(p.blobs) < p.size  # SHA256SUMS is not a blob
+    # the daemons' pieces: at least 32 a blob, 256 KiB .. 4 MiB
+    assert [piece for _, piece in p.layout()] == [256 << 10] * 6
+
+
 def test_from_json_prints_the_agreement_and_draws_the_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     files = []
@@ -133,7 +151,8 @@ def test_with_a_cpu_model_the_simulator_models_the_start_up_too() -> None:
     runs = [swarm.Run(**r) for r in out["runs"]]  # type: ignore[attr-defined]
     cpu = Cpu(cores=2.0, recv=0.01, startup=0.5)
     p = swarmplot.sim_params(out, runs, regime=1, n=3, piece=1 << 20, cpu=cpu)
-    assert (p.startup, p.jitter, p.cpu) == (0.0, 0.0, cpu)  # not the measured up times
+    # booted by the model, spread as they came up (in lockstep one node would lead always)
+    assert (p.startup, p.jitter, p.cpu) == (0.0, pytest.approx(0.2), cpu)
     no_boot = swarmplot.sim_params(out, runs, 1, 3, 1 << 20, Cpu(cores=2.0, recv=0.01))
     assert (no_boot.startup, no_boot.jitter) == pytest.approx((0.2, 0.2))
 
@@ -167,3 +186,14 @@ def test_from_json_simulates_with_the_cpu_model_of_flags_or_a_calibration(tmp_pa
         for name in ("flags", "file"):
             assert 4.8 <= float(results[name]["3", mode][4]) <= 4.8 * 1.15
             assert float(results[name]["3", mode][7]) == pytest.approx(4.8, rel=0.15)
+
+
+def test_the_prediction_is_the_median_of_several_simulated_swarms() -> None:
+    import swarmsim as sim
+
+    out = saved([6], size=64 << 20)
+    runs = [swarm.Run(**r) for r in out["runs"]]  # type: ignore[attr-defined]
+    p = swarmplot.sim_params(out, runs, regime=1, n=6, piece=1 << 20)
+    lasts = sorted(sim.Swarm(replace(p, seed=s)).run().last for s in range(1, 6))
+    assert lasts[0] < lasts[-1]  # the seeds do differ here
+    assert swarmplot.predict(out, runs, 1 << 20)[1, 6]["p2p"].last == lasts[2]

@@ -79,11 +79,12 @@ def test_start_up_cpu_is_shared_by_the_daemons_booting_together() -> None:
 
 
 def test_without_a_cpu_model_the_results_are_today_s() -> None:
-    # recorded with the simulator before it had a CPU model (same settings, seed 1)
+    # recorded with the simulator's links alone (same settings, seed 1), since the nodes
+    # follow the daemons' own view rounds and store measurements (no idealised looks)
     for (n, x, startup, jitter), last, copies in (
-        ((8, 1, 0.0, 0.0), 6.961918338157896, 1.0),
-        ((8, 4, 2.0, 2.0), 10.792624396153368, 1.234375),
-        ((16, 4, 3.0, 1.0), 11.570179353843962, 1.0),
+        ((8, 1, 0.0, 0.0), 7.737215915789474, 1.0),
+        ((8, 4, 2.0, 2.0), 12.683133405461781, 1.03125),
+        ((16, 4, 3.0, 1.0), 13.712181675028384, 1.015625),
     ):
         p = sim.Params(n, 256 * MiB, 4 * MiB, 400e6, x * 400e6, startup=startup, jitter=jitter)
         assert not p.cpu.on
@@ -134,3 +135,34 @@ def test_view_rounds_cost_cpu_for_every_watched_peer_not_answering_pieces() -> N
     plain = sim.Swarm(replace(params(8, cpu=replace(cpu, busy=0.0, probe=0.0)), **slow_links))
     probing = sim.Swarm(replace(params(8, cpu=cpu), **slow_links))
     assert probing.run().last > plain.run().last * 1.2
+
+
+def test_the_calibration_s_own_readyz_polls_are_not_taken_for_the_daemon_s_busy_cpu() -> None:
+    # the daemon: 0.05 cores x seconds + 0.004 CPU-s x MiB; the calibration asked /readyz
+    # 40 times a second meanwhile, at 2 ms of the daemon's CPU each: 0.08 cores more
+    fast = swarmcal.Receive("a", 256.0, 5.0, (0.05 + 0.08) * 5 + 0.004 * 256, polls=200)
+    slow = swarmcal.Receive("c", 256.0, 20.0, (0.05 + 0.08) * 20 + 0.004 * 256, polls=800)
+    cal = swarmcal.Calibration(
+        startup=[0.5], startup_s=[0.6], fast=fast, peer=fast, slow=slow, sent=0.001,
+        sent_mib=256.0, hash=0.001, probe=0.002, mode="tc", link="400mbit", poll=0.002,
+    )  # fmt: skip
+    assert cal.split() == pytest.approx((0.05, 0.004))
+    assert replace(cal, poll=0.0).split() == pytest.approx((0.13, 0.004))  # as it was taken
+    # the swarm benchmark asks every 0.1 s: 0.02 cores, charged apart from busy
+    cpu = cal.cpu(2.0)
+    assert (cpu.busy, cpu.poll, cpu.waiting) == pytest.approx((0.05, 0.02, 0.07))
+
+
+def test_the_benchmark_s_polls_cost_a_daemon_until_it_is_ready() -> None:
+    cpu = Cpu(cores=2.0, recv=0.01, busy=0.05, poll=0.02)
+    slow_links = {"link": 80e6, "store_rate": 640e6}
+    swarm = sim.Swarm(replace(params(2, cpu=cpu), **slow_links))
+    swarm._start(0, sim.START, 0)
+    assert swarm.net.background[0] == pytest.approx(0.07)  # one peer: no HEADs costed
+    out = swarm.run()
+    assert all(swarm.net.background[i] == 0.0 for i in range(2)) and out.last < math.inf
+    # peers off: 8 nodes streaming 64 MiB each at their links' 10 MB/s for 6.7 s (the CPU
+    # never binds: 0.07 + 0.095 cores each), every second charged
+    off = sim.peers_off(replace(params(8, cpu=cpu), **slow_links))
+    rate = 10e6
+    assert off.cpu_s == pytest.approx(8 * (0.07 + rate * 0.01 / MiB) * 64 * MiB / rate, rel=1e-3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,47 @@ def test_closed_forms_of_the_comparisons() -> None:
 def test_rates_are_decimal_bits(text: str, bits: float) -> None:
     assert sim.parse_bits(text) == bits
     assert sim.store_rates(f"1x,4x,{text}", 400e6) == [400e6, 1600e6, bits]
+
+
+def test_the_blobs_of_a_model_are_swarmed_one_after_another_in_the_daemons_pieces() -> None:
+    # four shards of 16 MiB take longer than one blob of 64 MiB: each blob's start (the
+    # store's first pieces, the first view round) and its end game come once per blob
+    one = sim.Params(4, 64 * MiB, 0, 400e6, 400e6)
+    four = replace(one, blobs=(16 * MiB,) * 4)
+    assert one.layout() == [(64 * MiB, 2 * MiB)]  # piece_size_for: 32 pieces of 2 MiB
+    assert four.layout() == [(16 * MiB, 512 << 10)] * 4
+    single, shards = sim.Swarm(one).run(), sim.Swarm(four).run()
+    assert shards.last > 1.15 * single.last
+    assert shards.store_copies == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize("refresh", [0.5, 0.2])
+def test_a_peer_s_piece_is_fetched_once_the_node_hears_of_it_at_its_next_view_round(
+    refresh: float,
+) -> None:
+    # two small files of one piece each: node 1 owns the first (its stripe), fetches it
+    # from the store and goes on alone to the second (node 0, still on the first, is not
+    # in its swarm), so it takes that from the store too; node 0 learns of node 1's copy
+    # at its next HEAD round only, then takes both files from node 1
+    p = sim.Params(2, 200, 0, 8e9, 8e9, refresh=refresh, efficiency=1.0, blobs=(100, 100))
+    out = sim.Swarm(p).run()
+    assert out.ready[1] == pytest.approx(4 * p.rtt, abs=1e-4)
+    assert out.ready[0] == pytest.approx(refresh + 3 * p.rtt, abs=1e-4)
+    assert out.store_copies == pytest.approx(1.0)
+
+
+def test_an_idle_node_waits_for_its_next_view_round_as_the_daemon_does() -> None:
+    # one blob of two pieces, a node's stripe each, both from the store (1 MiB/s shared:
+    # both land at 2 s); each node is then idle and learns of the other's piece at its next
+    # HEAD round (every 0.3 s: at 2.1 s), not by looking again at once, which the daemon's
+    # loop does not do; then 1 s to fetch it from the other
+    p = sim.Params(2, 2 * MiB, MiB, 8 * MiB, 8 * MiB, refresh=0.3, efficiency=1.0)
+    out = sim.Swarm(p).run()
+    assert out.ready == pytest.approx([2.1 + 1.0 + p.rtt] * 2, abs=1e-6)
+
+
+def test_a_node_watching_some_peers_stripes_among_all_nodes() -> None:
+    # 40 nodes each watching 8: striped among the 9 each sees, every group of them would
+    # take the whole blob from the store (4 copies); among all 40, about one
+    p = sim.Params(40, 64 * MiB, 2 * MiB, 400e6, 400e6, view=8)
+    assert sim.Swarm(p).run().store_copies < 1.5
