@@ -108,7 +108,8 @@ from weightcache.node.swarm import (
     next_window,
     piece_count,
 )
-from weightcache.node.swarmfetch import ALONE_GRACE, IDLE_GRACE, ROOM_FACTOR
+from weightcache.node.swarmfetch import IDLE_GRACE
+from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
 
 __all__ = ["Cpu", "Flow", "MiB", "Network", "Outcome", "Params", "Swarm", "bound", "fmt_bits",
            "line", "parse_bits", "peers_off", "run", "store_rates", "today"]  # fmt: skip
