@@ -28,7 +28,6 @@ from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
-from weightcache.cache.marker import Marker
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import SourceError, UsageError
@@ -36,6 +35,7 @@ from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled
 from weightcache.progress import human
 
 if TYPE_CHECKING:
+    from weightcache.cache.marker import Marker
     from weightcache.fetch.vouched import VouchedFetch
     from weightcache.transfer.httprange import HttpRanges
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
@@ -289,6 +289,8 @@ class Fetcher:
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
             self.index.create_aside()  # while the blobs download, not after them
             fetched += self.blobs.bring(source, manifest)
+            from weightcache.cache.marker import Marker  # after the download, not before it
+
             marker = Marker(
                 name=source.name,
                 revision=source.revision,
