@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
 from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
+from weightcache.transfer.httprange import new_connection
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, static_signer
 
@@ -355,13 +356,8 @@ class Origin:
         if conn is not None:
             return conn
         timeout = min(self.settings.timeout, 60.0)
-        if url.scheme == "https":
-            import ssl
-
-            context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
-            conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
-        else:
-            conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
+        cafile = os.environ.get("AWS_CA_BUNDLE") or None
+        conn = new_connection(url.scheme, url.netloc, timeout, cafile)
         self._local.conn = conn
         return conn
 
