@@ -54,6 +54,8 @@ CREATE TABLE IF NOT EXISTS leases (
 
 @dataclass(frozen=True)
 class Entry:
+    """One revision as the index records it: where from, its size, its last use, its leases."""
+
     name: str
     revision: str
     source: str

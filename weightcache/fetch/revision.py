@@ -48,6 +48,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class FetchResult:
+    """What `fetch` prints: the revision's path, whether it was a hit, what came from the
+    origin and how long it took."""
+
     path: str
     hit: bool
     bytes_from_origin: int

@@ -123,6 +123,8 @@ class Downloaded:
 
 @dataclass
 class _File:
+    """A job of one download with its open partial file."""
+
     job: BlobJob
     partial: PartialFile
     run: Run
