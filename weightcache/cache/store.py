@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
 
 log = logging.getLogger(__name__)
-_HEX_LINE = re.compile(r"^[0-9a-f]{64}$", re.M)
+_HEX_LINE = r"(?m)^[0-9a-f]{64}$"  # compiled on use, not by every fetch
 
 
 class FileOps:
@@ -244,7 +244,7 @@ class Cache:
                 if lock.try_acquire():
                     lock.release()
                     continue
-                wanted.update(_HEX_LINE.findall(path.read_text(errors="replace")))
+                wanted.update(re.findall(_HEX_LINE, path.read_text(errors="replace")))
             except FileNotFoundError:
                 continue
         return wanted

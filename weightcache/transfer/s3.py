@@ -65,8 +65,9 @@ _DENIED_CODES = frozenset(
         "AllAccessDisabled",
     }
 )
-#: A store's answer to a request it does not implement (some say 501 without a code).
-_UNSUPPORTED = re.compile(r"\b(NotImplemented|501)\b")
+#: A store's answer to a request it does not implement (some say 501 without a code);
+#: compiled on use, not by every fetch.
+_UNSUPPORTED = r"\b(NotImplemented|501)\b"
 
 
 def without_expect_continue(client: Any) -> Any:
@@ -231,7 +232,7 @@ class Origin:
                 return fn()
             except Exception as e:
                 error = translate(e, what)
-                if isinstance(error, TransientError) and not _UNSUPPORTED.search(str(error)):
+                if isinstance(error, TransientError) and not re.search(_UNSUPPORTED, str(error)):
                     raise
                 return None
 
