@@ -290,7 +290,6 @@ class Fetcher:
             manifest, verified, fetched = self.read_contents(source, lock)
             if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
-            self.index.create_aside()  # while the blobs download, not after them
             fetched += self.blobs.bring(source, manifest)
             from weightcache.cache.marker import Marker  # after the download, not before it
 
@@ -365,7 +364,7 @@ class Fetcher:
         files not verified by SHA256SUMS, bytes downloaded to learn it).
 
         SHA256SUMS and the listing are requested at once (both come before the first data
-        GET), and the data plane is made ready while they are answered; the listing's
+        GET), and the data plane and state.db are made ready while they are answered; the listing's
         verdict comes first: its error, or no manifest in it. Without one, what the source
         vouches for decides (design §4, Verification without SHA256SUMS): the files whose
         sha256 only their bytes tell are downloaded and published here, under the
@@ -374,6 +373,9 @@ class Fetcher:
         content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
         listing = _Background(revision.list_sizes)
         self.downloader  # noqa: B018 - built (its modules imported) while the store answers
+        # A new cache's state.db too (in a thread of its own): while the store answers and
+        # the blobs download, not after them, nor between the manifest and the first GET.
+        self.index.create_aside()
         sizes = listing.result()
         if MANIFEST_NAME in sizes:
             return self._parsed(source, revision, content, sizes), {}, 0
