@@ -58,12 +58,13 @@ AT_FIRST_GET = (
 #: What a cold fetch loads only after its first data GET is out, if at all: the other
 #: commands, the fetch of a revision without SHA256SUMS (and its HEADs' thread pool),
 #: ctypes (the writeback hint), the marker (written after the download), the idna codec
-#: (ASCII host names need none), ElementTree (expat alone reads the listing).
+#: (ASCII host names need none), ElementTree (expat alone reads the listing), queue (the
+#: workers take their parts from a deque).
 NOT_BEFORE_FIRST_GET = (
     "weightcache.cli.admin", "weightcache.cli.node", "weightcache.fetch.vouched", "ctypes",
     "xml.dom", "weightcache.node.daemon", "weightcache.ops", "s3transfer",
     "concurrent.futures", "weightcache.cache.marker", "encodings.idna", "stringprep",
-    "unicodedata", "xml.etree",
+    "unicodedata", "xml.etree", "queue",
 )  # fmt: skip
 #: Passes of the garbage collector a cold fetch may make before its first data GET: its
 #: imports and set-up make objects that live on, so it runs only once the download starts.
