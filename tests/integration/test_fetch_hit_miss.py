@@ -34,8 +34,9 @@ WITH_MODULES = (
     "runpy.run_module('weightcache', run_name='__main__', alter_sys=True)\n"
 )
 #: `python -m weightcache ARGS`, printing on stderr the modules it had loaded when its first
-#: GET of a model's file (not the listing, not SHA256SUMS) went out, and how many passes
-#: the garbage collector had made since the script started.
+#: GET of a model's file (not the listing, not SHA256SUMS; a small file's as well as a
+#: shard's, as benchmarks/cold_fetch.py counts it) went out, and how many passes the garbage
+#: collector had made since the script started.
 AT_FIRST_GET = (
     "import gc, json, runpy, sys\n"
     "def passes():\n"
@@ -43,7 +44,8 @@ AT_FIRST_GET = (
     "def hook(event, args):\n"
     "    data = args[1] if event == 'http.client.send' else b''\n"
     "    line = data.split(b'\\r\\n')[0] if isinstance(data, bytes) else b''\n"
-    "    if line.startswith(b'GET ') and b'.safetensors' in line and not hook.seen:\n"
+    "    data_get = b'SHA256SUMS' not in line and b'list-type=' not in line\n"
+    "    if line.startswith(b'GET ') and data_get and not hook.seen:\n"
     "        hook.seen = True\n"
     "        print('collections:', passes() - hook.start, file=sys.stderr)\n"
     "        print('modules:', json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
