@@ -61,7 +61,8 @@ AT_FIRST_GET = (
 #: commands, the fetch of a revision without SHA256SUMS (and its HEADs' thread pool),
 #: ctypes (the writeback hint), the marker (written after the download), the idna codec
 #: (ASCII host names need none), ElementTree (expat alone reads the listing), queue (the
-#: workers take their parts from a deque).
+#: workers take their parts from a deque). sqlite3 is imported by the thread that creates
+#: state.db while the store answers: before the first GET, but off its path.
 NOT_BEFORE_FIRST_GET = (
     "weightcache.cli.admin", "weightcache.cli.node", "weightcache.fetch.vouched", "ctypes",
     "xml.dom", "weightcache.node.daemon", "weightcache.ops", "s3transfer",
