@@ -213,6 +213,17 @@ def test_a_cold_fetch_loads_only_what_its_first_get_needs(
     assert int(frozen.removeprefix("frozen: ")) > 0, miss.stderr
 
 
+def test_the_way_to_the_first_get_imports_no_sqlite3(tmp_path: Path) -> None:
+    """sqlite3 is imported where it is used: by a cold fetch, in the thread that creates
+    state.db while the store answers (design §4), not by the modules it imports first."""
+    path = ("weightcache.cli.fetching", "weightcache.fetch", "weightcache.cache.alone",
+            "weightcache.transfer.s3", "weightcache.transfer.ranged")  # fmt: skip
+    code = f"import sys, {', '.join(path)}; print('sqlite3' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path)  # fmt: skip
+    assert proc.stdout.strip() == "False", describe(proc)
+
+
 def test_a_miss_with_static_credentials_loads_no_boto(
     wc: CLI, publish: Callable[..., Published], tmp_path: Path
 ) -> None:
