@@ -370,8 +370,9 @@ class Fetcher:
         sha256 only their bytes tell are downloaded and published here, under the
         revision's `lock`."""
         revision = self.revision_source(source)
-        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
+        # The listing first: its answer is awaited first, and the store takes longer over it.
         listing = _Background(revision.list_sizes)
+        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
         self.downloader  # noqa: B018 - built (its modules imported) while the store answers
         # A new cache's state.db too (in a thread of its own): while the store answers and
         # the blobs download, not after them, nor between the manifest and the first GET.
