@@ -192,11 +192,13 @@ _SOURCE_FORMS = (
     "https://host/path/<name>/<revision>, file:///path/<name>/<revision>, "
     "/path/<name>/<revision> or hf://org/repo@revision"
 )
+# Patterns used only by some commands or sources are kept as text and compiled on first
+# use (re caches them): compiling them all at import delayed every fetch (design §4).
 #: A Hub repository's owner or name (the Hub's own rule: letters, digits, . _ -, not
 #: starting or ending with . or -, no `--` or `..`).
-_HUB_PART = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
+_HUB_PART = r"(?!.*(--|\.\.))[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
 #: A full git commit id: the only Hub revision that names one content for good.
-HUB_COMMIT = re.compile(r"[0-9a-f]{40}")
+HUB_COMMIT = r"[0-9a-f]{40}"
 
 
 def _split_source(text: str) -> tuple[str, str, str] | None:
@@ -272,7 +274,7 @@ class Source:
         repo, _, ref = path.partition("@")
         parts = repo.rstrip("/").split("/")
         ref = revision or ref or "main"
-        if len(parts) != 2 or not all(_HUB_PART.fullmatch(p) for p in parts) or (
+        if len(parts) != 2 or not all(re.fullmatch(_HUB_PART, p) for p in parts) or (
             not ref.isprintable() or " " in ref or ".." in ref.split("/")
         ):  # fmt: skip
             raise UsageError(
@@ -285,7 +287,7 @@ class Source:
     def pinned(self) -> bool:
         """Whether the revision names one content for good: always, except an hf:// branch
         or tag (a full commit id is pinned), which `fetch.revision.resolve` pins."""
-        return self.scheme != "hf" or HUB_COMMIT.fullmatch(self.revision) is not None
+        return self.scheme != "hf" or re.fullmatch(HUB_COMMIT, self.revision) is not None
 
     @property
     def url(self) -> str:
@@ -392,14 +394,14 @@ def format_hostport(host: str, port: int | str) -> str:
 
 
 #: A Kubernetes object UID (RFC 4122 form, as the downward API gives metadata.uid).
-_POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_POD_UID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
 
 def parse_pod_uid(text: str, what: str = "POD_UID") -> str:
     """A Pod UID as Kubernetes writes it (lowercase 8-4-4-4-12 hex). Raises UsageError:
     the UID names a directory under the kubelet's pods dir, so nothing else may pass."""
     uid = text.strip().lower()
-    if not _POD_UID.fullmatch(uid):
+    if not re.fullmatch(_POD_UID, uid):
         raise UsageError(
             f"invalid {what} {text[:80]!r}: expected a Kubernetes Pod UID such as "
             "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94; set it from the downward API "
@@ -409,7 +411,7 @@ def parse_pod_uid(text: str, what: str = "POD_UID") -> str:
 
 
 #: Printable ASCII without spaces (a valid header value), long enough not to be guessed.
-_PEER_TOKEN = re.compile(r"[\x21-\x7e]{16,}")
+_PEER_TOKEN = r"[\x21-\x7e]{16,}"
 #: 1 GiB/s = 8.6 Gbit/s: a fraction of a GPU node's NIC, so that serving peers never starves
 #: the node's own downloads and inference traffic.
 DEFAULT_PEER_UPLOAD_LIMIT = 1 << 30
@@ -431,7 +433,7 @@ class PeerSettings:
     service: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
-        if not _PEER_TOKEN.fullmatch(self.token):
+        if not re.fullmatch(_PEER_TOKEN, self.token):
             raise UsageError(
                 "invalid --peer-token: use at least 16 printable characters without spaces, "
                 "such as the output of `openssl rand -hex 32`"

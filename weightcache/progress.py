@@ -6,6 +6,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 log = logging.getLogger("weightcache.progress")
@@ -35,7 +36,9 @@ class Progress:
         total: int,
         stream: TextIO | None = None,
         interval: float | None = None,
+        started: Callable[[], None] | None = None,
     ) -> None:
+        """`started()` is called once, when the first download starts (its first `expect`)."""
         self.label = label
         self.total = total
         self.stream = stream or sys.stderr
@@ -52,6 +55,7 @@ class Progress:
         self._line = threading.RLock()  # one writer of the TTY line at a time
         self._bar_open = False  # the bar is drawn and its line not ended yet
         self._ender = _EndsBar(self)
+        self._started = started
         if self.tty:
             for handler in _handlers_on(self.stream):
                 handler.addFilter(self._ender)
@@ -68,9 +72,12 @@ class Progress:
                 self._bar_open = False
 
     def expect(self, nbytes: int) -> None:
-        """More bytes to come (called once per batch of blobs)."""
+        """More bytes to come (called once per batch of blobs, before its GETs)."""
         with self._lock:
             self.total += nbytes
+            started, self._started = self._started, None
+        if started is not None:
+            started()
 
     def request_started(self, source: str) -> None:
         with self._lock:

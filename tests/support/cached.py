@@ -7,7 +7,8 @@ import hashlib
 
 from weightcache.cache import manifest
 from weightcache.cache.index import for_cache
-from weightcache.cache.store import Cache, Marker
+from weightcache.cache.marker import Marker
+from weightcache.cache.store import Cache
 
 FILE = "weights.bin"
 

@@ -162,6 +162,27 @@ def test_the_part_at_the_hash_frontier_is_hashed_as_it_lands(tmp_path: Path) -> 
         partial.close()
 
 
+def test_a_new_partial_saves_its_state_with_its_first_bytes_and_a_stale_one_at_once(
+    tmp_path: Path,
+) -> None:
+    """Opening a new partial writes no part state (nothing to record yet, and one file
+    less before a cold fetch's first GET): the first write saves it. A state that claims
+    bytes of a file that is no longer theirs is replaced when the file is reset."""
+    data = random.Random(3).randbytes(2 * PART)
+    path = tmp_path / "b.part"
+    partial = PartialFile.open(path, "b", len(data), PART)
+    try:
+        assert not state_path(path).exists()
+        partial.write(memoryview(data)[:PART], 0)
+        partial.wrote(0, PART)
+        assert PartState.load(state_path(path), len(data), PART).bytes_done() == PART
+    finally:
+        partial.close()
+    os.truncate(path, PART)  # the file lost its preallocation: its state's claim is void
+    PartialFile.open(path, "b", len(data), PART).close()
+    assert PartState.load(state_path(path), len(data), PART).bytes_done() == 0
+
+
 def test_a_download_stopped_short_resumes_after_the_parts_it_finished(
     blob: tuple[Path, bytes], tmp_path: Path
 ) -> None:

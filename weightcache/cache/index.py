@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from weightcache.cache.layout import Layout
 from weightcache.cache.statedb import StateDb
 from weightcache.cache.store import Cache
 from weightcache.errors import UsageError
+
+if TYPE_CHECKING:
+    import sqlite3  # imported where used: see weightcache/cache/statedb.py
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +56,8 @@ CREATE TABLE IF NOT EXISTS leases (
 
 @dataclass(frozen=True)
 class Entry:
+    """One revision as the index records it: where from, its size, its last use, its leases."""
+
     name: str
     revision: str
     source: str
@@ -99,6 +103,8 @@ class Index(StateDb):
     def _carry_over(self, old: sqlite3.Connection, new: sqlite3.Connection) -> None:
         """Copy leases and entries of the database that was replaced into the new one, so
         that a Pod leasing before the replacement stays protected. Best effort."""
+        import sqlite3
+
         try:
             leases = old.execute("SELECT name, revision, pod_uid, since FROM leases").fetchall()
             entries = old.execute(
@@ -160,6 +166,8 @@ class Index(StateDb):
         self._never_failing(op, f"the lease of {name}/{revision} to Pod {pod_uid}")
 
     def _never_failing(self, op: Callable[[], None], what: str) -> None:
+        import sqlite3
+
         try:
             self._using(op)
         except (sqlite3.Error, UsageError) as e:

@@ -34,7 +34,7 @@ MARKER = ".weightcache"
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-+=@]{0,254}")
 #: A sha256 as blob names and manifests spell it.
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_VOUCHED_KEY = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*-[0-9a-f]{8,128}(-[0-9]+)?-[0-9]+")
+_VOUCHED_KEY = r"[a-z0-9]+(-[a-z0-9]+)*-[0-9a-f]{8,128}(-[0-9]+)?-[0-9]+"  # compiled on use
 #: NAME_MAX of every Linux filesystem: a longer file name is ENAMETOOLONG.
 NAME_MAX = 255
 
@@ -150,7 +150,7 @@ class Layout:
         (design §4, Verification without SHA256SUMS): `key` is "<algorithm>-<hex>-<size>",
         or "<algorithm>-<hex>-<parts>-<size>" for a composite checksum
         (`fetch.vouched.Vouched.key`), and the blob lock of that key guards it."""
-        if not _VOUCHED_KEY.fullmatch(key):
+        if not re.fullmatch(_VOUCHED_KEY, key):
             raise ValueError(f"not a vouched checksum key: {key!r}")
         return self.tmp / (f"{key}.{os.getpid()}.part" if private else f"{key}.part")
 

@@ -20,6 +20,8 @@ _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
 
 @dataclass(frozen=True)
 class ManifestEntry:
+    """One line of SHA256SUMS, with the file's size once the listing told it."""
+
     path: str  # relative POSIX path, validated: no `..`, not absolute, no marker clash
     sha256: str  # lowercase hex
     size: int = -1  # filled from the object listing; -1 until known
@@ -27,6 +29,8 @@ class ManifestEntry:
 
 @dataclass(frozen=True)
 class Manifest:
+    """A revision's SHA256SUMS, parsed and validated."""
+
     entries: tuple[ManifestEntry, ...]
     digest: str  # sha256 of the manifest bytes: the revision's content identity
 

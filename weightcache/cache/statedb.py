@@ -13,16 +13,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sqlite3
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from weightcache.cache.locks import FileLock
 from weightcache.errors import UsageError
+
+# sqlite3 is imported where it is used: a cold fetch needs it only in the thread that
+# creates state.db while the store answers (`create_aside`), not on its way to its first GET.
+if TYPE_CHECKING:
+    import sqlite3
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,6 +97,8 @@ class StateDb:
         return fresh
 
     def _connect(self) -> sqlite3.Connection:
+        import sqlite3
+
         db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
         self._local.identity = _identity(self.path)
         try:
@@ -112,6 +118,8 @@ class StateDb:
         return db
 
     def _abandon(self, db: sqlite3.Connection) -> None:
+        import sqlite3
+
         with contextlib.suppress(sqlite3.Error):
             # Fold the old WAL into the old file, so that a database put in its place
             # (the main file only) is not read through the old WAL.
@@ -123,6 +131,8 @@ class StateDb:
     def _using(self, op: Callable[[], T]) -> T:
         """Run `op`; if the database turns out corrupt, recover it and run `op` once more
         on the new one."""
+        import sqlite3
+
         try:
             return op()
         except sqlite3.DatabaseError as e:
@@ -203,6 +213,8 @@ def _identity(path: Path) -> Identity | None:
 
 
 def _is_corrupt(error: sqlite3.DatabaseError) -> bool:
+    import sqlite3
+
     code = getattr(error, "sqlite_errorcode", None)
     if code is None:  # raised by `_connect` on a failed quick_check
         return "malformed" in str(error)
@@ -213,6 +225,8 @@ def _connect_read_only(path: Path, schema: str) -> sqlite3.Connection:
     """A connection that never writes: mode=ro sees a running daemon's WAL when it can,
     immutable=1 reads the main file alone when no WAL index can be opened on a read-only
     mount, and a missing file reads as an empty index."""
+    import sqlite3
+
     if not path.exists():
         db = sqlite3.connect(":memory:", isolation_level=None)
         db.executescript(schema)

@@ -16,14 +16,17 @@ import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
-from weightcache.cache.marker import Marker
+
+if TYPE_CHECKING:
+    from weightcache.cache.marker import Marker
 
 log = logging.getLogger(__name__)
-_HEX_LINE = re.compile(r"^[0-9a-f]{64}$", re.M)
+_HEX_LINE = r"(?m)^[0-9a-f]{64}$"  # compiled on use, not by every fetch
 
 
 class FileOps:
@@ -81,6 +84,9 @@ class Cache:
             text = self.layout.marker(name, revision).read_text()
         except (FileNotFoundError, NotADirectoryError):
             return None
+        # Imported once there is one to read: a cold fetch's first GET need not wait for it.
+        from weightcache.cache.marker import Marker
+
         return Marker.from_json(text)
 
     def read_marker(self, name: str, revision: str) -> Marker | None:
@@ -238,7 +244,7 @@ class Cache:
                 if lock.try_acquire():
                     lock.release()
                     continue
-                wanted.update(_HEX_LINE.findall(path.read_text(errors="replace")))
+                wanted.update(re.findall(_HEX_LINE, path.read_text(errors="replace")))
             except FileNotFoundError:
                 continue
         return wanted

@@ -11,14 +11,38 @@ InitContainer, on the way to its first GET) loads no other command's options.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import click
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
-from weightcache.cli.reporting import Group
+
+@contextlib.contextmanager
+def uncollected() -> Iterator[None]:
+    """The cyclic garbage collector off inside, for imports and set-up whose objects all
+    live on; on leaving, what was made is frozen (never traversed again) and the collector
+    is on again if it was. Measured: its passes over a cold fetch's imports cost ~8 ms
+    before the first GET (design §4, Time to first byte)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
+with uncollected():
+    import click
+
+    from weightcache.cli.reporting import Group
 
 __all__ = [
     "daemon", "demo", "fetch", "gc", "ls_", "main", "manifest", "prefetch", "publish", "verify"
@@ -40,7 +64,9 @@ _COMMANDS = {
 
 def _load(name: str) -> click.Command:
     module, attr = _COMMANDS[name]
-    command: click.Command = getattr(importlib.import_module(f"weightcache.cli.{module}"), attr)
+    with uncollected():
+        loaded = importlib.import_module(f"weightcache.cli.{module}")
+    command: click.Command = getattr(loaded, attr)
     return command
 
 

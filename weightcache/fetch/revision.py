@@ -28,7 +28,6 @@ from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
-from weightcache.cache.marker import Marker
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import SourceError, UsageError
@@ -36,6 +35,7 @@ from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled
 from weightcache.progress import human
 
 if TYPE_CHECKING:
+    from weightcache.cache.marker import Marker
     from weightcache.fetch.vouched import VouchedFetch
     from weightcache.transfer.httprange import HttpRanges
     from weightcache.transfer.ranged import RangedDownloader, TransferObserver
@@ -48,6 +48,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class FetchResult:
+    """What `fetch` prints: the revision's path, whether it was a hit, what came from the
+    origin and how long it took."""
+
     path: str
     hit: bool
     bytes_from_origin: int
@@ -287,8 +290,9 @@ class Fetcher:
             manifest, verified, fetched = self.read_contents(source, lock)
             if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
-            self.index.create_aside()  # while the blobs download, not after them
             fetched += self.blobs.bring(source, manifest)
+            from weightcache.cache.marker import Marker  # after the download, not before it
+
             marker = Marker(
                 name=source.name,
                 revision=source.revision,
@@ -360,15 +364,19 @@ class Fetcher:
         files not verified by SHA256SUMS, bytes downloaded to learn it).
 
         SHA256SUMS and the listing are requested at once (both come before the first data
-        GET), and the data plane is made ready while they are answered; the listing's
+        GET), and the data plane and state.db are made ready while they are answered; the listing's
         verdict comes first: its error, or no manifest in it. Without one, what the source
         vouches for decides (design §4, Verification without SHA256SUMS): the files whose
         sha256 only their bytes tell are downloaded and published here, under the
         revision's `lock`."""
         revision = self.revision_source(source)
-        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
+        # The listing first: its answer is awaited first, and the store takes longer over it.
         listing = _Background(revision.list_sizes)
+        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
         self.downloader  # noqa: B018 - built (its modules imported) while the store answers
+        # A new cache's state.db too (in a thread of its own): while the store answers and
+        # the blobs download, not after them, nor between the manifest and the first GET.
+        self.index.create_aside()
         sizes = listing.result()
         if MANIFEST_NAME in sizes:
             return self._parsed(source, revision, content, sizes), {}, 0

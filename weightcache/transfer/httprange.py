@@ -19,7 +19,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from weightcache.errors import IntegrityError, SourceError
@@ -27,6 +26,8 @@ from weightcache.transfer.checksums import Vouch, composite_parts, s3_vouched
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     from weightcache.transfer.s3 import Origin
 
 
@@ -91,6 +92,33 @@ class _Response(http.client.HTTPResponse):
         with contextlib.suppress(OSError):
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
         self._lowat = lowat
+
+
+def connect_ascii(
+    address: tuple[str, int], timeout: float | None = None,
+    source_address: tuple[str, int] | None = None,
+) -> socket.socket:  # fmt: skip
+    """`socket.create_connection`, an ASCII host name given to the resolver as bytes: a
+    str one goes through the idna codec, whose import (with stringprep and unicodedata)
+    cost ~2 ms before a cold fetch's first GET. The connections below use it."""
+    host, port = address
+    name = host.encode("ascii") if host.isascii() else host  # getaddrinfo takes either
+    return socket.create_connection((name, port), timeout, source_address)  # type: ignore[arg-type]
+
+
+def new_connection(
+    scheme: str, netloc: str, timeout: float, cafile: str | None
+) -> http.client.HTTPConnection:
+    """A connection to `netloc` (https: trusting `cafile` if given, else the system's CAs),
+    opened on its first request by `connect_ascii`."""
+    conn: http.client.HTTPConnection
+    if scheme == "https":
+        context = ssl.create_default_context(cafile=cafile)
+        conn = http.client.HTTPSConnection(netloc, timeout=timeout, context=context)
+    else:
+        conn = http.client.HTTPConnection(netloc, timeout=timeout)
+    conn._create_connection = connect_ascii  # type: ignore[attr-defined]
+    return conn
 
 
 #: Checks a response to a ranged GET (`check_status`'s contract) and returns how many bytes
@@ -203,12 +231,8 @@ class HttpRanges:
         if len(conns) >= MAX_HOSTS_PER_THREAD:
             oldest = next(iter(conns))
             conns.pop(oldest).close()
-        if url.scheme == "https":
-            cafile = os.environ.get(ca_env) if ca_env else None
-            context = ssl.create_default_context(cafile=cafile or None)
-            conn = http.client.HTTPSConnection(url.netloc, timeout=timeout, context=context)
-        else:
-            conn = http.client.HTTPConnection(url.netloc, timeout=timeout)
+        cafile = os.environ.get(ca_env) if ca_env else None
+        conn = new_connection(url.scheme, url.netloc, timeout, cafile or None)
         conn.response_class = _Response
         conns[key] = conn
         return conn
@@ -315,6 +339,8 @@ class S3Revision:
         by `s3_vouched`; a composite one with its part sizes, from GetObjectAttributes or
         else one HeadObject per part (`_headed_parts`); none when the store tells neither.
         Every request runs on one pool of HEAD_CONCURRENCY threads."""
+        from concurrent.futures import ThreadPoolExecutor  # not before a fetch's first GET
+
         sizes = self._sizes if self._sizes is not None else self.list_sizes()
         paths = sorted(sizes)
         with ThreadPoolExecutor(HEAD_CONCURRENCY) as pool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
+import re
 import threading
 import time
 import urllib.parse
@@ -326,7 +327,7 @@ def _listing_of(info: Any, url: str) -> HubListing:
             )
         sha = s.lfs.sha256.lower() if s.lfs is not None else None
         files[s.rfilename] = HubFile(int(size), sha, s.blob_id)
-    if not info.sha or not HUB_COMMIT.fullmatch(info.sha):
+    if not info.sha or not re.fullmatch(HUB_COMMIT, info.sha):
         raise SourceError(f"{url}: the Hub gave no commit for it ({info.sha!r})")
     return HubListing(info.sha, files)
 

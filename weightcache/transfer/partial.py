@@ -75,10 +75,13 @@ class PartialFile:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not state.bytes_done() or os.fstat(fd).st_size != size:
+                # A state that claimed bytes is replaced now; where none did (a new
+                # partial), the first write saves one: one file less before the first GET.
+                if state.bytes_done():
+                    PartState(size, part_size).save(state_path(path))
                 state = PartState(size, part_size)
                 os.ftruncate(fd, 0)
                 _preallocate(fd, size, label)
-                state.save(state_path(path))
             elif state.bytes_done():
                 log.info("resuming %s: %d of %d bytes already on disk", label,
                          state.bytes_done(), size)  # fmt: skip

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,6 +122,8 @@ class Downloaded:
 
 @dataclass
 class _File:
+    """A job of one download with its open partial file."""
+
     job: BlobJob
     partial: PartialFile
     run: Run
@@ -210,21 +211,23 @@ class RangedDownloader:
                 f.partial.close()
 
     def _download(self, files: list[_File], run: Run) -> dict[str, str]:
-        tasks: queue.SimpleQueue[tuple[_File, int]] = queue.SimpleQueue()
+        # A deque, not a queue.Queue: filled before the workers start, then only taken
+        # from (popleft is atomic); the queue module's import delayed the first GET.
+        tasks: collections.deque[tuple[_File, int]] = collections.deque()
         # Round-robin over files: every file advances its hash frontier at once, so the
         # hashing left after the last byte is split over files (and cores), not one tail.
         pending = [f.partial.state.pending() for f in files]
         for round_ in range(max((len(p) for p in pending), default=0)):
             for f, parts in zip(files, pending, strict=True):
                 if round_ < len(parts):
-                    tasks.put((f, parts[round_]))
+                    tasks.append((f, parts[round_]))
         for f in files:
             f.partial.advance_hash(self._buffer())  # a resumed file rehashes its prefix
         self.observer.expect(sum(f.job.size - f.partial.state.bytes_done() for f in files))
         errors: list[BaseException] = []
         workers = [
             threading.Thread(target=self._work, args=(run, tasks, errors), daemon=True)
-            for _ in range(min(self.settings.max_concurrency, max(1, tasks.qsize())))
+            for _ in range(min(self.settings.max_concurrency, max(1, len(tasks))))
         ]
         for w in workers:
             w.start()
@@ -238,13 +241,13 @@ class RangedDownloader:
         return {f.job.label: f.partial.finish(self._buffer()) for f in files}
 
     def _work(
-        self, run: Run, tasks: queue.SimpleQueue[tuple[_File, int]], errors: list[BaseException]
+        self, run: Run, tasks: collections.deque[tuple[_File, int]], errors: list[BaseException]
     ) -> None:
         try:
             while True:
                 try:
-                    f, index = tasks.get_nowait()
-                except queue.Empty:
+                    f, index = tasks.popleft()
+                except IndexError:
                     return
                 if run.stop.is_set():
                     return
