@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from tests.support.checks import (
     assert_ok_path,
     assert_revision_ok,
     markers,
+    mounted_tmpfs,
 )
 from tests.support.faultproxy import FaultProxy
 
@@ -26,21 +26,8 @@ MiB = 1024 * 1024
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 48 MiB tmpfs mounted at tmp_path/disk (needs root and mount(2))."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("ENOSPC test needs root to mount a small tmpfs")
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=48m,mode=0755", "tmpfs", str(mountpoint)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "48m") as mountpoint:
         yield mountpoint
-    finally:
-        if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
 
 
 def free_bytes(path: Path) -> int:

@@ -4,6 +4,7 @@ Revision sources): the same verification, resume and dedup as from S3, no store 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.support.checks import (
     describe,
     kill9_mid_download,
     markers,
+    mounted_tmpfs,
 )
 from tests.support.modelgen import MANIFEST, Model, make_model
 
@@ -59,6 +61,20 @@ def test_a_plain_absolute_path_is_the_same_source(wc: CLI, tmp_path: Path, cache
     named = _fetch_json(wc, str(model.root), cache_dir, "--name", "other", "--revision", "r9")
     assert named["bytes_from_origin"] == 0  # its blobs are already here
     assert_revision_ok(cache_dir, "other", "r9", model)
+
+
+def test_a_volume_on_another_filesystem(wc: CLI, tmp_path: Path, cache_dir: Path) -> None:
+    """A PVC is never the cache's filesystem: its files are copied and verified, not linked
+    or renamed across devices (which would fail with EXDEV)."""
+    with mounted_tmpfs(tmp_path / "pvc", "16m") as volume:
+        model = make_model(volume / "llama" / "v1", [3 * MiB, 1 * MiB])
+        assert os.stat(volume).st_dev != os.stat(cache_dir.parent).st_dev
+        first = _fetch_json(wc, f"file://{model.root}", cache_dir, "--part-size", "256K")
+        assert first["hit"] is False and first["bytes_from_origin"] == model.total_size, first
+        assert_revision_ok(cache_dir, "llama", "v1", model)
+        assert assert_blobs_valid(cache_dir) == len({f.sha256 for f in model.files})
+    # The volume is gone (unmounted): the revision is a hit from the cache's own disk.
+    assert _fetch_json(wc, f"file://{model.root}", cache_dir)["hit"] is True
 
 
 @pytest.mark.timeout(180)

@@ -9,12 +9,16 @@ Layout under test (the contract, not the implementation):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import pytest
 
 from tests.support.modelgen import MANIFEST, Model, sha256_file
 
@@ -146,3 +150,24 @@ def kill9_mid_download(running: Running, cache_dir: Path, seconds: float = 2.5) 
         time.sleep(0.02)
     running.kill9()
     assert markers(cache_dir) == []
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mountpoint: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's units: 48m) at `mountpoint` (created), unmounted after: a
+    small disk for ENOSPC, or a filesystem other than the cache's. Skips the test without
+    root or mount(2)."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mountpoint)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
