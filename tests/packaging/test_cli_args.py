@@ -175,3 +175,13 @@ def test_a_bad_command_line_is_rejected(clean_environment: pytest.MonkeyPatch) -
 def test_every_mode_the_manifests_need_is_used(initcontainer: Any, daemonset: Any) -> None:
     used = {cli_args(c)[0] for r in (initcontainer, daemonset) for c in r.weightcache_containers()}
     assert used == {"fetch", "daemon"}
+
+
+@pytest.mark.parametrize("name", ["fetch", "daemon", "gc", "ls_", "verify", "demo"])
+def test_every_command_imports_by_name_from_the_cli_package(name: str) -> None:
+    """`from weightcache.cli import <command>` gives the click command, loaded on use, even
+    where the name is also a module the package uses (`gc`)."""
+    import click
+
+    command = getattr(importlib.import_module("weightcache.cli"), name)
+    assert isinstance(command, click.Command), command

@@ -12,7 +12,7 @@ InitContainer, on the way to its first GET) loads no other command's options.
 from __future__ import annotations
 
 import contextlib
-import gc
+import gc as _gc  # not `gc`: that name is the `weightcache gc` command (`__all__`)
 import importlib
 import logging
 import os
@@ -29,14 +29,14 @@ def uncollected() -> Iterator[None]:
     live on; on leaving, what was made is frozen (never traversed again) and the collector
     is on again if it was. Measured: its passes over a cold fetch's imports cost ~8 ms
     before the first GET (design §4, Time to first byte)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    enabled = _gc.isenabled()
+    _gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        _gc.freeze()
         if enabled:
-            gc.enable()
+            _gc.enable()
 
 
 with uncollected():
