@@ -81,6 +81,14 @@ def test_s3_composite_checksums_are_vouched_with_their_part_count() -> None:
     assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-2", "ChecksumType": "FULL_OBJECT"}) is None
     assert s3_vouched({"ChecksumCRC64NVME": "Fg5AiE8Eaws=-2"}) is None  # full-object only
     assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-0"}) is None
+    # S3 allows 10,000 parts: a claim of more would plan a part HEAD for each of them
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-10000"}) == Vouch(
+        "crc32c-composite", "6990eedb-10000"
+    )
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-10001"}) is None
+    assert s3_vouched({"ChecksumCRC32C": "aZDu2w==-99999999999", "ChecksumCRC32": "iH6F8A=="}) == (
+        Vouch("crc32", "887e85f0")
+    )
     sha = base64.b64encode(hashlib.sha256(b"x").digest()).decode()
     assert s3_vouched({"ChecksumSHA256": f"{sha}-3"}) == Vouch(
         "sha256-composite", f"{hashlib.sha256(b'x').hexdigest()}-3"

@@ -182,14 +182,18 @@ _S3_CHECKSUMS = (
     ("ChecksumCRC32C", "crc32c"), ("ChecksumSHA1", "sha1"), ("ChecksumCRC32", "crc32"),
 )  # fmt: skip
 _COMPOSITE = re.compile(r"(.*)-([1-9][0-9]*)")  # "<base64>-<parts>": of the parts' checksums
+#: S3's limit on the parts of a multipart upload: a composite checksum claiming more is a
+#: store's garbage, and believing it would plan a request (a part HEAD) per claimed part.
+S3_MAX_PARTS = 10_000
 
 
 def s3_vouched(headers: Mapping[str, str]) -> Vouch | None:
     """The strongest checksum among HeadObject's fields, or None: a full-object one as
     (algorithm, hex); a COMPOSITE one (of a multipart upload: the checksum of the parts'
     binary checksums, "<base64>-<parts>") as ("<algorithm>-composite", "<hex>-<parts>"),
-    whose part sizes the caller must learn. A store that sends no ChecksumType (SeaweedFS)
-    has a composite checksum when the value has the "-<parts>" suffix."""
+    whose part sizes the caller must learn, of at most S3_MAX_PARTS parts. A store that
+    sends no ChecksumType (SeaweedFS) has a composite checksum when the value has the
+    "-<parts>" suffix."""
     kind = headers.get("ChecksumType")
     for field, algorithm in _S3_CHECKSUMS:
         value = headers.get(field)
@@ -198,6 +202,8 @@ def s3_vouched(headers: Mapping[str, str]) -> Vouch | None:
         composite = _COMPOSITE.fullmatch(value)
         if kind not in (None, "COMPOSITE" if composite else "FULL_OBJECT"):
             continue  # the value contradicts its type: a store's garbage
+        if composite and int(composite.group(2)) > S3_MAX_PARTS:
+            continue  # more parts than S3 allows: garbage too
         if composite:
             algorithm, value = f"{algorithm}{COMPOSITE_SUFFIX}", composite.group(1)
         if not available(algorithm):
