@@ -54,10 +54,13 @@ def _with_source(c: Container, source: str) -> Container:
 
 
 def _fetch_sandbox(tmp_path: Path, store: Any, cache: Path) -> PodSandbox:
+    return _pod(tmp_path, cache, {**store.env, "AWS_EC2_METADATA_DISABLED": "true"})
+
+
+def _pod(tmp_path: Path, cache: Path, env: dict[str, str]) -> PodSandbox:
+    """The init container's Pod: the node's cache dir, `env` as its Secret, JSON output."""
     return PodSandbox(
-        tmp_path / "pod",
-        host_paths={"weight-cache": cache},
-        secrets={**store.env, "AWS_EC2_METADATA_DISABLED": "true", **JSON_OUTPUT},
+        tmp_path / "pod", host_paths={"weight-cache": cache}, secrets={**env, **JSON_OUTPUT}
     )
 
 
@@ -188,9 +191,7 @@ def _miss_then_hit(
     default read-only one hits: as for S3 above, with the scheme's library in the image."""
     fetch = _with_source(_only(_read_write(tmp_path), "fetch"), source)
     cache = node_dir(tmp_path / "node" / "weightcache")
-    sandbox = PodSandbox(
-        tmp_path / "pod", host_paths={"weight-cache": cache}, secrets={**env, **JSON_OUTPUT}
-    )
+    sandbox = _pod(tmp_path, cache, env)
     miss = _run_fetch(podman, image, fetch, sandbox)
     assert miss["hit"] is False and miss["bytes_from_origin"] == model.total_size, miss
     assert miss["path"] == f"{fetch.option('--cache-dir')}/llama/v1", miss

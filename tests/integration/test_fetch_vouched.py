@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import BUCKET, CLI, Published
+from tests.conftest import BUCKET, CLI, Published, Running
 from tests.support.checks import assert_fails, assert_ok_path, blobs_dir, describe
 from tests.support.faultproxy import FaultProxy
 from tests.support.modelgen import random_bytes, sha256_bytes
@@ -167,6 +167,17 @@ def test_marker_written_before_verified_existed_still_reads(
 
 
 @pytest.mark.timeout(120)
+def _kill9_past_half(running: Running, proxy: FaultProxy, size: int) -> None:
+    """kill -9 the fetch `running` once the proxy has passed half of `size` bytes and the
+    part state has had time to be saved."""
+    deadline = time.monotonic() + 60
+    while proxy.stats(settle=0).body_bytes < size // 2 and time.monotonic() < deadline:
+        assert running.poll() is None, "the fetch ended before it could be killed"
+        time.sleep(0.01)
+    time.sleep(3 * SAVE_INTERVAL)  # the part state is saved at least this often
+    running.kill9()
+
+
 def test_a_killed_checksum_only_download_resumes_from_its_partial(
     wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy
 ) -> None:
@@ -178,12 +189,7 @@ def test_a_killed_checksum_only_download_resumes_from_its_partial(
     proxy.configure(rate_limit=4 * MiB)
 
     running = wc.fetch_popen(source, cache_dir, "--part-size", "1M", endpoint=proxy.url)
-    deadline = time.monotonic() + 60
-    while proxy.stats(settle=0).body_bytes < size // 2 and time.monotonic() < deadline:
-        assert running.poll() is None, "the fetch ended before it could be killed"
-        time.sleep(0.01)
-    time.sleep(3 * SAVE_INTERVAL)  # the part state is saved at least this often
-    running.kill9()
+    _kill9_past_half(running, proxy, size)
     (partial,) = (cache_dir / ".weightcache" / "tmp").glob("crc64nvme-*-8388608.part")
     assert partial.stat().st_size == size
 
@@ -325,12 +331,7 @@ def _killed_multipart(
     proxy.configure(rate_limit=8 * MiB)
     source = f"s3://{BUCKET}/{prefix}"
     running = wc.fetch_popen(source, cache_dir, "--part-size", "1M", endpoint=proxy.url)
-    deadline = time.monotonic() + 60
-    while proxy.stats(settle=0).body_bytes < size // 2 and time.monotonic() < deadline:
-        assert running.poll() is None, "the fetch ended before it could be killed"
-        time.sleep(0.01)
-    time.sleep(3 * SAVE_INTERVAL)  # the part state is saved at least this often
-    running.kill9()
+    _kill9_past_half(running, proxy, size)
     (partial,) = (cache_dir / ".weightcache" / "tmp").glob("*.part")
     assert not (cache_dir / "m" / "r1").exists()
     proxy.configure(rate_limit=None)

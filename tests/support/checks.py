@@ -153,21 +153,23 @@ def kill9_mid_download(running: Running, cache_dir: Path, seconds: float = 2.5) 
 
 
 @contextlib.contextmanager
-def mounted_tmpfs(mountpoint: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` (mount's units: 48m) at `mountpoint` (created), unmounted after: a
-    small disk for ENOSPC, or a filesystem other than the cache's. Skips the test without
-    root or mount(2)."""
+def mounted(mountpoint: Path, *source: str) -> Iterator[Path]:
+    """`mount *source mountpoint` (mountpoint created), unmounted after (lazily if busy).
+    Skips the test without root or when mount(2) fails here."""
     mountpoint.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mountpoint)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        pytest.skip(f"mounting {' '.join(source)} needs root")
+    proc = subprocess.run(["mount", *source, str(mountpoint)], capture_output=True, text=True)
     if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        pytest.skip(f"cannot mount {' '.join(source)} here: {proc.stderr.strip()}")
     try:
         yield mountpoint
     finally:
         if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode:
             subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+
+
+def mounted_tmpfs(mountpoint: Path, size: str) -> contextlib.AbstractContextManager[Path]:
+    """A tmpfs of `size` (mount's units: 48m) at `mountpoint`: a small disk for ENOSPC, or
+    a filesystem other than the cache's (see `mounted`)."""
+    return mounted(mountpoint, "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs")

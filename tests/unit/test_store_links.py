@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checks import mounted
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.marker import Marker
@@ -26,20 +27,12 @@ def ext4(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB ext4 filesystem on a loop device, mounted at tmp_path/ext4."""
     if os.geteuid() != 0:
         pytest.skip("the EMLINK test needs root to mount an ext4 image")
-    image, mountpoint = tmp_path / "ext4.img", tmp_path / "ext4"
-    mountpoint.mkdir()
+    image = tmp_path / "ext4.img"
     with open(image, "wb") as fh:
         fh.truncate(64 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
-    proc = subprocess.run(["mount", "-o", "loop", str(image), str(mountpoint)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode:
-        pytest.skip(f"cannot mount an ext4 image here: {proc.stderr.strip()}")
-    try:
+    with mounted(tmp_path / "ext4", "-o", "loop", str(image)) as mountpoint:
         yield mountpoint
-    finally:
-        if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
 
 
 @pytest.mark.timeout(120)
