@@ -30,44 +30,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
-from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
+from weightcache.errors import TransientError
 from weightcache.transfer.httprange import new_connection
 from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, static_signer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: Error codes that mean "slow down": they count as throttling and lower concurrency.
-THROTTLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestLimitExceeded",
-        "TooManyRequests",
-        "RequestThrottled",
-    }
-)
-_TRANSIENT_CODES = THROTTLE_CODES | {
-    "RequestTimeout",
-    "InternalError",
-    "ServiceUnavailable",
-    "RequestTimeTooSkewed",
-}
-_DENIED_CODES = frozenset(
-    {
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "InvalidToken",
-        "AllAccessDisabled",
-    }
-)
-#: A store's answer to a request it does not implement (some say 501 without a code);
-#: compiled on use, not by every fetch.
-_UNSUPPORTED = r"\b(NotImplemented|501)\b"
 
 
 def without_expect_continue(client: Any) -> Any:
@@ -230,7 +200,7 @@ class Origin:
                 return fn()
             except Exception as e:
                 error = translate(e, what)
-                if isinstance(error, TransientError) and not re.search(_UNSUPPORTED, str(error)):
+                if isinstance(error, TransientError) and not re.search(UNSUPPORTED, str(error)):
                     raise
                 return None
 
@@ -355,98 +325,3 @@ class Origin:
         conn = new_connection(url.scheme, url.netloc, timeout, cafile)
         self._local.conn = conn
         return conn
-
-
-def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
-    """A ListObjectsV2 page: (key, size) of each Contents, and the text of the result's
-    other fields by name (IsTruncated, NextContinuationToken, EncodingType), whatever their
-    namespace. Read with expat alone: ElementTree's import cost ~3 ms before a cold fetch's
-    first GET. Raises xml.parsers.expat.ExpatError for a body that is not XML."""
-    from xml.parsers import expat
-
-    objects: list[tuple[str, int]] = []
-    fields: dict[str, str] = {}
-    obj: dict[str, str] = {}
-    path: list[str] = []  # the open elements' local names
-    text: list[str] = []  # the character data since the last tag
-
-    def start(name: str, _: object) -> None:
-        path.append(name.rpartition("}")[2])
-        text.clear()
-
-    def end(_: str) -> None:
-        name = path.pop()
-        if len(path) == 1 and name == "Contents":
-            objects.append((obj.get("Key", ""), int(obj.get("Size", "0"))))
-            obj.clear()
-        elif len(path) == 1:
-            fields[name] = "".join(text)
-        elif path[1:] == ["Contents"]:
-            obj[name] = "".join(text)
-        text.clear()
-
-    parser = expat.ParserCreate(namespace_separator="}")
-    parser.StartElementHandler, parser.EndElementHandler = start, end
-    parser.CharacterDataHandler = text.append
-    parser.Parse(body, True)
-    return objects, fields
-
-
-class StoreError(Exception):
-    """An error response to a request signed here: the signed path's botocore ClientError."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{status} {code}: {message}")
-        self.status, self.code, self.message = status, code, message
-
-    @classmethod
-    def from_response(cls, status: int, body: bytes) -> StoreError:
-        """The S3 error document's Code and Message, if the body is one."""
-        from xml.etree import ElementTree
-
-        try:
-            root = ElementTree.fromstring(body)
-        except ElementTree.ParseError:
-            return cls(status, "", "")
-        return cls(status, root.findtext("{*}Code", ""), root.findtext("{*}Message", ""))
-
-
-def translate(e: BaseException, what: str) -> WeightcacheError:
-    """Map a botocore/urllib3/http.client exception to the weightcache error for its exit
-    code (botocore is imported only for an exception no other branch knows)."""
-    if isinstance(e, WeightcacheError):
-        return e
-    if isinstance(e, StoreError):
-        return _refused(what, e.code, e.status, e.message)
-    if isinstance(e, OSError | http.client.HTTPException):
-        return TransientError(f"{what}: {type(e).__name__}: {e}")
-    import botocore.exceptions as bx
-
-    if isinstance(e, bx.ClientError):
-        err = e.response.get("Error", {})
-        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        return _refused(what, str(err.get("Code", "")), status, str(err.get("Message", "")))
-    if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError):
-        return UsageError(
-            "no usable AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "mount a shared config, or use IRSA (web identity)"
-        )
-    if isinstance(e, bx.BotoCoreError):
-        return TransientError(f"{what}: {type(e).__name__}: {e}")
-    return WeightcacheError(f"{what}: unexpected {type(e).__name__}: {e}")
-
-
-def _refused(what: str, code: str, status: int, message: str) -> WeightcacheError:
-    """The error for the store's refusal (its S3 error code and HTTP status)."""
-    if code in _TRANSIENT_CODES or status >= 500 or status == 429:
-        return TransientError(f"{what}: {code or status} from the object store")
-    if code in _DENIED_CODES or status == 403:
-        return SourceError(
-            f"{what}: access denied ({code or status}); check the credentials and that "
-            "they may read this bucket"
-        )
-    if code == "NoSuchBucket":
-        return SourceError(f"{what}: the bucket does not exist; check the source URL")
-    if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-        return SourceError(f"{what}: no such object; check the source URL")
-    return SourceError(f"{what}: {code or status}: {message}".rstrip(": "))
