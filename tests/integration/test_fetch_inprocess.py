@@ -174,6 +174,35 @@ def test_a_source_that_cannot_serve_the_revision_is_a_source_error(
     assert check_hit(f.layout, source(pub)) is None
 
 
+def test_a_negative_size_in_the_listing_is_a_source_error(
+    publish: Callable[..., Published],
+    settings: OriginSettings,
+    cache_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hostile or broken store (or mirror) listing a negative size: exit 3 naming the
+    file, not EINVAL from the partial's truncate."""
+    pub = publish([200 * KiB], small_files=False)
+    f = fetcher(cache_root, settings)
+    opened = f.revision_source
+
+    def lying(src: Source) -> Any:
+        revision = opened(src)
+        listed = revision.list_sizes
+
+        def negative() -> dict[str, int]:
+            return {k: v if k == "SHA256SUMS" else -1 for k, v in listed().items()}
+
+        monkeypatch.setattr(revision, "list_sizes", negative)
+        return revision
+
+    monkeypatch.setattr(f, "revision_source", lying)
+    with pytest.raises(SourceError, match="negative size") as e:
+        f.fetch(source(pub))
+    assert e.value.exit_code == 3
+    assert markers(cache_root) == []
+
+
 def test_a_revision_of_another_source_with_other_content_is_a_usage_error(
     publish: Callable[..., Published], settings: OriginSettings, cache_root: Path
 ) -> None:

@@ -377,7 +377,7 @@ class Fetcher:
         # A new cache's state.db too (in a thread of its own): while the store answers and
         # the blobs download, not after them, nor between the manifest and the first GET.
         self.index.create_aside()
-        sizes = listing.result()
+        sizes = _checked(listing.result(), revision.url)
         if MANIFEST_NAME in sizes:
             return self._parsed(source, revision, content, sizes), {}, 0
         if not sizes:
@@ -419,6 +419,18 @@ class Fetcher:
             )
             self.blobs.bring(source, manifest)
             return str(self.cache.assemble(marker, manifest))
+
+
+def _checked(sizes: dict[str, int], url: str) -> dict[str, int]:
+    """The listing's sizes, each a byte count: a negative one (a hostile or broken store or
+    mirror) would reach the partial file's truncate as EINVAL. Raises SourceError."""
+    for path, size in sizes.items():
+        if size < 0:
+            raise SourceError(
+                f"{url} lists {path!r} with a negative size ({size}); the store or mirror "
+                "answers garbage: check the source URL and the server behind it"
+            )
+    return sizes
 
 
 def _nothing() -> None:
