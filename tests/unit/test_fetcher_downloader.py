@@ -1,12 +1,15 @@
 """Fetcher.downloader and Fetcher.origin: the daemon's lazily built downloader and origin
 client are built once, whatever the number of threads asking at once, and interrupt()
-reaches the downloader."""
+reaches the downloader; the threads that request the listing and SHA256SUMS are waited
+for before the process exits."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +76,20 @@ def test_threads_racing_for_the_origin_share_one_client(layout: Layout) -> None:
     assert len(got) == THREADS
     assert len({id(o) for o in got}) == 1, "several boto3 clients built by racing threads"
     assert all(o is fetcher.origin for o in got)
+
+
+def test_a_background_request_is_waited_for_before_the_process_exits(tmp_path: Path) -> None:
+    """The listing and SHA256SUMS are requested in threads; when one fails the process
+    exits while the other may still be in a TLS handshake. As a daemon thread it was
+    abandoned to the interpreter's finalization (SIGSEGV after the error line, seen in CI);
+    the interpreter must wait for it and exit with the code the caller chose."""
+    done = tmp_path / "done"
+    script = (
+        "import sys, time\n"
+        "from weightcache.fetch.revision import _Background\n"
+        f"_Background(lambda: time.sleep(0.3) or open({str(done)!r}, 'w').close())\n"
+        "sys.exit(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], timeout=30)
+    assert proc.returncode == 3
+    assert done.exists()

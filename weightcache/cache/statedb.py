@@ -57,10 +57,11 @@ class StateDb:
         """Create the database now if it does not exist yet, in a thread of its own: its
         first write (a cold fetch's, after the revision is published) then costs one
         transaction instead of the file, the WAL and the schema, with their syncs. Best
-        effort: any failure is left for that write to meet."""
+        effort: any failure is left for that write to meet. Not a daemon thread: the
+        interpreter waits for it (one still in sqlite3 while it finalizes may crash it)."""
         if self.read_only or self.path.exists():
             return
-        threading.Thread(target=self._create, name="statedb-create", daemon=True).start()
+        threading.Thread(target=self._create, name="statedb-create").start()
 
     def _create(self) -> None:
         try:

@@ -136,14 +136,16 @@ def resolve(source: Source) -> Source:
 
 
 class _Background(Generic[T]):
-    """`fn()` run in a daemon thread; `result()` waits and returns or raises what it did.
-    Left unread, it finishes on its own (the control plane's calls are bounded by --timeout)."""
+    """`fn()` run in a thread; `result()` waits and returns or raises what it did. Left
+    unread, it finishes on its own (the control plane's calls are bounded by --timeout), and
+    the interpreter waits for it before it exits: a daemon thread still in a TLS handshake
+    while the interpreter finalizes crashed the process (SIGSEGV after the error line)."""
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
         self._value: T | None = None
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run)
         self._thread.start()
 
     def _run(self) -> None:
