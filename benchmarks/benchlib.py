@@ -166,9 +166,7 @@ def weightcache_snapshot(rev: str) -> Path:
     ties the numbers to one commit. The launcher is the console script's twin, so a hit
     costs the same Python start.
     """
-    sha = _run_text(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"])
-    if not re.fullmatch(r"[0-9a-f]{40}", sha):
-        raise SystemExit(f"--weightcache-rev {rev!r} is not a commit of {REPO}")
+    sha = commit_of(rev)
     root = REPO / "benchmarks" / "out" / "snapshots" / sha[:12]
     launcher = root / "bin" / "weightcache"
     if not launcher.exists():
@@ -187,6 +185,14 @@ def weightcache_snapshot(rev: str) -> Path:
         )
         launcher.chmod(0o755)
     return launcher
+
+
+def commit_of(rev: str) -> str:
+    """The full hash of commit `rev` of this repository; exits naming it if there is none."""
+    sha = _run_text(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"])
+    if not re.fullmatch(r"[0-9a-f]{40}", sha):
+        raise SystemExit(f"--weightcache-rev {rev!r} is not a commit of {REPO}")
+    return sha
 
 
 def precompile(exe: list[str]) -> None:

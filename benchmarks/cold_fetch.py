@@ -2,6 +2,7 @@
 
     python benchmarks/cold_fetch.py --size 1G [--rounds 5] [--json out.json]
     python benchmarks/cold_fetch.py --link 800mbit --tools weightcache,s5cmd --also-rev REV
+    python benchmarks/cold_fetch.py --link 800mbit --tools weightcache,s5cmd --installed
 
 Generates one model (4 random shards + config.json + tokenizer.json + SHA256SUMS), uploads it
 once to a throwaway SeaweedFS on loopback, then runs the tools interleaved, A B C D A B C D ...,
@@ -10,14 +11,18 @@ Reports medians per tool and, per pair, the median of the per-round ratios.
 
 Time to first byte, per run, is measured on the wire (wire.Capture, tcpdump): from the fork
 to the first GET of a model file (not the listing, not SHA256SUMS) and to the first response
-on that connection. With `--link RATE` the store runs in a network namespace of its own,
-its egress shaped by tc tbf (wire.ShapedStore): a link-bound download, where what a tool
-does before its first GET is what separates it from another.
+on that connection. `--installed` adds weightcache installed as the image installs it (a
+venv of its own from requirements.lock, the commit's package): no editable install's import
+hook and none of this machine's site-packages hooks run at its start. With `--link RATE`
+the store runs in a network namespace of its own, its egress shaped by tc tbf
+(wire.ShapedStore): a link-bound download, where what a tool does before its first GET is
+what separates it from another.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import urllib.parse
@@ -64,6 +69,13 @@ def parse_args() -> argparse.Namespace:
         help="also run weightcache as of this commit (tool weightcache@REV), right after "
         "weightcache in each round: before and after a change in one run",
     )
+    p.add_argument(
+        "--installed",
+        action="store_true",
+        help="also run weightcache installed as the image installs it (tool "
+        "weightcache@installed: a venv under benchmarks/out/installed/ from requirements.lock "
+        "and a wheel of --weightcache-rev or HEAD), with its own `python -c pass` floor",
+    )
     bl.add_rev_option(p)
     p.add_argument("--workdir", type=Path, help="scratch directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the workdir (model, store, logs)")
@@ -109,21 +121,56 @@ def run_rounds(
                 f"{status}"
             )
             bl.drop_dir(dest)
-        runs.append(_floor(env, workdir, rnd))
+        runs.append(_floor(FLOOR, sys.executable, env, workdir, rnd))
+        if INSTALLED in tools:
+            python = str(Path(tools[INSTALLED][0]).parent / "python")
+            runs.append(_floor(INSTALLED_FLOOR, python, env, workdir, rnd))
     return runs
 
 
 FLOOR = "python -c pass"
+INSTALLED = "weightcache@installed"
+INSTALLED_FLOOR = "python -c pass (venv)"
 
 
-def _floor(env: dict[str, str], workdir: Path, rnd: int) -> ms.Run:
+def _floor(label: str, python: str, env: dict[str, str], workdir: Path, rnd: int) -> ms.Run:
     """The interpreter's start alone, once a round: what every Python tool pays before its
     first line, and how loaded the machine was (read the first-GET times against it)."""
-    run = ms.run_measured(FLOOR, [sys.executable, "-c", "pass"], env,
-                          workdir / "logs" / f"floor-r{rnd}", gnu_time=False)  # fmt: skip
+    slug = "floor-venv" if label == INSTALLED_FLOOR else "floor"
+    run = ms.run_measured(label, [python, "-c", "pass"], env,
+                          workdir / "logs" / f"{slug}-r{rnd}", gnu_time=False)  # fmt: skip
     run.round = rnd
-    bl.log(f"round {rnd} {FLOOR:20s} {run.wall_s:7.3f} s wall {run.cpu_s:7.3f} s cpu")
+    bl.log(f"round {rnd} {label:20s} {run.wall_s:7.3f} s wall {run.cpu_s:7.3f} s cpu")
     return run
+
+
+def installed(rev: str) -> Path:
+    """weightcache as of `rev`, installed as the Dockerfile installs it: a venv of its own
+    (no system site-packages, so none of their .pth hooks), the pinned requirements.lock
+    with hashes, then the commit's own package without dependencies, compiled by pip.
+    Built once per commit under benchmarks/out/installed/; returns its console script."""
+    sha = bl.commit_of(rev)
+    root = bl.REPO / "benchmarks" / "out" / "installed" / sha[:12]
+    script = root / "bin" / "weightcache"
+    if script.exists():
+        return script
+    src = root.with_name(f"{root.name}-src")
+    bl.drop_dir(src)
+    src.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", sha, "weightcache", "pyproject.toml", "README.md",
+         "requirements.lock"],
+        cwd=bl.REPO, capture_output=True, check=True,
+    )  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    pip = [sys.executable, "-m", "pip", "--python", str(root / "bin" / "python"), "install",
+           "-q", "--disable-pip-version-check"]  # fmt: skip
+    subprocess.run([*pip, "--require-hashes", "--only-binary=:all:", "-r",
+                    str(src / "requirements.lock")], check=True)  # fmt: skip
+    subprocess.run([*pip, "--no-deps", str(src)], check=True)
+    bl.drop_dir(src)
+    return script
 
 
 def _secs(x: object) -> str:
@@ -220,12 +267,16 @@ def main() -> None:
     tools, missing = bl.available_tools(wanted, required=args.require)
     if args.also_rev:
         tools = with_rev(tools, args.also_rev)
+    if args.installed:
+        tools[INSTALLED] = [str(installed(args.weightcache_rev or "HEAD"))]
     if not tools:
         raise SystemExit("no tool to run")
     for tool, exe in tools.items():
-        if tool.startswith("weightcache"):
+        if tool.startswith("weightcache") and tool != INSTALLED:  # pip compiled that one
             bl.precompile(exe)
     versions = {t: bl.tool_version(t, exe) for t, exe in tools.items()}
+    if INSTALLED in versions:
+        versions[INSTALLED] = f"weightcache (installed as in the image: {tools[INSTALLED][0]})"
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-cold-"))
     workdir.mkdir(parents=True, exist_ok=True)
     info = bl.machine_info(workdir)
@@ -254,12 +305,13 @@ def main() -> None:
         + (f"store behind a veth shaped to {args.link} (tc tbf)" if args.link else "loopback")
         + f"; {bl.machine_line(info)}"
     )
-    floor = [r.wall_s for r in runs if r.tool == FLOOR]
-    worst = max(floor, default=float("nan"))
-    text += (
-        f"\n\n`{FLOOR}` with the same interpreter and environment, once a round: median "
-        f"{ms.fmt_num(ms.median(floor), 3)} s wall, max {ms.fmt_num(worst, 3)} s"
-    )
+    for label in (FLOOR, INSTALLED_FLOOR):
+        floor = [r.wall_s for r in runs if r.tool == label]
+        if floor:
+            text += (
+                f"\n\n`{label}` with the same environment, once a round: median "
+                f"{ms.fmt_num(ms.median(floor), 3)} s wall, max {ms.fmt_num(max(floor), 3)} s"
+            )
     print(f"{header}\n\n{text}")
     if missing:
         print("\nnot run: " + "; ".join(f"{t} ({why})" for t, why in missing.items()))
