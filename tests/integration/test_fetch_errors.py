@@ -3,7 +3,9 @@ directory (design §2.2 exit codes 2 and 3, §2.1 manifest, §3 invariant 5)."""
 
 from __future__ import annotations
 
+import http.server
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -166,6 +168,62 @@ def test_missing_bucket(wc: CLI, cache_dir: Path, guarded: dict[str, str]) -> No
     proc = wc.fetch("s3://no-such-bucket-wc/p/m/r", cache_dir, env=guarded)
     message = assert_fails(proc, 3)
     assert "no-such-bucket-wc" in message, message
+
+
+ENDLESS_PAGE = b"""<ListBucketResult><IsTruncated>true</IsTruncated>
+<Contents><Key>m/r/a</Key><Size>1</Size></Contents>
+<NextContinuationToken>again</NextContinuationToken></ListBucketResult>"""
+
+
+@pytest.fixture
+def hostile_store() -> Iterator[Callable[[bytes], str]]:
+    """`answer(body)`: the URL of a server on loopback that answers every request 200 with
+    `body`: a broken store, or something else at the endpoint."""
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    def answer(body: bytes) -> str:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield answer
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b"<html><body>It works!</body></html", "is not ListObjectsV2 XML"),
+        (b"<R><Contents><Key>m/r/a</Key><Size>big</Size></Contents></R>", "not ListObjectsV2"),
+        (ENDLESS_PAGE, "same continuation token twice"),
+    ],
+    ids=["not-xml", "size-not-a-number", "endless"],
+)
+def test_a_listing_that_is_not_one_is_a_source_error(
+    wc: CLI, cache_dir: Path, guarded: dict[str, str], hostile_store: Callable[[bytes], str],
+    body: bytes, said: str,
+) -> None:  # fmt: skip
+    """Whatever answers at the endpoint, its listing is checked where it enters: exit 3
+    naming the endpoint, not an unexpected error or a listing that never ends."""
+    endpoint = hostile_store(body)
+    message = assert_fails(
+        wc.fetch("s3://models/m/r", cache_dir, endpoint=endpoint, env=guarded), 3
+    )
+    assert said in message and endpoint in message, message
+    assert markers(cache_dir) == []
 
 
 # --- the cache directory -----------------------------------------------------------------

@@ -4,7 +4,6 @@ ElementTree read from the same pages, in any element order and namespace."""
 from __future__ import annotations
 
 from xml.etree import ElementTree
-from xml.parsers.expat import ExpatError
 
 import pytest
 
@@ -71,6 +70,11 @@ def test_the_fields_of_a_page() -> None:
     assert (fields["IsTruncated"], fields["NextContinuationToken"]) == ("true", "1/ab+c&d==")
 
 
-def test_a_body_that_is_not_xml_is_an_error() -> None:
-    with pytest.raises(ExpatError):
-        listing_page(b"<html>502 Bad Gateway")
+@pytest.mark.parametrize(
+    "body",
+    [b"<html>502 Bad Gateway", b"<R><Contents><Key>k</Key><Size>12x</Size></Contents></R>"],
+    ids=["not-xml", "size-not-a-number"],
+)
+def test_a_body_that_is_not_a_page_is_a_value_error(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        listing_page(body)

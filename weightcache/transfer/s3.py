@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
-from weightcache.errors import TransientError
+from weightcache.errors import SourceError, TransientError
 from weightcache.transfer.httprange import new_connection
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
@@ -304,8 +304,9 @@ class Origin:
         """{path relative to prefix: size}, paging through ListObjectsV2 as botocore does."""
         sizes: dict[str, int] = {}
         query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
+        tokens: set[str] = set()
         while True:
-            objects, fields = listing_page(self._signed_get(bucket, "", query))
+            objects, fields = self._page(bucket, query)
             encoded = fields.get("EncodingType") == "url"
             for key, size in objects:
                 key = urllib.parse.unquote_plus(key) if encoded else key
@@ -313,7 +314,32 @@ class Origin:
             token = fields.get("NextContinuationToken")
             if fields.get("IsTruncated") != "true" or not token:
                 return sizes
+            if token in tokens:  # a broken store's endless listing
+                raise SourceError(
+                    f"{self._store()} sent the same continuation token twice listing "
+                    f"s3://{bucket}/{prefix}; its listing is broken: check the server "
+                    "behind --endpoint-url"
+                )
+            tokens.add(token)
             query = {**query, "continuation-token": token}
+
+    def _page(
+        self, bucket: str, query: dict[str, str]
+    ) -> tuple[list[tuple[str, int]], dict[str, str]]:
+        """One ListObjectsV2 page; SourceError if the answer is not one."""
+        body = self._signed_get(bucket, "", query)
+        try:
+            return listing_page(body)
+        except ValueError as e:
+            raise SourceError(
+                f"{self._store()} answered the listing of s3://{bucket}/{query['prefix']} "
+                f"with something that is not ListObjectsV2 XML ({e}); check that "
+                "--endpoint-url points at an S3 store"
+            ) from None
+
+    def _store(self) -> str:
+        endpoint = self.settings.endpoint_url
+        return f"the store at {endpoint}" if endpoint else "the store"
 
     def _connection(self, url: urllib.parse.SplitResult) -> http.client.HTTPConnection:
         """This thread's keep-alive connection to the endpoint (one host per Origin)."""

@@ -44,7 +44,8 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """A ListObjectsV2 page: (key, size) of each Contents, and the text of the result's
     other fields by name (IsTruncated, NextContinuationToken, EncodingType), whatever their
     namespace. Read with expat alone: ElementTree's import cost ~3 ms before a cold fetch's
-    first GET. Raises xml.parsers.expat.ExpatError for a body that is not XML."""
+    first GET. Raises ValueError for a body that is not such a page (not XML, a Size that
+    is not a number)."""
     from xml.parsers import expat
 
     objects: list[tuple[str, int]] = []
@@ -71,7 +72,10 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
     parser = expat.ParserCreate(namespace_separator="}")
     parser.StartElementHandler, parser.EndElementHandler = start, end
     parser.CharacterDataHandler = text.append
-    parser.Parse(body, True)
+    try:
+        parser.Parse(body, True)
+    except expat.ExpatError as e:
+        raise ValueError(f"not XML: {e}") from None
     return objects, fields
 
 
