@@ -211,7 +211,9 @@ def test_warm_hit_while_store_hangs(
     pub = publish([1 * MiB], name="warm", rev="r1")
     assert_ok_path(wc.fetch(pub.source, cache_dir, endpoint=proxy.url), pub.local_path(cache_dir))
     proxy.set_down("hang")
-    t0 = time.monotonic()
+    before = proxy.stats(settle=0).connections
     proc = wc.fetch(pub.source, cache_dir, "--timeout", "5s", endpoint=proxy.url, timeout=60)
     assert_ok_path(proc, pub.local_path(cache_dir))
-    assert time.monotonic() - t0 < 4, "a hit waited on the store"
+    # Not timed (a loaded machine makes any bound flaky): a hit that contacted the store,
+    # however briefly, would have waited on it.
+    assert proxy.stats(settle=0).connections == before, "a hit contacted the store"

@@ -154,16 +154,21 @@ def test_json_output_for_miss_and_hit(
 def test_hit_is_fast(
     wc: CLI, publish: Callable[..., Published], store: object, cache_dir: Path
 ) -> None:
-    """A hit should take under 150 ms, Python start included; allow a loaded CI box 4x."""
+    """A hit takes a few tens of ms past the interpreter's start (benchmarks/hit_latency.py
+    measures it); this guards against it doing real work, bounded past the start of a bare
+    `python -c pass` measured alongside, so that a loaded machine does not fail it."""
     pub = publish([64 * 1024], name="fast", rev="r")
     assert wc.fetch(pub.source, cache_dir).returncode == 0
-    best = float("inf")
+    best, floor = float("inf"), float("inf")
     for _ in range(3):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        floor = min(floor, time.monotonic() - t0)
         t0 = time.monotonic()
         hit = wc.fetch(pub.source, cache_dir, endpoint=dead_endpoint())
         best = min(best, time.monotonic() - t0)
         assert_ok_path(hit, pub.local_path(cache_dir))
-    assert best < 0.6, f"fastest of 3 hits took {best:.3f}s"
+    assert best - floor < 0.5, f"fastest of 3 hits took {best:.3f} s, python -c pass {floor:.3f} s"
 
 
 def test_hit_loads_no_heavy_library(

@@ -110,6 +110,7 @@ class Faults:
 class Stats:
     """A snapshot of the proxy's counters."""
 
+    connections: int = 0  # accepted, whatever the proxy then did with them
     requests: int = 0
     gets: int = 0
     ranged_gets: int = 0
@@ -129,6 +130,7 @@ class Stats:
 
 class _Counters:
     def __init__(self) -> None:
+        self.connections = 0
         self.requests = 0
         self.gets = 0
         self.ranged_gets = 0
@@ -253,6 +255,7 @@ class FaultProxy:
             with self._lock:
                 self._conns.add(conn)
                 self._threads.add(t)
+                self._counters.connections += 1
             t.start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
@@ -333,6 +336,7 @@ class FaultProxy:
         with self._lock:
             c = self._counters
             return Stats(
+                connections=c.connections,
                 requests=c.requests,
                 gets=c.gets,
                 ranged_gets=c.ranged_gets,

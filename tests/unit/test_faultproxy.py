@@ -291,8 +291,10 @@ def test_down_modes_and_recovery_on_the_same_port(proxy: FaultProxy) -> None:
         _get(_conn(proxy), KEY)
 
     proxy.set_down("hang")
+    accepted = proxy.stats(settle=0).connections
     with pytest.raises(TimeoutError):
         _get(_conn(proxy, timeout=0.5), KEY)
+    assert proxy.stats(settle=0).connections == accepted + 1  # counted though never answered
 
     proxy.set_down(None)
     assert proxy.port == port
