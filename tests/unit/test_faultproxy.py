@@ -388,6 +388,6 @@ def test_trickle_sends_eligible_bodies_a_piece_at_a_time(proxy: FaultProxy) -> N
     assert 0.7 <= time.monotonic() - t0 <= 5
     t0 = time.monotonic()
     assert _get(_conn(proxy), MANIFEST_KEY).read() == b"x" * 100
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 3  # trickled, its 100 bytes would take 10 s
     with pytest.raises(ValueError):
         proxy.configure(trickle_rate=0)
