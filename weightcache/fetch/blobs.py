@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -33,6 +32,8 @@ from weightcache.progress import human
 from weightcache.transfer.sources import BlobSource
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from weightcache.transfer.ranged import RangedDownloader
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,9 @@ class BlobFetch:
         (or ended), and after the one before that has ended (design §8, Swarm). Each blob
         is claimed (so that peers may fetch its pieces from us while we download it) until
         it is published or dropped. On an error, the other download is stopped first."""
+        # imported here: a fetch without peers reaches its first GET without it (design §4)
+        from concurrent.futures import ThreadPoolExecutor
+
         fetched, failed = 0, list[Wanted]()
         running: collections.deque[_Swarming] = collections.deque()
         with ThreadPoolExecutor(2, thread_name_prefix="blob") as pool:
