@@ -163,6 +163,9 @@ class Params:
     limits: Limits = field(default_factory=Limits)
     cpu: Cpu = field(default_factory=Cpu)  # the host's CPU (swarmnet.py); off by default
     blobs: tuple[int, ...] = ()  # the blobs' sizes in the daemons' order; () = one of `size`
+    # blobs a node brings at once at most (1 or 2): the next starts when the last one started has
+    # nothing left to request (every missing piece in flight), as fetch/blobs.py does
+    pipeline: int = 2
 
     def layout(self) -> list[tuple[int, int]]:
         """(size, piece size) of each blob, in the order every node fetches them."""

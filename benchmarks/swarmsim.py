@@ -4,6 +4,8 @@
                                   [--store-rate 1x,4x] [--rtt 0.001] [--refresh 0.5]
                                   [--startup 0] [--jitter 0] [--view 32] [--seed 1]
                                   [--json out.json] [--cores 2 --cpu-per-mib-recv 0.005 ...]
+                                  [--calibration cal.json] [--pipeline 1,2] [--seeds 5]
+                                  [--model-bytes 269161025]
 
 A discrete-event simulation of the piece and source choice past what this machine can run.
 Every node calls the exact pure function the daemons use, with what a daemon's download of
@@ -16,6 +18,11 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   pieces held and in flight) or past it (all held); a peer still on an earlier blob answers
   nothing, so the first node at a blob is alone (its stripe is the whole blob) until the
   others join (a joining node's HEAD makes it a member at once, `PeerViews.joined`).
+  *Two blobs at once* (`--pipeline 2`, the default, as fetch/blobs.py does): a node starts
+  its next blob as soon as its current one has nothing left to request (every missing
+  piece in flight, its end game), so that its link does not idle while the last pieces
+  come; it starts a third only when the first is complete. `--pipeline 1`: one at a time.
+  `--model-bytes` simulates benchmarks/swarm.py's model (its blobs in the daemons' order).
 - *Views* are refreshed by HEAD rounds every `--refresh` seconds from the blob's start (0.5:
   the daemons' VIEW_EVERY), skipping peers that answered a piece request within a round,
   and by every answer to a piece request (its headers advertise too). An idle node waits
@@ -62,12 +69,15 @@ the cost grows with nodes x pieces x requests in flight per node.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
+import json
 import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import measure as ms
@@ -154,6 +164,9 @@ class Swarm:
         store = p.store_rate * p.efficiency / 8
         self.net = Network([link] * p.nodes + [store], [link] * p.nodes, p.cpu)
         self.nodes = [Node() for _ in range(p.nodes)]
+        # a node's next blob while it finishes the one in `nodes` (`Params.pipeline`): its
+        # events and flows are handled with the two swapped (`_as`)
+        self.ahead: list[Node | None] = [None] * p.nodes
         self.store_bytes = 0.0
         for i, node in enumerate(self.nodes):
             others = [j for j in range(p.nodes) if j != i]
@@ -166,25 +179,104 @@ class Swarm:
         while net.events and net.now <= horizon:  # a stalled node is reported as never ready
             net.now, _, kind, obj, ver = heapq.heappop(net.events)
             if kind == END and isinstance(obj, Flow) and obj.ver == ver and obj.active:
-                self._arrived(obj)
+                with self._as(obj.dst, self._owner(obj)):
+                    self._arrived(obj)
             elif kind == BEGIN and isinstance(obj, Flow) and obj.ver == ver:
                 net.start(obj)
-                self._answered(obj.dst, obj.src)
+                with self._as(obj.dst, self._owner(obj)):
+                    self._answered(obj.dst, obj.src)
             elif kind in (START, BOOTED) and isinstance(obj, int):
                 self._start(obj, kind, ver)
-            elif not isinstance(obj, int) or nodes[obj].ready is not None or nodes[obj].blob != ver:
+            elif not isinstance(obj, int) or (dl := self._download(obj, ver)) is None:
                 continue  # an event of a blob this node is done with
-            elif kind == JOIN:
-                self._join(obj)
-            elif kind == REFRESH:
-                self._refresh(obj)
-                self._decide(obj)
-                net.at(net.now + self.p.refresh, REFRESH, obj, ver)
-            elif kind == POLL:
-                self._decide(obj)
+            else:
+                with self._as(obj, dl):
+                    self._node_event(kind, obj, ver)
+            self._pipeline(obj.dst if isinstance(obj, Flow) else obj)
         ready = [n.ready if n.ready is not None else float("inf") for n in nodes]
         return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready,
                        net.cpu_used)  # fmt: skip
+
+    def _node_event(self, kind: int, i: int, blob: int) -> None:
+        if kind == JOIN:
+            self._join(i)
+        elif kind == REFRESH:
+            self._refresh(i)
+            self._decide(i)
+            self.net.at(self.net.now + self.p.refresh, REFRESH, i, blob)
+        elif kind == POLL:
+            self._decide(i)
+
+    # -- two blobs at once (`Params.pipeline`) ------------------------------------------------
+
+    def _download(self, i: int, blob: int) -> Node | None:
+        """Node `i`'s download of `blob` while it has pieces missing, else None."""
+        for dl in (self.nodes[i], self.ahead[i]):
+            if dl is not None and dl.blob == blob and dl.ready is None and not self._complete(dl):
+                return dl
+        return None
+
+    def _complete(self, dl: Node) -> bool:
+        return dl.blob < len(self.blobs) and dl.have == (1 << self.counts[dl.blob]) - 1
+
+    def _owner(self, f: Flow) -> Node | None:
+        """The download (of node `f.dst`) whose request `f` is."""
+        for dl in (self.nodes[f.dst], self.ahead[f.dst]):
+            if dl is not None and any(g is f for g in dl.inflight.get(f.piece, ())):
+                return dl
+        return None
+
+    def _holding(self, j: int, blob: int) -> Node:
+        """Node `j`'s download of `blob` if it has one, else its earliest (which tells
+        whether `j` is before or past `blob`)."""
+        dls = [dl for dl in (self.nodes[j], self.ahead[j]) if dl is not None]
+        return next((dl for dl in dls if dl.blob == blob), min(dls, key=lambda dl: dl.blob))
+
+    @contextlib.contextmanager
+    def _as(self, i: int, dl: Node | None) -> Iterator[None]:
+        """Handle an event of node `i`'s download `dl` with it in `nodes[i]`, where every
+        method looks (the other one in `ahead[i]` meanwhile)."""
+        current = self.nodes[i]
+        if dl is None or dl is current:
+            yield
+            return
+        self.nodes[i], self.ahead[i] = dl, current
+        try:
+            yield
+        finally:
+            self.nodes[i], self.ahead[i] = current, dl
+
+    def _pipeline(self, i: int) -> None:
+        """Start node `i`'s next blob if its current one has nothing left to request
+        (every missing piece in flight), it has no other in progress, and `Params.pipeline`
+        allows two."""
+        node = self.nodes[i]
+        if self.p.pipeline < 2 or self.ahead[i] is not None or node.ready is not None:
+            return
+        if not node.started or not node.joined or node.blob + 1 >= len(self.blobs):
+            return
+        missing = ((1 << self.counts[node.blob]) - 1) & ~node.have
+        if missing & ~node.fetching:
+            return
+        ahead = Node(node.blob + 1, started=True, watches=node.watches)
+        self.ahead[i] = ahead
+        with self._as(i, ahead):
+            self._next_blob(i)
+
+    def _done(self, i: int) -> None:
+        """`nodes[i]`'s blob is complete: the next one in progress (if any) becomes node
+        `i`'s current, or its next blob starts; a next blob done before its current one
+        waits for it."""
+        node, other = self.nodes[i], self.ahead[i]
+        if other is not None and other.blob < node.blob:
+            return
+        if other is None:
+            node.blob += 1
+            self._next_blob(i)
+            return
+        self.nodes[i], self.ahead[i] = other, None
+        if self._complete(other):
+            self._done(i)
 
     def _start(self, i: int, kind: int, ver: int) -> None:
         """Node `i`'s daemon spawned (START) or finished its start-up CPU (BOOTED)."""
@@ -218,7 +310,7 @@ class Swarm:
         node.joined = True
         for j in node.watches:
             self._look(i, j)
-            peer = self.nodes[j]
+            peer = self._holding(j, node.blob)
             if peer.blob == node.blob and peer.ready is None and i in peer.watches:
                 count = self.counts[node.blob]
                 peer.view.setdefault(i, PeerView(str(i), Bitmap(count), Bitmap(count)))
@@ -227,8 +319,9 @@ class Swarm:
     def _look(self, i: int, j: int) -> None:
         """Node `i` hears from peer `j` about its blob: `j`'s bitmaps (all held when it is
         past the blob), or, not serving yet or on an earlier blob, no advertisement."""
-        node, peer = self.nodes[i], self.nodes[j]
+        node = self.nodes[i]
         b, count = node.blob, self.counts[node.blob]
+        peer = self._holding(j, b)
         load = len(self.net.up_flows[j])
         if not peer.started or peer.blob < b:
             node.view.pop(j, None)
@@ -337,16 +430,20 @@ class Swarm:
         node.have |= 1 << f.piece
         node.fetching &= ~(1 << f.piece)
         if node.have == (1 << self.counts[node.blob]) - 1:
-            node.blob += 1
-            self._next_blob(f.dst)
+            self._done(f.dst)
         else:
             self._decide(f.dst)
 
 
-def run(p: Params) -> dict[str, object]:
-    """The swarm and its comparisons for one setting, as a table row's worth of numbers."""
+def run(p: Params, seeds: int = 1) -> dict[str, object]:
+    """The swarm and its comparisons for one setting, as a table row's worth of numbers:
+    with `seeds` > 1, the median of runs with seeds `p.seed` onwards (the last node's, the
+    p50's and the store's, each on its own)."""
     began = time.perf_counter()
-    swarm = Swarm(p).run()
+    runs = [Swarm(replace(p, seed=p.seed + k)).run() for k in range(seeds)]
+    swarm = sorted(runs, key=lambda o: o.last)[len(runs) // 2]
+    swarm = replace(swarm, p50=statistics.median(o.p50 for o in runs),
+                    store_copies=statistics.median(o.store_copies for o in runs))  # fmt: skip
     cpu = time.perf_counter() - began
     off, now = peers_off(p), today(p)
     return {
@@ -363,9 +460,9 @@ def run(p: Params) -> dict[str, object]:
 # -- command line ---------------------------------------------------------------------------
 
 HEADERS = (
-    "nodes", "store egress", "pieces", "swarm last s", "swarm p50 s", "store x model",
-    "last / line", "peers off last s", "peers off store x", "today last s", "today p50 s",
-    "line s", "bound s", "sim s",
+    "nodes", "store egress", "pieces", "blobs at once", "swarm last s", "swarm p50 s",
+    "store x model", "last / line", "p50 / line", "peers off last s", "peers off store x",
+    "today last s", "today p50 s", "line s", "bound s", "sim s",
 )  # fmt: skip
 
 
@@ -376,9 +473,10 @@ def row(r: dict[str, object]) -> list[object]:
     ln, bd = float(str(r["line"])), float(str(r["bound"]))
     return [
         p["nodes"], fmt_bits(p["store_rate"]), sum(piece_count(*b) for b in Params(**{**p,
-            "limits": Limits(), "cpu": Cpu()}).layout()),
+            "limits": Limits(), "cpu": Cpu()}).layout()), p["pipeline"],
         f"{s['last']:.1f}", f"{s['p50']:.1f}", f"{s['store_copies']:.2f}",
-        f"{s['last'] / ln:.2f}", f"{off['last']:.1f}", f"{off['store_copies']:.0f}",
+        f"{s['last'] / ln:.2f}", f"{s['p50'] / ln:.2f}", f"{off['last']:.1f}",
+        f"{off['store_copies']:.0f}",
         f"{now['last']:.1f}", f"{now['p50']:.1f}", f"{ln:.1f}", f"{bd:.1f}",
         f"{float(str(r['sim_seconds'])):.1f}",
     ]  # fmt: skip
@@ -402,20 +500,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--claims", default=Limits.claims, type=int)
     ap.add_argument("--total", default=Limits.total, type=int)
     ap.add_argument("--seed", default=1, type=int)
+    ap.add_argument("--seeds", default=1, type=int, help="runs per setting (seed onwards), medians")
+    ap.add_argument("--pipeline", default=str(Params.pipeline),
+                    help="blobs a node brings at once at most, comma-separated: 1,2")  # fmt: skip
+    ap.add_argument("--model-bytes", type=int, default=0,
+                    help="simulate benchmarks/swarm.py's model: --size in 4 shards and its small "
+                    "files, this many bytes in all (its JSON's model_bytes)")  # fmt: skip
+    ap.add_argument("--calibration", type=Path, help="the CPU model from swarmcal.py --json")
     ap.add_argument("--json", type=Path, help="write every run's numbers here")
     add_cpu_options(ap)
     a = ap.parse_args(argv)
     limits = Limits(per_peer=a.per_peer, per_origin=a.per_origin, claims=a.claims, total=a.total)
     cpu = cpu_from_args(a)
+    if a.calibration:
+        cpu = Cpu(**json.loads(a.calibration.read_text())["cpu"])
+    size, blobs = parse_size(a.size), ()
+    if a.model_bytes:
+        from swarmplot import model_blobs  # it imports this module
+
+        size, blobs = a.model_bytes, model_blobs(size, a.model_bytes)
     results = []
     for n in (int(x) for x in a.nodes.split(",")):
         for store in store_rates(a.store_rate, a.link):
-            p = Params(
-                n, parse_size(a.size), parse_size(a.piece), a.link, store, a.rtt, a.refresh,
-                a.jitter, a.startup, a.view, a.efficiency, a.seed, limits, cpu,
-            )  # fmt: skip
-            results.append(run(p))
-            print(f"N={n} store {fmt_bits(store)}: done", file=sys.stderr, flush=True)
+            for depth in (int(x) for x in a.pipeline.split(",")):
+                p = Params(
+                    n, size, parse_size(a.piece), a.link, store, a.rtt, a.refresh, a.jitter,
+                    a.startup, a.view, a.efficiency, a.seed, limits, cpu, blobs, depth,
+                )  # fmt: skip
+                results.append(run(p, a.seeds))
+                print(f"N={n} store {fmt_bits(store)} pipeline {depth}: done", file=sys.stderr,
+                      flush=True)  # fmt: skip
     print(f"size {a.size}, piece {a.piece}, link {fmt_bits(a.link)}, rtt {a.rtt} s, refresh "
           f"{a.refresh} s, startup {a.startup} s, jitter {a.jitter} s, view {a.view}, "
           f"efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "

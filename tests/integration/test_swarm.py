@@ -1,13 +1,16 @@
 """The swarm's data plane (design §8, Swarm) with real daemons on loopback: one blob from
 several peers and the store at once, a peer dying mid-piece, a lying peer, a node joining
-mid-swarm, and kill -9 resume. Each node logs one summary line per blob it swarmed:
+mid-swarm, kill -9 resume, and a model's blobs two at once. Each node logs one summary
+line per blob it swarmed:
 `swarm: <file> in N pieces: S from the store, P from K peers, R resumed; ...`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -236,3 +239,54 @@ def test_kill_9_mid_swarm_loses_only_the_pieces_in_flight(
     print(f"resume: {len(held)} of {count} pieces kept, the store sent {again} bytes again")
     assert again == size - len(held) * piece, (again, size, len(held))
     assert summary(node, entry.relpath)["resumed"] == len(held)
+
+
+def first_seen(paths: dict[str, Path], stop: threading.Event) -> dict[str, int]:
+    """Poll `paths` (by name) every 5 ms in a thread until `stop`: the round in which
+    each first existed (a stalled poller sees two in one round, never in the wrong order)."""
+    seen: dict[str, int] = {}
+
+    def poll() -> None:
+        for round_ in itertools.count():
+            if stop.is_set():
+                return
+            for name, path in paths.items():
+                if name not in seen and path.exists():
+                    seen[name] = round_
+            time.sleep(0.005)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return seen
+
+
+@pytest.mark.timeout(150)
+def test_the_next_blob_starts_before_the_one_before_is_published(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """Two blobs, a slow store: the second blob's swarm download (its partial) starts
+    while the first's last pieces are in flight, before the first is published; both
+    verify, and the store sends each once."""
+    pub = publish([8 * MiB, 8 * MiB], name="pipelined", rev="r1", seed="pipelined",
+                  small_files=False)  # fmt: skip
+    (node,) = make_nodes(tmp_path, 1)
+    nowhere = make_nodes(tmp_path, 1)[0].peer_addr  # peers on, but none answers
+    start(daemons, node, tmp_path, proxy.url, [nowhere])
+    proxy.reset_stats()
+    proxy.configure(rate_limit=4 * MiB)  # 2 s a blob, the last pieces' for a few tenths
+    layout = Layout.open(node.cache_dir)
+    paths = {f"{kind} {f.relpath}": getattr(layout, kind)(f.sha256)
+             for f in pub.model.files for kind in ("partial", "blob")}  # fmt: skip
+    stop = threading.Event()
+    seen = first_seen(paths, stop)
+    try:
+        fetch_all(wc, pub, [node], proxy.url)
+    finally:
+        stop.set()
+
+    assert_node_ok(node, pub)
+    first, second = sorted(pub.model.files, key=lambda f: seen[f"blob {f.relpath}"])
+    print(seen)
+    assert seen[f"partial {second.relpath}"] < seen[f"blob {first.relpath}"], seen
+    stats = proxy.stats()
+    assert all(stats.bytes_for(f.relpath) == f.size for f in pub.model.files), stats

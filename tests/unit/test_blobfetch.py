@@ -1,12 +1,15 @@
 """The fetch's blob half in-process, with blob sources that are local files: blobs from the
 origin, blobs brought by the node's swarm (a stand-in here: the swarm itself is tested with
 real daemons in tests/integration/test_swarm.py), a swarm copy that does not verify even
-after its re-check, an origin that serves wrong bytes twice (exit 4, nothing published)."""
+after its re-check, an origin that serves wrong bytes twice (exit 4, nothing published),
+and the swarm's blobs two at once: the next from the end game of the one before."""
 
 from __future__ import annotations
 
 import hashlib
 import random
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
-from weightcache.errors import IntegrityError
+from weightcache.errors import IntegrityError, Interrupted, TransientError
 from weightcache.fetch.blobs import BlobFetch, NodePeers
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.ranged import RangedDownloader
@@ -52,7 +55,8 @@ class FakePeers:
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader,
+        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        cancel: threading.Event | None = None,
     ) -> Swarmed:  # fmt: skip
         self.swarmed.append(sha256)
         if sha256 in self.serving:
@@ -173,3 +177,86 @@ def test_an_origin_serving_wrong_bytes_twice_is_an_integrity_error(
         fetch.bring(SOURCE, origin.manifest)
     assert failures == [1, 1]
     assert not Cache(layout).has_blob(b.sha256, b.size)
+
+
+class PipelinedPeers(FakePeers):
+    """A swarm whose every blob reports its end game at once, then waits (up to `hold`
+    seconds) for the blob after the next to start, or for `cancel`; the order of starts
+    and ends goes into `events`. Blob `fail` raises TransientError after that wait."""
+
+    def __init__(self, order: list[str], hold: float, fail: str | None = None) -> None:
+        super().__init__({})
+        self.order, self.hold, self.fail = order, hold, fail
+        self.started = {sha: threading.Event() for sha in order}
+        self.cancelled: list[str] = []
+        self.events: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def swarm(
+        self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
+        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Swarmed:  # fmt: skip
+        with self.lock:
+            self.events.append(("start", label))
+        self.started[sha256].set()
+        if endgame is not None:
+            endgame.set()
+        k = self.order.index(sha256)
+        until = time.monotonic() + self.hold
+        while time.monotonic() < until:
+            if k + 2 < len(self.order) and self.started[self.order[k + 2]].is_set():
+                break
+            if cancel is not None and cancel.is_set():
+                self.cancelled.append(label)
+                raise Interrupted("download interrupted")
+            if (
+                sha256 == self.fail
+                and k + 1 < len(self.order)
+                and self.started[self.order[k + 1]].is_set()
+            ):
+                break
+            time.sleep(0.01)
+        with self.lock:
+            self.events.append(("end", label))
+        if sha256 == self.fail:
+            raise TransientError(f"giving up on {label}")
+        return super().swarm(sha256, size, partial, label, origin, downloader)
+
+
+def three_blobs(tmp_path: Path) -> Origin:
+    return Origin(tmp_path / "origin3", {"a.bin": 100 * KiB, "b.bin": 50 * KiB, "c.bin": 70 * KiB})
+
+
+def test_the_swarm_brings_two_blobs_at_once_the_next_from_the_end_game_of_the_one_before(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """b starts while a is still in its end game; c only once a has ended (two at most),
+    though b is in its end game already; every blob published, each claim released."""
+    origin = three_blobs(tmp_path)
+    order = [e.sha256 for e in origin.manifest.entries]
+    peers = PipelinedPeers(order, hold=0.5)
+    fetch, failures = blob_fetch(layout, origin, peers)
+    assert fetch.bring(SOURCE, origin.manifest) == 220 * KiB
+    assert peers.events[:2] == [("start", "a.bin"), ("start", "b.bin")], peers.events
+    assert peers.events.index(("end", "a.bin")) < peers.events.index(("start", "c.bin"))
+    assert sorted(peers.claimed) == sorted(peers.released) == sorted(order)
+    for e in origin.manifest.entries:
+        assert layout.blob(e.sha256).read_bytes() == (origin.root / e.path).read_bytes()
+    assert failures == []
+
+
+def test_a_swarm_download_failing_stops_the_other_one_in_progress(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """a fails while b (started at a's end game) runs: b is cancelled, both claims are
+    released, a's error is the fetch's, nothing of b is published (its partial is kept)."""
+    origin = three_blobs(tmp_path)
+    order = [e.sha256 for e in origin.manifest.entries]
+    peers = PipelinedPeers(order, hold=5.0, fail=order[0])
+    fetch, _ = blob_fetch(layout, origin, peers)
+    with pytest.raises(TransientError, match=r"giving up on a\.bin"):
+        fetch.bring(SOURCE, origin.manifest)
+    assert peers.cancelled == ["b.bin"]
+    assert sorted(peers.claimed) == sorted(peers.released) == sorted(order[:2])
+    assert not any(Cache(layout).has_blob(e.sha256, e.size) for e in origin.manifest.entries)

@@ -94,9 +94,10 @@ def test_rates_are_decimal_bits(text: str, bits: float) -> None:
 
 
 def test_the_blobs_of_a_model_are_swarmed_one_after_another_in_the_daemons_pieces() -> None:
-    # four shards of 16 MiB take longer than one blob of 64 MiB: each blob's start (the
-    # store's first pieces, the first view round) and its end game come once per blob
-    one = sim.Params(4, 64 * MiB, 0, 400e6, 400e6)
+    # four shards of 16 MiB one at a time take longer than one blob of 64 MiB: each
+    # blob's start (the store's first pieces, the first view round) and its end game come
+    # once per blob (pipelined, they overlap: the test below)
+    one = sim.Params(4, 64 * MiB, 0, 400e6, 400e6, pipeline=1)
     four = replace(one, blobs=(16 * MiB,) * 4)
     assert one.layout() == [(64 * MiB, 2 * MiB)]  # piece_size_for: 32 pieces of 2 MiB
     assert four.layout() == [(16 * MiB, 512 << 10)] * 4
@@ -113,7 +114,9 @@ def test_a_peer_s_piece_is_fetched_once_the_node_hears_of_it_at_its_next_view_ro
     # from the store and goes on alone to the second (node 0, still on the first, is not
     # in its swarm), so it takes that from the store too; node 0 learns of node 1's copy
     # at its next HEAD round only, then takes both files from node 1
-    p = sim.Params(2, 200, 0, 8e9, 8e9, refresh=refresh, efficiency=1.0, blobs=(100, 100))
+    p = sim.Params(
+        2, 200, 0, 8e9, 8e9, refresh=refresh, efficiency=1.0, blobs=(100, 100), pipeline=1
+    )
     out = sim.Swarm(p).run()
     assert out.ready[1] == pytest.approx(4 * p.rtt, abs=1e-4)
     assert out.ready[0] == pytest.approx(refresh + 3 * p.rtt, abs=1e-4)
@@ -135,3 +138,23 @@ def test_a_node_watching_some_peers_stripes_among_all_nodes() -> None:
     # take the whole blob from the store (4 copies); among all 40, about one
     p = sim.Params(40, 64 * MiB, 2 * MiB, 400e6, 400e6, view=8)
     assert sim.Swarm(p).run().store_copies < 1.5
+
+
+def test_a_node_starts_its_next_blob_at_the_end_game_of_the_one_before() -> None:
+    # one node alone, two blobs of one piece each, 0.1 s from a request to its first
+    # byte: one after the other, 2 x (HEAD round + request + 1 s); pipelined, the second
+    # blob's HEAD round and request go while the first's piece (all it has to request)
+    # is in flight, and the two pieces share the link
+    p = sim.Params(1, 2 * MiB, MiB, 8 * MiB, 8 * MiB, rtt=0.1, efficiency=1.0,
+                   blobs=(MiB, MiB), pipeline=1)  # fmt: skip
+    assert sim.Swarm(p).run().last == pytest.approx(2.4)
+    assert sim.Swarm(replace(p, pipeline=2)).run().last == pytest.approx(2.2)
+
+
+def test_pipelined_blobs_keep_the_links_busy_between_blobs() -> None:
+    # four shards, nodes in lockstep: each blob's start (the store's pieces one by one, a
+    # view round before any peer piece) overlaps the end game of the one before
+    p = sim.Params(4, 64 * MiB, 0, 400e6, 400e6, blobs=(16 * MiB,) * 4, pipeline=1)
+    one, two = sim.Swarm(p).run(), sim.Swarm(replace(p, pipeline=2)).run()
+    assert two.last < 0.9 * one.last
+    assert two.store_copies == pytest.approx(1.0, abs=0.05)

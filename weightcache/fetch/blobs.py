@@ -3,14 +3,19 @@
 Each blob is claimed by its lock (one download per node; a blob another process is
 downloading is waited for, bounded by that process's progress, then re-checked). In the
 daemon, each blob is downloaded by the node's swarm (`NodePeers.swarm`, weightcache/node/
-swarmfetch.py: pieces from several peers and the origin at once); without peers, or for a
-private partial, by the ranged downloader from the origin alone. Every blob is verified
-against the manifest's sha256 before it is published, whatever its source.
+swarmfetch.py: pieces from several peers and the origin at once), two blobs at once at
+most: the next starts when the one before has nothing left to request (its end game), so
+that the links do not idle between blobs; without peers, or for a private partial, by the
+ranged downloader from the origin alone. Every blob is verified against the manifest's
+sha256 before it is published, whatever its source.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +32,8 @@ from weightcache.progress import human
 from weightcache.transfer.sources import BlobSource
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from weightcache.transfer.ranged import RangedDownloader
 
 log = logging.getLogger(__name__)
@@ -62,9 +69,18 @@ class NodePeers(Protocol[ClaimT]):
     def release(self, sha256: str, claim: ClaimT) -> None: ...
 
     def swarm(
-        self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
+        self,
+        sha256: str,
+        size: int,
+        partial: Path,
+        label: str,
+        origin: BlobSource,
         downloader: RangedDownloader,
-    ) -> Swarmed: ...  # fmt: skip
+        endgame: threading.Event | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Swarmed:
+        """Download one blob into `partial`; set `endgame` once no piece of it is left to
+        request; stop (Interrupted) once `cancel` is set."""
 
     def mark_bad(self, peer: str, why: str) -> None: ...
 
@@ -82,6 +98,18 @@ class Wanted:
     @property
     def sha256(self) -> str:
         return self.entry.sha256
+
+
+@dataclass
+class _Swarming:
+    """One blob the swarm brings in a worker thread: its claim, and its end game (set too
+    when the download ends, however)."""
+
+    wanted: Wanted
+    claim: Any
+    endgame: threading.Event
+    cancel: threading.Event
+    future: Future[Swarmed]
 
 
 def holder_stalled(cache: Cache, timeout: float) -> Callable[[], bool]:
@@ -180,40 +208,94 @@ class BlobFetch:
         """
         if self.peers is None:
             return self._from_origin(source, todo)
-        fetched, rest, strikes = 0, [], {}
-        for w in todo:
-            if w.private:  # a private partial is never served, so never swarmed
-                rest.append(w)
-                continue
-            claim = self.peers.claim(w.sha256, w.partial, w.entry.size)
-            try:
-                published, got = self._from_swarm(source, w)
-            finally:
-                self.peers.release(w.sha256, claim)
-            fetched += got
-            if not published:
-                strikes[w.sha256] = 1  # every byte of it came from the origin: one strike
-                rest.append(w)
-        return fetched + self._from_origin(source, rest, strikes)
+        # a private partial is never served, so never swarmed
+        fetched, failed = self._from_swarm(source, [w for w in todo if not w.private])
+        rest = [w for w in todo if w.private] + failed
+        # every byte of a failed one came from the origin: one strike
+        return fetched + self._from_origin(source, rest, {w.sha256: 1 for w in failed})
 
-    def _from_swarm(self, source: Source, w: Wanted) -> tuple[bool, int]:
-        """(published, bytes from the origin) of one blob brought by the swarm. A first
+    def _from_swarm(self, source: Source, todo: list[Wanted]) -> tuple[int, list[Wanted]]:
+        """(bytes from the origin, the blobs not published) of `todo` brought by the swarm,
+        two at once at most: each starts once the one before has nothing left to request
+        (or ended), and after the one before that has ended (design §8, Swarm). Each blob
+        is claimed (so that peers may fetch its pieces from us while we download it) until
+        it is published or dropped. On an error, the other download is stopped first."""
+        # imported here: a fetch without peers reaches its first GET without it (design §4)
+        from concurrent.futures import ThreadPoolExecutor
+
+        fetched, failed = 0, list[Wanted]()
+        running: collections.deque[_Swarming] = collections.deque()
+        with ThreadPoolExecutor(2, thread_name_prefix="blob") as pool:
+            try:
+                for w in todo:
+                    if len(running) == 2:
+                        fetched += self._finish(running.popleft(), failed)
+                    if running:
+                        running[-1].endgame.wait()
+                    running.append(self._begin(pool, source, w))
+                while running:
+                    fetched += self._finish(running.popleft(), failed)
+            finally:
+                self._stop(running)
+        return fetched, failed
+
+    def _begin(self, pool: ThreadPoolExecutor, source: Source, w: Wanted) -> _Swarming:
+        """Claim the blob and start its swarm download in `pool`."""
+        assert self.peers is not None
+        peers = self.peers
+        origin, downloader = self._origin_blob(source, w.entry), self._downloader()
+        endgame, cancel = threading.Event(), threading.Event()
+
+        def swarm() -> Swarmed:
+            try:
+                return peers.swarm(w.sha256, w.entry.size, w.partial, w.entry.path, origin,
+                                   downloader, endgame=endgame, cancel=cancel)  # fmt: skip
+            finally:
+                endgame.set()
+
+        claim = peers.claim(w.sha256, w.partial, w.entry.size)
+        try:
+            return _Swarming(w, claim, endgame, cancel, pool.submit(swarm))
+        except BaseException:
+            peers.release(w.sha256, claim)
+            raise
+
+    def _finish(self, s: _Swarming, failed: list[Wanted]) -> int:
+        """Wait for one swarm download, publish its blob if it verifies (else add it to
+        `failed`), release its claim; return the bytes it took from the origin."""
+        assert self.peers is not None
+        try:
+            if not self._verified(s.wanted, s.future.result()):
+                failed.append(s.wanted)
+            return s.future.result().origin_bytes
+        finally:
+            self.peers.release(s.wanted.sha256, s.claim)
+
+    def _stop(self, running: collections.deque[_Swarming]) -> None:
+        """Stop the downloads still running (after an error), wait for them, release their
+        claims; their partials are kept for resume."""
+        assert self.peers is not None
+        for s in running:
+            s.cancel.set()
+        for s in running:
+            with contextlib.suppress(Exception):
+                s.future.result()
+            self.peers.release(s.wanted.sha256, s.claim)
+
+    def _verified(self, w: Wanted, done: Swarmed) -> bool:
+        """Publish a blob the swarm brought if it verifies; True if published. A first
         assembly that does not verify counts as a failed verification, and so does the
         blob after its peers' pieces were replaced by the origin's, if it still does not."""
-        assert self.peers is not None
-        origin = self._origin_blob(source, w.entry)
-        done = self.peers.swarm(w.sha256, w.entry.size, w.partial, w.entry.path, origin,
-                                self._downloader())  # fmt: skip
         if done.mismatched:
             self._verify_failed()
         if done.digest == w.sha256:
             self.cache.publish_blob(w.partial, w.sha256)
-            return True, done.origin_bytes
+            return True
         self.cache.discard_partial(w.partial)
         self._verify_failed()
         log.warning("sha256 mismatch for %s from the origin (expected %s, got %s); "
                     "downloading it once more", w.entry.path, w.sha256, done.digest)  # fmt: skip
-        return False, done.origin_bytes
+        return False
 
     def _from_origin(
         self, source: Source, todo: list[Wanted], strikes: dict[str, int] | None = None

@@ -381,13 +381,16 @@ class Peers:
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader,
+        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        cancel: threading.Event | None = None,
     ) -> Outcome:  # fmt: skip
         """Download one blob piece by piece from the peers and the store into `partial`
-        (weightcache/node/swarmfetch.py); the fetch layer sees only this method."""
+        (weightcache/node/swarmfetch.py); the fetch layer sees only this method. `endgame`
+        is set once no piece is left to request; `cancel` stops the download."""
         from weightcache.node.swarmfetch import SwarmDownload
 
-        return SwarmDownload(self, sha256, size, partial, label, origin, downloader).run()
+        return SwarmDownload(self, sha256, size, partial, label, origin, downloader,
+                             endgame=endgame, cancel=cancel).run()  # fmt: skip
 
 
 class PeerBlob:

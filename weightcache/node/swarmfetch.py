@@ -18,6 +18,10 @@ the peers and of the store, and runs each request in a worker thread:
   piece that did not come from the store in this run is fetched again from the store and
   compared: a peer whose piece differs is marked bad, the store's bytes are kept, and the
   blob is hashed again. At most once; the caller decides what a second mismatch means.
+- **End game.** Once no piece is left to request (every missing piece is in flight), the
+  download sets its `endgame` event: the caller may start the next blob meanwhile, so
+  that the links do not idle while the last pieces come (fetch/blobs.py). Its `cancel`
+  event stops it (Interrupted), partial kept.
 """
 
 from __future__ import annotations
@@ -128,8 +132,10 @@ class SwarmDownload:
     def __init__(
         self, peers: Peers, sha256: str, size: int, partial: Path, label: str,
         origin: BlobSource, downloader: RangedDownloader, limits: Limits | None = None,
+        endgame: threading.Event | None = None, cancel: threading.Event | None = None,
     ) -> None:  # fmt: skip
         self.peers, self.sha256, self.size, self.label = peers, sha256, size, label
+        self.endgame, self.cancel = endgame, cancel
         self.partial_path, self.origin, self.downloader = partial, origin, downloader
         self.observer = downloader.observer
         self.limits = limits or Limits()
@@ -197,8 +203,19 @@ class SwarmDownload:
                 with self.lock:
                     self.inflight.setdefault(request.piece, set()).add(request.source)
                 pool.submit(self._fetch, request)
+            self._note_endgame()
             with contextlib.suppress(queue.Empty):
                 self.events.get(timeout=TICK)
+
+    def _note_endgame(self) -> None:
+        """Set `endgame` once every missing piece is in flight (none left to request)."""
+        if self.endgame is None or self.endgame.is_set():
+            return
+        with self.lock:
+            flying = set(self.inflight)
+        held = self._held()
+        if all(i in held or i in flying for i in range(self.count)):
+            self.endgame.set()
 
     def _log_summary(self) -> None:
         with self.lock:
@@ -214,7 +231,7 @@ class SwarmDownload:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
         if self.errors:
             raise self.errors[0]
-        if self.downloader.closing:
+        if self.downloader.closing or (self.cancel is not None and self.cancel.is_set()):
             raise Interrupted("download interrupted; partial files are kept for resume")
         stalled = time.monotonic() - self.last_progress
         if stalled >= self.downloader.settings.timeout:
