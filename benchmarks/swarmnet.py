@@ -163,6 +163,7 @@ class Params:
     limits: Limits = field(default_factory=Limits)
     cpu: Cpu = field(default_factory=Cpu)  # the host's CPU (swarmnet.py); off by default
     blobs: tuple[int, ...] = ()  # the blobs' sizes in the daemons' order; () = one of `size`
+    dead: int = 0  # nodes (a random few) listed as members that never start
 
     def layout(self) -> list[tuple[int, int]]:
         """(size, piece size) of each blob, in the order every node fetches them."""

@@ -97,6 +97,7 @@ from swarmnet import (  # the setting and closed forms live with the model; used
     today,
 )
 
+from weightcache.config import DEFAULT_PEER_VIEW
 from weightcache.node.swarm import (
     ORIGIN,
     Bitmap,
@@ -110,6 +111,16 @@ from weightcache.node.swarm import (
 )
 from weightcache.node.swarmfetch import IDLE_GRACE
 from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
+from weightcache.node.swarmviews import (
+    GONE_SECONDS,
+    MEMBER_TTL,
+    Late,
+    idle_requests,
+    idle_scope,
+    in_view,
+    orphaned,
+    watch,
+)
 
 __all__ = ["Cpu", "Flow", "MiB", "Network", "Outcome", "Params", "Swarm", "bound", "fmt_bits",
            "line", "parse_bits", "peers_off", "run", "store_rates", "today"]  # fmt: skip
@@ -139,6 +150,10 @@ class Node:
     began: float = 0.0  # when this blob's download began
     idle_since: float = 0.0
     watches: list[int] = field(default_factory=list)
+    watched_at: dict[int, float] = field(default_factory=dict)  # since when, by peer
+    advertised: dict[int, float] = field(default_factory=dict)  # last advertisement, by peer
+    gone: dict[int, float] = field(default_factory=dict)  # watched peer found gone -> until
+    late: Late = field(default_factory=lambda: Late(0.0, 0))
 
 
 class Swarm:
@@ -155,10 +170,13 @@ class Swarm:
         self.net = Network([link] * p.nodes + [store], [link] * p.nodes, p.cpu)
         self.nodes = [Node() for _ in range(p.nodes)]
         self.store_bytes = 0.0
+        self.dead = set(self.rng.sample(range(p.nodes), p.dead))
         for i, node in enumerate(self.nodes):
             others = [j for j in range(p.nodes) if j != i]
-            node.watches = others if len(others) <= p.view else self.rng.sample(others, p.view)
-            self.net.at(p.startup + self.rng.uniform(0, p.jitter), START, i)
+            node.watches = watch(others, [], (), p.view, self.rng)
+            start = p.startup + self.rng.uniform(0, p.jitter)
+            if i not in self.dead:
+                self.net.at(start, START, i)
 
     def run(self) -> Outcome:
         net, nodes = self.net, self.nodes
@@ -182,7 +200,8 @@ class Swarm:
                 net.at(net.now + self.p.refresh, REFRESH, obj, ver)
             elif kind == POLL:
                 self._decide(obj)
-        ready = [n.ready if n.ready is not None else float("inf") for n in nodes]
+        ready = [n.ready if n.ready is not None else float("inf")
+                 for i, n in enumerate(nodes) if i not in self.dead]  # fmt: skip
         return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready,
                        net.cpu_used)  # fmt: skip
 
@@ -207,6 +226,8 @@ class Swarm:
         node.joined, node.have, node.fetching, node.view = False, 0, 0, {}
         node.store, node.per_request, node.best = StoreView(), {}, 0.0
         node.began = node.idle_since = now
+        node.late, node.advertised = Late(now, self.counts[node.blob]), {}
+        node.watched_at = dict.fromkeys(node.watches, now)
         self.net.at(now + self.p.rtt, JOIN, i, node.blob)
         self.net.at(now + self.p.refresh, REFRESH, i, node.blob)
         self._background(i)
@@ -237,6 +258,8 @@ class Swarm:
         else:
             have, fetching = Bitmap(count, peer.have), Bitmap(count, peer.fetching)
             node.view[j] = PeerView(str(j), have, fetching, load)
+        if j in node.view:
+            node.advertised[j] = self.net.now
 
     def _answered(self, i: int, j: int) -> None:
         """A piece request's answer from `j` reached `i`: it advertises, as HEADs do."""
@@ -258,12 +281,29 @@ class Swarm:
 
     def _refresh(self, i: int) -> None:
         """A HEAD round: every watched peer but those that answered a piece request within
-        the last round (`PeerViews.refresh`)."""
+        the last round, after replacing those gone (`PeerViews.refresh`)."""
         node, now = self.nodes[i], self.net.now
+        self._rewatch(node, i, now)
         for j in node.watches:
             if now - node.answered.get(j, -1e9) >= self.p.refresh:
                 self._look(i, j)
         self._background(i)
+
+    def _rewatch(self, node: Node, i: int, now: float) -> None:
+        """`PeerViews._rewatch`: past the bound, a watched peer that has not advertised the
+        blob for MEMBER_TTL is gone (dead, or not on this blob yet), replaced by another."""
+        if len(node.watches) >= self.p.nodes - 1:
+            return
+        for j in node.watches:
+            if now - max(node.advertised.get(j, -1e9), node.watched_at.get(j, now)) >= MEMBER_TTL:
+                node.gone[j] = now + GONE_SECONDS
+        node.gone = {j: t for j, t in node.gone.items() if t > now}
+        others = [j for j in range(self.p.nodes) if j != i]
+        node.watches = watch(others, node.watches, node.gone.keys(), self.p.view, self.rng)
+        node.watched_at = {j: node.watched_at.get(j, now) for j in node.watches}
+        for j in list(node.view):
+            if j not in node.watched_at:
+                del node.view[j]
 
     def _decide(self, i: int) -> None:
         """`SwarmDownload._choose`: the policy on the node's view, then the store regardless
@@ -287,16 +327,15 @@ class Swarm:
             spare=not node.inflight or inflow < SPARE * node.best,
         )
         views, limits = list(node.view.values()), self.p.limits
+        claimed, held = in_view(views)
+        node.late.saw(claimed | node.have | node.fetching, held | node.have, now)
         requests = choose(local, views, node.store, limits, self.rng)
         if requests or node.inflight:
             node.idle_since = now
         elif now - node.idle_since >= IDLE_GRACE:
-            claimed = 0
-            for v in views:
-                claimed |= v.fetching.bits | v.have.bits
-            room = StoreView(True, node.store.window)
-            requests = [r for r in choose(local, views, room, limits, self.rng)
-                        if not claimed >> r.piece & 1]  # fmt: skip
+            orphans = orphaned(members, node.gone.keys(), count) if partial else 0
+            scope = idle_scope(partial, local, orphans, node.late.late(now))
+            requests = idle_requests(local, views, node.store, limits, self.rng, scope)
         else:  # the daemon's loop looks again every TICK: at the grace's end at the latest
             self.net.at(node.idle_since + IDLE_GRACE, POLL, i, node.blob)
         size, piece = self.blobs[node.blob]
@@ -395,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refresh", default=0.5, type=float, help="advertisement age, seconds")
     ap.add_argument("--startup", default=0.0, type=float, help="daemon start, seconds")
     ap.add_argument("--jitter", default=0.0, type=float, help="start spread, seconds")
-    ap.add_argument("--view", default=32, type=int, help="peers a node watches at most")
+    ap.add_argument(
+        "--view", default=DEFAULT_PEER_VIEW, type=int, help="peers a node watches at most"
+    )
+    ap.add_argument("--dead", default=0, type=int, help="members that never start")
     ap.add_argument("--efficiency", default=0.95, type=float, help="payload share of a link")
     ap.add_argument("--per-peer", default=Limits.per_peer, type=int)
     ap.add_argument("--per-origin", default=Limits.per_origin, type=int)
@@ -412,13 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         for store in store_rates(a.store_rate, a.link):
             p = Params(
                 n, parse_size(a.size), parse_size(a.piece), a.link, store, a.rtt, a.refresh,
-                a.jitter, a.startup, a.view, a.efficiency, a.seed, limits, cpu,
+                a.jitter, a.startup, a.view, a.efficiency, a.seed, limits, cpu, dead=a.dead,
             )  # fmt: skip
             results.append(run(p))
             print(f"N={n} store {fmt_bits(store)}: done", file=sys.stderr, flush=True)
     print(f"size {a.size}, piece {a.piece}, link {fmt_bits(a.link)}, rtt {a.rtt} s, refresh "
           f"{a.refresh} s, startup {a.startup} s, jitter {a.jitter} s, view {a.view}, "
-          f"efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "
+          f"dead {a.dead}, efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "
           f"{cpu.describe() if cpu.on else 'not modelled'}\n")  # fmt: skip
     print(ms.md_table(HEADERS, [row(r) for r in results]))
     if a.json:

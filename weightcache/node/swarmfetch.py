@@ -46,14 +46,20 @@ from weightcache.node.swarm import (
     Limits,
     Local,
     Request,
-    StoreView,
     choose,
     piece_ranges,
 )
 
 # fmt: on
 from weightcache.node.swarmorigin import StoreGate
-from weightcache.node.swarmviews import VIEW_EVERY, PeerViews
+from weightcache.node.swarmviews import (
+    VIEW_EVERY,
+    Late,
+    PeerViews,
+    idle_requests,
+    idle_scope,
+    in_view,
+)
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
 
@@ -145,6 +151,7 @@ class SwarmDownload:
         self.views = PeerViews(peers, sha256, size, self.piece_size)
         self.store = StoreGate(self.limits, downloader, origin.where, label)
         self.idle_since = time.monotonic()
+        self.late = Late(self.idle_since, self.count)
         self.errors: list[BaseException] = []
         self.last_progress = time.monotonic()
         self.events: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -233,21 +240,19 @@ class SwarmDownload:
         views, rank, members = self.views.current()
         spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
         local = Local(self._held(), inflight, rank, members, spare)
+        fetching = sum(1 << p for p in inflight)
+        claimed, held = in_view(views)
+        self.late.saw(claimed | local.have.bits | fetching, held | local.have.bits, now)
         requests = choose(local, views, store, self.limits, self.rng)
         if requests or inflight:
             self.idle_since = now
         elif now - self.idle_since >= IDLE_GRACE:
-            # Nobody in view holds or fetches what is missing (a stripe of a node gone)
-            # for a while (views are that stale): the store, whatever its room, rather
-            # than waiting for nothing; but not a piece another node is fetching from it.
-            claimed = 0
-            for view in views:
-                claimed |= view.fetching.bits | view.have.bits
-            requests = [
-                r
-                for r in choose(local, views, StoreView(True, store.window), self.limits, self.rng)
-                if not claimed >> r.piece & 1
-            ]
+            # Nobody in view holds or fetches what is missing for a while (views are that
+            # stale): the store, whatever its room, rather than waiting for nothing; with a
+            # partial view only for pieces nobody could be expected to have (`idle_scope`).
+            scope = idle_scope(self.views.partial(), local, self.views.orphans(),
+                               self.late.late(now))  # fmt: skip
+            requests = idle_requests(local, views, store, self.limits, self.rng, scope)
         if self.store.paused():
             requests = [r for r in requests if r.source != ORIGIN]
         return requests
