@@ -213,9 +213,11 @@ class SwarmDownload:
                                      for s in self.sources.values())  # fmt: skip
             senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
         store = self.store.view()
+        watched, listed = self.views.watching()
         log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers, %d resumed; "
-                 "store window %d, room %s", self.label, self.count, by[ORIGIN], by["peer"],
-                 len(senders), by["resumed"], store.window, store.room)  # fmt: skip
+                 "store window %d, room %s; watching %d of %d peers", self.label, self.count,
+                 by[ORIGIN], by["peer"], len(senders), by["resumed"], store.window, store.room,
+                 watched, listed)  # fmt: skip
 
     def _check(self) -> None:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""

@@ -193,6 +193,11 @@ class PeerViews:
                 members = sorted(self.views.keys() | {own})
         return views, members.index(own), len(members)
 
+    def watching(self) -> tuple[int, int]:
+        """(the peers HEAD rounds ask now, the peers discovery lists)."""
+        with self.lock:
+            return len(self.watched), len(self.listed)
+
     def orphans(self) -> int:
         """The stripes of the members found gone (`orphaned`); none with a whole view."""
         own = self.peers.own_url()
