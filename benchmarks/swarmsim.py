@@ -114,6 +114,7 @@ from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
 from weightcache.node.swarmviews import (
     GONE_SECONDS,
     MEMBER_TTL,
+    ROTATE,
     Late,
     idle_requests,
     idle_scope,
@@ -299,7 +300,9 @@ class Swarm:
                 node.gone[j] = now + GONE_SECONDS
         node.gone = {j: t for j, t in node.gone.items() if t > now}
         others = [j for j in range(self.p.nodes) if j != i]
-        node.watches = watch(others, node.watches, node.gone.keys(), self.p.view, self.rng)
+        busy = {j for j, t in node.answered.items() if now - t < self.p.refresh}
+        node.watches = watch(others, node.watches, node.gone.keys(), self.p.view, self.rng,
+                             ROTATE, busy)  # fmt: skip
         node.watched_at = {j: node.watched_at.get(j, now) for j in node.watches}
         for j in list(node.view):
             if j not in node.watched_at:
@@ -332,9 +335,13 @@ class Swarm:
         requests = choose(local, views, node.store, limits, self.rng)
         if requests or node.inflight:
             node.idle_since = now
-        elif now - node.idle_since >= IDLE_GRACE:
+        elif (
+            now >= node.idle_since + IDLE_GRACE
+        ):  # as the POLL below is scheduled: no rounding loop
             orphans = orphaned(members, node.gone.keys(), count) if partial else 0
-            scope = idle_scope(partial, local, orphans, node.late.late(now))
+            scope = idle_scope(
+                partial, local, orphans, node.late.late(now, local.rank, local.nodes)
+            )
             requests = idle_requests(local, views, node.store, limits, self.rng, scope)
         else:  # the daemon's loop looks again every TICK: at the grace's end at the latest
             self.net.at(node.idle_since + IDLE_GRACE, POLL, i, node.blob)

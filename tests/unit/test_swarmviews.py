@@ -13,8 +13,19 @@ import pytest
 from weightcache.config import PeerSettings
 from weightcache.node import swarmviews
 from weightcache.node.peers import PIECES, Peers
-from weightcache.node.swarm import ORIGIN, Bitmap, Limits, Local, PeerView, Request, StoreView
+from weightcache.node.swarm import (
+    ORIGIN,
+    Bitmap,
+    Limits,
+    Local,
+    PeerView,
+    Request,
+    StoreView,
+    iter_bits,
+    stripe,
+)
 from weightcache.node.swarmviews import (
+    LATE_FACTOR,
     LATE_GRACE,
     MEMBER_TTL,
     Late,
@@ -64,6 +75,19 @@ def test_watched_peers_are_kept_and_those_dropped_or_gone_replaced() -> None:
     assert again[:6] == first[2:]  # the others stay watched
 
 
+def test_one_watched_peer_not_serving_pieces_is_rotated_out_each_round() -> None:
+    members = [f"p{i:02}" for i in range(40)]
+    first = watch(members, [], (), 8, random.Random(1))
+    busy = first[:7]  # all but one serve this node pieces: the eighth is rotated
+    again = watch(members, first, (), 8, random.Random(2), rotate=1, busy=busy)
+    assert again[:7] == busy and again[7] != first[7] and again[7] not in first
+    everyone = set()
+    for seed in range(200):  # every member gets its turn in the view
+        first = watch(members, first, (), 8, random.Random(seed), rotate=1)
+        everyone |= set(first)
+    assert everyone == set(members)
+
+
 def test_fewer_than_the_bound_when_the_others_are_all_dropped() -> None:
     members = [f"p{i}" for i in range(10)]
     assert sorted(watch(members, [], members[3:], 4, random.Random(1))) == members[:3]
@@ -75,20 +99,36 @@ def test_fewer_than_the_bound_when_the_others_are_all_dropped() -> None:
 def test_no_piece_is_late_before_the_swarm_showed_one() -> None:
     late = Late(100.0, N)
     late.saw(bits([3]), 0, 101.0)  # piece 3 in flight somewhere: nothing held yet
-    assert late.late(200.0) == 0
+    assert late.late(200.0, 0, 4) == 0
 
 
-def test_a_piece_unseen_as_long_as_the_first_one_took_to_show_is_late() -> None:
+def test_a_late_piece_is_asked_for_by_its_owner_s_successors_more_of_them_as_time_passes(
+) -> None:  # fmt: skip
+    # 16 nodes, one piece each: node r owns piece r
     late = Late(100.0, N)
-    late.saw(bits([0, 1]), bits([0]), 110.0)  # the first piece showed after 10 s
-    late.saw(bits([1, 2]), bits([0]), 115.0)  # then no more 0 (its holder left the view)
-    assert late.late(119.9) == 0
-    assert late.late(120.0) == bits(range(N)) & ~bits([1, 2])  # unseen since 110
-    assert late.late(125.0) == bits(range(N))
-    quick = Late(100.0, N)
-    quick.saw(bits([0]), bits([0]), 100.5)
-    assert quick.late(100.5 + LATE_GRACE - 0.1) == 0  # at least LATE_GRACE
-    assert quick.late(100.5 + LATE_GRACE) == bits(range(N))
+    late.saw(bits([0, 1]), bits([0]), 102.0)  # the first piece showed after 2 s
+    wait = max(LATE_GRACE, LATE_FACTOR * 2.0)
+    late.saw(bits([1]), bits([0]), 102.0 + wait / 2)  # 1 stays seen a while longer
+
+    def asked(t: float, rank: int) -> list[int]:
+        return list(iter_bits(late.late(102.0 + t, rank, N)))
+
+    assert asked(wait - 0.01, 5) == []
+    # one period: the piece of the node just before (distance 1), and the own one
+    assert asked(wait, 5) == [4, 5]
+    assert asked(2 * wait, 5) == [3, 4, 5]  # distance 2
+    assert asked(2 * wait, 2) == [0, 1, 2]  # piece 1 unseen 1.5 periods: distance 1 only
+    assert asked(2 * wait, 3) == [2, 3]
+    assert asked(3 * wait, 5) == [2, 3, 4, 5]  # distance 4 for piece 1 at 2.5 periods: no
+    assert asked(6 * wait, 5) == list(range(N))  # 2 ** 5 >= 15: everyone asks for all
+
+
+def test_late_pieces_with_fewer_pieces_than_nodes_belong_to_the_stripe_owners() -> None:
+    late = Late(0.0, 4)  # 4 pieces among 10 nodes: owners 2, 4, 7, 9
+    late.saw(0, bits([0]), 1.0)
+    wait = max(LATE_GRACE, LATE_FACTOR * 1.0)
+    assert [r for r in range(10) if late.late(1.0 + wait, r, 10) >> 2 & 1] == [7, 8]
+    assert stripe(7, 10, 4) == bits([2])
 
 
 def test_orphaned_stripes_are_those_of_members_gone() -> None:

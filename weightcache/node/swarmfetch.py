@@ -253,7 +253,7 @@ class SwarmDownload:
             # stale): the store, whatever its room, rather than waiting for nothing; with a
             # partial view only for pieces nobody could be expected to have (`idle_scope`).
             scope = idle_scope(self.views.partial(), local, self.views.orphans(),
-                               self.late.late(now))  # fmt: skip
+                               self.late.late(now, rank, members))  # fmt: skip
             requests = idle_requests(local, views, store, self.limits, self.rng, scope)
         if self.store.paused():
             requests = [r for r in requests if r.source != ORIGIN]

@@ -51,6 +51,8 @@ MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membershi
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
 GONE_SECONDS = 10.0  # a watched peer replaced as dead or absent is not watched again this long
 LATE_GRACE = 4.0  # seconds a piece stays unseen in a partial view before anyone may ask the store
+ROTATE = 1  # watched peers not serving pieces replaced by others each round (a partial view)
+LATE_FACTOR = 2.0  # ... and this many times as long as the swarm took to show a first piece
 
 
 P = TypeVar("P", str, int)  # a peer: its URL (the daemons), its index (the simulator)
@@ -58,17 +60,21 @@ P = TypeVar("P", str, int)  # a peer: its URL (the daemons), its index (the simu
 
 def watch(
     members: Sequence[P], watched: Sequence[P], drop: Collection[P], size: int,
-    rng: random.Random,
+    rng: random.Random, rotate: int = 0, busy: Collection[P] = (),
 ) -> list[P]:  # fmt: skip
     """The peers to watch: all `members` when there are at most `size`; else those of
-    `watched` still members and not in `drop`, topped up to `size` with a random sample of
-    the other members not in `drop` (fewer if there are not enough)."""
+    `watched` still members and not in `drop`, but `rotate` random ones not `busy` (serving
+    this node pieces), topped up to `size` with a random sample of the other members not
+    in `drop` (fewer if there are not enough)."""
     if len(members) <= size:
         return list(members)
     listed, dropped = set(members), set(drop)
     keep = [u for u in watched if u in listed and u not in dropped][:size]
+    idle = [u for u in keep if u not in busy]
+    rotated = set(rng.sample(idle, min(rotate, len(idle)))) if len(keep) == size else set()
+    keep = [u for u in keep if u not in rotated]
     kept = set(keep)
-    others = [u for u in members if u not in kept and u not in dropped]
+    others = [u for u in members if u not in kept and u not in dropped and u not in rotated]
     return keep + rng.sample(others, min(size - len(keep), len(others)))
 
 
@@ -93,16 +99,25 @@ class Late:
         for piece in iter_bits(seen):
             self.last_seen[piece] = now
 
-    def late(self, now: float) -> int:
-        """The pieces unseen for long: since the swarm showed its first piece, as long as
-        it took to show one (at least LATE_GRACE). Until a piece shows, none: the store is
-        still sending the first pieces to their stripes' owners."""
-        if self.first_held is None:
+    def late(self, now: float, rank: int, nodes: int) -> int:
+        """The pieces unseen for long that node `rank` of `nodes` may ask the store for.
+
+        A piece is late once unseen for `wait` since the swarm showed its first piece
+        (LATE_FACTOR times as long as that took, at least LATE_GRACE; none before: the
+        store is still sending the first pieces to their owners): for the node after its
+        stripe's owner in rank order, after 2 x `wait` for the next two, after 3 x `wait`
+        the next four, and so on. A piece stuck at a dead or slow owner out of everyone's
+        view is then asked for by about one node, then by more only as it stays unseen (a
+        piece every idle node asked for at once cost 0.4 copies: 100 nodes, view 8).
+        """
+        if self.first_held is None or not self.count:
             return 0
-        wait, since = max(LATE_GRACE, self.first_held - self.began), self.first_held
+        wait = max(LATE_GRACE, LATE_FACTOR * (self.first_held - self.began))
         bits = 0
         for piece, seen in enumerate(self.last_seen):
-            if now - max(seen, since) >= wait:
+            periods = min(64.0, (now - max(seen, self.first_held)) / wait)
+            owner = -(-(piece + 1) * nodes // self.count) - 1  # its stripe's
+            if periods >= 1 and (rank - owner) % nodes <= 2 ** (periods - 1):
                 bits |= 1 << piece
         return bits
 
@@ -223,7 +238,8 @@ class PeerViews:
                 self.gone[url] = now + GONE_SECONDS
         self.gone = {u: t for u, t in self.gone.items() if t > now}
         drop = self.gone.keys() | {u for u, t in self.shunned.items() if t > now}
-        watched = watch(listed, self.watched, drop, self.bound, self.rng)
+        busy = {u for u, t in self.answered_at.items() if now - t < VIEW_EVERY}
+        watched = watch(listed, self.watched, drop, self.bound, self.rng, ROTATE, busy)
         self.watched_at = {u: self.watched_at.get(u, now) for u in watched}
         self.watched = watched
         return frozenset(watched)
