@@ -301,6 +301,7 @@ class Swarm:
         node.gone = {j: t for j, t in node.gone.items() if t > now}
         others = [j for j in range(self.p.nodes) if j != i]
         busy = {j for j, t in node.answered.items() if now - t < self.p.refresh}
+        busy |= {j for j, t in node.watched_at.items() if now - t < MEMBER_TTL}
         node.watches = watch(others, node.watches, node.gone.keys(), self.p.view, self.rng,
                              ROTATE, busy)  # fmt: skip
         node.watched_at = {j: node.watched_at.get(j, now) for j in node.watches}

@@ -50,9 +50,13 @@ VIEW_EVERY = 0.5  # seconds between HEAD rounds (an answer to a piece request st
 MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membership
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
 GONE_SECONDS = 10.0  # a watched peer replaced as dead or absent is not watched again this long
-LATE_GRACE = 4.0  # seconds a piece stays unseen in a partial view before anyone may ask the store
-ROTATE = 1  # watched peers not serving pieces replaced by others each round (a partial view)
-LATE_FACTOR = 2.0  # ... and this many times as long as the swarm took to show a first piece
+#: Watched peers replaced by others each round (a partial view), so that every node is
+#: watched by some (one watched by nobody has its pieces stuck until they are late): not one
+#: serving this node pieces, nor one watched for less than MEMBER_TTL (not yet shown gone).
+ROTATE = 1
+#: A piece unseen in a partial view is late (`Late.late`) after LATE_FACTOR times as long as
+#: the swarm took to show a first piece, and at least LATE_GRACE seconds.
+LATE_GRACE, LATE_FACTOR = 4.0, 2.0
 
 
 P = TypeVar("P", str, int)  # a peer: its URL (the daemons), its index (the simulator)
@@ -239,6 +243,7 @@ class PeerViews:
         self.gone = {u: t for u, t in self.gone.items() if t > now}
         drop = self.gone.keys() | {u for u, t in self.shunned.items() if t > now}
         busy = {u for u, t in self.answered_at.items() if now - t < VIEW_EVERY}
+        busy |= {u for u, t in self.watched_at.items() if now - t < MEMBER_TTL}  # on trial
         watched = watch(listed, self.watched, drop, self.bound, self.rng, ROTATE, busy)
         self.watched_at = {u: self.watched_at.get(u, now) for u in watched}
         self.watched = watched
