@@ -2,7 +2,7 @@
 
     python benchmarks/swarmsim.py [--nodes 8,16] [--size 256M] [--piece 4M] [--link 400M]
                                   [--store-rate 1x,4x] [--rtt 0.001] [--refresh 0.5]
-                                  [--startup 0] [--jitter 0] [--view 32] [--seed 1]
+                                  [--startup 0] [--jitter 0] [--view 16] [--dead 0] [--seed 1]
                                   [--json out.json] [--cores 2 --cpu-per-mib-recv 0.005 ...]
 
 A discrete-event simulation of the piece and source choice past what this machine can run.
@@ -20,15 +20,19 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   the daemons' VIEW_EVERY), skipping peers that answered a piece request within a round,
   and by every answer to a piece request (its headers advertise too). An idle node waits
   for the next round or answer, as the daemon's loop does; after IDLE_GRACE idle it asks
-  the store regardless of its room (not for pieces someone in view holds or fetches).
+  the store regardless of its room (not for pieces someone in view holds or fetches; with a
+  partial view only for those of `swarmviews.idle_scope`: its stripe, orphaned stripes,
+  late pieces).
 - *The store's room and window* as the daemon measures them, after each piece from the
   store, fresh for each blob: room if that request ran ROOM_FACTOR times as fast as the
   peers' requests (EWMA), or, no peer piece yet, if alone for ALONE_GRACE; the window
   follows with `next_window`. The link is spare with nothing in flight or while receiving
   less than SPARE of the best rate seen for the blob.
-A node watches at most `--view` peers (a random sample, fixed per node; the daemons watch
-every peer): polling a thousand peers' bitmaps every second is not something a daemon
-would do, and rarity is then local, as in BitTorrent; its stripe is then among all N nodes.
+A node watches at most `--view` peers (the daemons' `--peer-view`): a random sample, whose
+members that do not advertise the blob for MEMBER_TTL are replaced (found gone: their
+stripes orphaned) and one of which, not serving it pieces, is rotated each round, as
+`swarmviews.watch` does for the daemons; rarity is then local, as in BitTorrent, and its
+stripe is among all N nodes. `--dead` members (a random few) never start.
 Not modelled: the daemon's 0.1 s loop tick (a node chooses at each event), a HEAD's
 RTT (the round's answers are its peers' state at the round), failures.
 

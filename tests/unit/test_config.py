@@ -370,6 +370,6 @@ def test_source_parse_file_invalid(url: str) -> None:
 
 
 def test_a_peer_view_of_no_peer_is_a_usage_error() -> None:
-    assert PeerSettings(("0.0.0.0", 9401), "t" * 16).view == 32
+    assert PeerSettings(("0.0.0.0", 9401), "t" * 16).view == 16
     with pytest.raises(UsageError, match="--peer-view 0: watch at least one peer"):
         PeerSettings(("0.0.0.0", 9401), "t" * 16, view=0)

@@ -150,8 +150,8 @@ def idle_scope(partial: bool, local: Local, orphans: int, late: int) -> int:
     idle): any with the whole membership in view; with a partial view only its own stripe,
     the stripes of members known gone, and pieces unseen for long (`Late.late`). A piece
     nobody in a partial view holds or fetches is most likely its owner's, or held out of
-    view: asking for it costs the store another copy (benchmarks/swarmsim.py: 7.7 copies
-    at 1,000 nodes, view 32, when an idle node asked for any)."""
+    view: asking for it costs the store another copy (benchmarks/swarmsim.py: 15.2 copies
+    of a 256 MiB blob at 1,000 nodes, view 32, when an idle node asked for any)."""
     if not partial:
         return -1
     return stripe(local.rank, local.nodes, local.have.count) | orphans | late
