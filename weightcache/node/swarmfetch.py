@@ -4,8 +4,9 @@
 swarm's pieces) by a loop that asks `swarm.choose` what to request next, from its view of
 the peers and of the store, and runs each request in a worker thread:
 
-- **Views.** Every VIEW_EVERY seconds the peers found by discovery are asked a HEAD of the
-  blob (in the background); every response to a piece request updates the view too (the
+- **Views.** Every VIEW_EVERY seconds the peers found by discovery (a sample of them past
+  `--peer-view`: weightcache/node/swarmviews.py) are asked a HEAD of the blob (in the
+  background); every response to a piece request updates the view too (the
   peer server advertises held and in-flight pieces on every answer, refusals included).
   A peer that does not answer, or cuts a piece short, is left out until it answers again.
 - **Requests.** A piece asked of a peer carries `Held-Only`: a 416 only updates the view. A

@@ -9,12 +9,14 @@ from every answer to a piece request (`heard`). A peer that asks this node about
 joins the membership at once (`joined`), before it claims anything, so that stripes agree.
 
 A bounded view: a node watches (HEADs) at most `PeerSettings.view` peers, a random sample
-of the membership discovery gives when it lists more (`watch`); a watched peer that is
-shunned, dead or does not advertise the blob for MEMBER_TTL is replaced by another (and
-its stripe counted orphaned, `Late.orphaned`). The stripes are then cut over that whole
-membership (every node's discovery gives the same list), not over the advertisers in view
-(each node's are different: each group would take its own copy from the store). With the
-whole membership in view (N <= view + 1) everything is as without a bound.
+of the membership discovery gives when it lists more (`watch`). A watched peer that is
+shunned is replaced by another; one that does not advertise the blob for MEMBER_TTL (dead,
+or not downloading it) too, its stripe counted orphaned (`orphaned`); and one that is not
+serving this node pieces is rotated out each round, so that every node is watched by some.
+The stripes are then cut over that whole membership (every node's discovery gives the same
+list), not over the advertisers in view (each node's differ: each group would take its own
+copy from the store), and an idle node asks the store only for the pieces `idle_scope`
+says. With the whole membership in view (N <= view + 1) everything is as without a bound.
 """
 
 from __future__ import annotations
