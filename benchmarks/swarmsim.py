@@ -34,14 +34,15 @@ stripes orphaned) and one of which, not serving it pieces, is rotated each round
 `swarmviews.watch` does for the daemons; rarity is then local, as in BitTorrent, and its
 stripe is among all N nodes. `--dead` members (a random few) never start.
 Not modelled: the daemon's 0.1 s loop tick (a node chooses at each event), a HEAD's
-RTT (the round's answers are its peers' state at the round), failures.
+RTT (the round's answers are its peers' state at the round), failures (but `--dead`).
 
 The network (benchmarks/swarmnet.py): every node has an uplink and a downlink (`--link`,
 the same both ways; times `--efficiency`, the payload share of a shaped link: 0.95 for
 TCP/IPv4 at MTU 1500), the store an egress (`--store-rate`, bits/s, or `Nx` for N times a
 node's link); fair share per link. A request's bytes start one `--rtt` after it is made.
-Nothing fails. Every node's daemon starts `--startup` seconds after t = 0 plus a uniform
-share of `--jitter`; ready times count from t = 0, as the benchmark's do.
+Nothing fails (`--dead` members never start). Every node's daemon starts `--startup`
+seconds after t = 0 plus a uniform share of `--jitter`; ready times count from t = 0, as
+the benchmark's do.
 
 The CPU (swarmnet.py, off by default: a real cluster has a node's cores per node): with
 `--cores` and the costs (`--cpu-per-mib-recv`, `-sent`, `-hash`, `--cpu-busy`, `--cpu-poll`,
