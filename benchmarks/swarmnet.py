@@ -166,6 +166,7 @@ class Params:
     # blobs a node brings at once at most (1 or 2): the next starts when the last one started has
     # nothing left to request (every missing piece in flight), as fetch/blobs.py does
     pipeline: int = 2
+    dead: int = 0  # nodes (a random few) listed as members that never start
 
     def layout(self) -> list[tuple[int, int]]:
         """(size, piece size) of each blob, in the order every node fetches them."""

@@ -2,7 +2,7 @@
 
     python benchmarks/swarmsim.py [--nodes 8,16] [--size 256M] [--piece 4M] [--link 400M]
                                   [--store-rate 1x,4x] [--rtt 0.001] [--refresh 0.5]
-                                  [--startup 0] [--jitter 0] [--view 32] [--seed 1]
+                                  [--startup 0] [--jitter 0] [--view 16] [--dead 0] [--seed 1]
                                   [--json out.json] [--cores 2 --cpu-per-mib-recv 0.005 ...]
                                   [--calibration cal.json] [--pipeline 1,2] [--seeds 5]
                                   [--model-bytes 269161025]
@@ -27,24 +27,29 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   the daemons' VIEW_EVERY), skipping peers that answered a piece request within a round,
   and by every answer to a piece request (its headers advertise too). An idle node waits
   for the next round or answer, as the daemon's loop does; after IDLE_GRACE idle it asks
-  the store regardless of its room (not for pieces someone in view holds or fetches).
+  the store regardless of its room (not for pieces someone in view holds or fetches; with a
+  partial view only for those of `swarmviews.idle_scope`: its stripe, orphaned stripes,
+  late pieces).
 - *The store's room and window* as the daemon measures them, after each piece from the
   store, fresh for each blob: room if that request ran ROOM_FACTOR times as fast as the
   peers' requests (EWMA), or, no peer piece yet, if alone for ALONE_GRACE; the window
   follows with `next_window`. The link is spare with nothing in flight or while receiving
   less than SPARE of the best rate seen for the blob.
-A node watches at most `--view` peers (a random sample, fixed per node; the daemons watch
-every peer): polling a thousand peers' bitmaps every second is not something a daemon
-would do, and rarity is then local, as in BitTorrent; its stripe is then among all N nodes.
+A node watches at most `--view` peers (the daemons' `--peer-view`): a random sample, whose
+members that do not advertise the blob for MEMBER_TTL are replaced (found gone: their
+stripes orphaned) and one of which, not serving it pieces, is rotated each round, as
+`swarmviews.watch` does for the daemons; rarity is then local, as in BitTorrent, and its
+stripe is among all N nodes. `--dead` members (a random few) never start.
 Not modelled: the daemon's 0.1 s loop tick (a node chooses at each event), a HEAD's
-RTT (the round's answers are its peers' state at the round), failures.
+RTT (the round's answers are its peers' state at the round), failures (but `--dead`).
 
 The network (benchmarks/swarmnet.py): every node has an uplink and a downlink (`--link`,
 the same both ways; times `--efficiency`, the payload share of a shaped link: 0.95 for
 TCP/IPv4 at MTU 1500), the store an egress (`--store-rate`, bits/s, or `Nx` for N times a
 node's link); fair share per link. A request's bytes start one `--rtt` after it is made.
-Nothing fails. Every node's daemon starts `--startup` seconds after t = 0 plus a uniform
-share of `--jitter`; ready times count from t = 0, as the benchmark's do.
+Nothing fails (`--dead` members never start). Every node's daemon starts `--startup`
+seconds after t = 0 plus a uniform share of `--jitter`; ready times count from t = 0, as
+the benchmark's do.
 
 The CPU (swarmnet.py, off by default: a real cluster has a node's cores per node): with
 `--cores` and the costs (`--cpu-per-mib-recv`, `-sent`, `-hash`, `--cpu-busy`, `--cpu-poll`,
@@ -107,6 +112,7 @@ from swarmnet import (  # the setting and closed forms live with the model; used
     today,
 )
 
+from weightcache.config import DEFAULT_PEER_VIEW
 from weightcache.node.swarm import (
     ORIGIN,
     Bitmap,
@@ -120,6 +126,17 @@ from weightcache.node.swarm import (
 )
 from weightcache.node.swarmfetch import IDLE_GRACE
 from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
+from weightcache.node.swarmviews import (
+    GONE_SECONDS,
+    MEMBER_TTL,
+    ROTATE,
+    Late,
+    idle_requests,
+    idle_scope,
+    in_view,
+    orphaned,
+    watch,
+)
 
 __all__ = ["Cpu", "Flow", "MiB", "Network", "Outcome", "Params", "Swarm", "bound", "fmt_bits",
            "line", "parse_bits", "peers_off", "run", "store_rates", "today"]  # fmt: skip
@@ -149,6 +166,10 @@ class Node:
     began: float = 0.0  # when this blob's download began
     idle_since: float = 0.0
     watches: list[int] = field(default_factory=list)
+    watched_at: dict[int, float] = field(default_factory=dict)  # since when, by peer
+    advertised: dict[int, float] = field(default_factory=dict)  # last advertisement, by peer
+    gone: dict[int, float] = field(default_factory=dict)  # watched peer found gone -> until
+    late: Late = field(default_factory=lambda: Late(0.0, 0))
 
 
 class Swarm:
@@ -168,10 +189,13 @@ class Swarm:
         # events and flows are handled with the two swapped (`_as`)
         self.ahead: list[Node | None] = [None] * p.nodes
         self.store_bytes = 0.0
+        self.dead = set(self.rng.sample(range(p.nodes), p.dead))
         for i, node in enumerate(self.nodes):
             others = [j for j in range(p.nodes) if j != i]
-            node.watches = others if len(others) <= p.view else self.rng.sample(others, p.view)
-            self.net.at(p.startup + self.rng.uniform(0, p.jitter), START, i)
+            node.watches = watch(others, [], (), p.view, self.rng)
+            start = p.startup + self.rng.uniform(0, p.jitter)
+            if i not in self.dead:
+                self.net.at(start, START, i)
 
     def run(self) -> Outcome:
         net, nodes = self.net, self.nodes
@@ -193,7 +217,8 @@ class Swarm:
                 with self._as(obj, dl):
                     self._node_event(kind, obj, ver)
             self._pipeline(obj.dst if isinstance(obj, Flow) else obj)
-        ready = [n.ready if n.ready is not None else float("inf") for n in nodes]
+        ready = [n.ready if n.ready is not None else float("inf")
+                 for i, n in enumerate(nodes) if i not in self.dead]  # fmt: skip
         return Outcome(max(ready), statistics.median(ready), self.store_bytes / self.p.size, ready,
                        net.cpu_used)  # fmt: skip
 
@@ -299,6 +324,8 @@ class Swarm:
         node.joined, node.have, node.fetching, node.view = False, 0, 0, {}
         node.store, node.per_request, node.best = StoreView(), {}, 0.0
         node.began = node.idle_since = now
+        node.late, node.advertised = Late(now, self.counts[node.blob]), {}
+        node.watched_at = dict.fromkeys(node.watches, now)
         self.net.at(now + self.p.rtt, JOIN, i, node.blob)
         self.net.at(now + self.p.refresh, REFRESH, i, node.blob)
         self._background(i)
@@ -330,6 +357,8 @@ class Swarm:
         else:
             have, fetching = Bitmap(count, peer.have), Bitmap(count, peer.fetching)
             node.view[j] = PeerView(str(j), have, fetching, load)
+        if j in node.view:
+            node.advertised[j] = self.net.now
 
     def _answered(self, i: int, j: int) -> None:
         """A piece request's answer from `j` reached `i`: it advertises, as HEADs do."""
@@ -351,12 +380,32 @@ class Swarm:
 
     def _refresh(self, i: int) -> None:
         """A HEAD round: every watched peer but those that answered a piece request within
-        the last round (`PeerViews.refresh`)."""
+        the last round, after replacing those gone (`PeerViews.refresh`)."""
         node, now = self.nodes[i], self.net.now
+        self._rewatch(node, i, now)
         for j in node.watches:
             if now - node.answered.get(j, -1e9) >= self.p.refresh:
                 self._look(i, j)
         self._background(i)
+
+    def _rewatch(self, node: Node, i: int, now: float) -> None:
+        """`PeerViews._rewatch`: past the bound, a watched peer that has not advertised the
+        blob for MEMBER_TTL is gone (dead, or not on this blob yet), replaced by another."""
+        if len(node.watches) >= self.p.nodes - 1:
+            return
+        for j in node.watches:
+            if now - max(node.advertised.get(j, -1e9), node.watched_at.get(j, now)) >= MEMBER_TTL:
+                node.gone[j] = now + GONE_SECONDS
+        node.gone = {j: t for j, t in node.gone.items() if t > now}
+        others = [j for j in range(self.p.nodes) if j != i]
+        busy = {j for j, t in node.answered.items() if now - t < self.p.refresh}
+        busy |= {j for j, t in node.watched_at.items() if now - t < MEMBER_TTL}
+        node.watches = watch(others, node.watches, node.gone.keys(), self.p.view, self.rng,
+                             ROTATE, busy)  # fmt: skip
+        node.watched_at = {j: node.watched_at.get(j, now) for j in node.watches}
+        for j in list(node.view):
+            if j not in node.watched_at:
+                del node.view[j]
 
     def _decide(self, i: int) -> None:
         """`SwarmDownload._choose`: the policy on the node's view, then the store regardless
@@ -380,16 +429,19 @@ class Swarm:
             spare=not node.inflight or inflow < SPARE * node.best,
         )
         views, limits = list(node.view.values()), self.p.limits
+        claimed, held = in_view(views)
+        node.late.saw(claimed | node.have | node.fetching, held | node.have, now)
         requests = choose(local, views, node.store, limits, self.rng)
         if requests or node.inflight:
             node.idle_since = now
-        elif now - node.idle_since >= IDLE_GRACE:
-            claimed = 0
-            for v in views:
-                claimed |= v.fetching.bits | v.have.bits
-            room = StoreView(True, node.store.window)
-            requests = [r for r in choose(local, views, room, limits, self.rng)
-                        if not claimed >> r.piece & 1]  # fmt: skip
+        elif (
+            now >= node.idle_since + IDLE_GRACE
+        ):  # as the POLL below is scheduled: no rounding loop
+            orphans = orphaned(members, node.gone.keys(), count) if partial else 0
+            scope = idle_scope(
+                partial, local, orphans, node.late.late(now, local.rank, local.nodes)
+            )
+            requests = idle_requests(local, views, node.store, limits, self.rng, scope)
         else:  # the daemon's loop looks again every TICK: at the grace's end at the latest
             self.net.at(node.idle_since + IDLE_GRACE, POLL, i, node.blob)
         size, piece = self.blobs[node.blob]
@@ -493,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refresh", default=0.5, type=float, help="advertisement age, seconds")
     ap.add_argument("--startup", default=0.0, type=float, help="daemon start, seconds")
     ap.add_argument("--jitter", default=0.0, type=float, help="start spread, seconds")
-    ap.add_argument("--view", default=32, type=int, help="peers a node watches at most")
+    ap.add_argument(
+        "--view", default=DEFAULT_PEER_VIEW, type=int, help="peers a node watches at most"
+    )
+    ap.add_argument("--dead", default=0, type=int, help="members that never start")
     ap.add_argument("--efficiency", default=0.95, type=float, help="payload share of a link")
     ap.add_argument("--per-peer", default=Limits.per_peer, type=int)
     ap.add_argument("--per-origin", default=Limits.per_origin, type=int)
@@ -526,13 +581,14 @@ def main(argv: list[str] | None = None) -> int:
                 p = Params(
                     n, size, parse_size(a.piece), a.link, store, a.rtt, a.refresh, a.jitter,
                     a.startup, a.view, a.efficiency, a.seed, limits, cpu, blobs, depth,
+                    dead=a.dead,
                 )  # fmt: skip
                 results.append(run(p, a.seeds))
                 print(f"N={n} store {fmt_bits(store)} pipeline {depth}: done", file=sys.stderr,
                       flush=True)  # fmt: skip
     print(f"size {a.size}, piece {a.piece}, link {fmt_bits(a.link)}, rtt {a.rtt} s, refresh "
           f"{a.refresh} s, startup {a.startup} s, jitter {a.jitter} s, view {a.view}, "
-          f"efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "
+          f"dead {a.dead}, efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "
           f"{cpu.describe() if cpu.on else 'not modelled'}\n")  # fmt: skip
     print(ms.md_table(HEADERS, [row(r) for r in results]))
     if a.json:

@@ -415,6 +415,10 @@ _PEER_TOKEN = r"[\x21-\x7e]{16,}"
 #: 1 GiB/s = 8.6 Gbit/s: a fraction of a GPU node's NIC, so that serving peers never starves
 #: the node's own downloads and inference traffic.
 DEFAULT_PEER_UPLOAD_LIMIT = 1 << 30
+#: Peers a swarming node watches (HEADs twice a second) at most: a random sample of the
+#: membership past that (design §8, Swarm). benchmarks/swarmsim.py at 40 to 1,000 nodes: one
+#: store copy with 16 or 32, the last node ready 1-9% sooner with 16, at half the HEADs.
+DEFAULT_PEER_VIEW = 16
 
 
 @dataclass(frozen=True)
@@ -431,8 +435,12 @@ class PeerSettings:
     static: tuple[tuple[str, int], ...] = ()
     #: (DNS name, port) of the headless Service whose addresses are the daemons.
     service: tuple[str, int] | None = None
+    #: Peers whose pieces one swarm download watches at most (a sample past that).
+    view: int = DEFAULT_PEER_VIEW
 
     def __post_init__(self) -> None:
+        if self.view < 1:
+            raise UsageError(f"invalid --peer-view {self.view}: watch at least one peer")
         if not re.fullmatch(_PEER_TOKEN, self.token):
             raise UsageError(
                 "invalid --peer-token: use at least 16 printable characters without spaces, "

@@ -18,6 +18,7 @@ import click
 
 from weightcache.config import (
     DEFAULT_PEER_UPLOAD_LIMIT,
+    DEFAULT_PEER_VIEW,
     HIGH_WATERMARK,
     INTERVAL,
     KUBELET_PODS_DIR,
@@ -241,6 +242,9 @@ def peer_options(fn: F) -> F:
                "skipped."),
         option("--peer-service", parse=parse_hostport,
                help="NAME:PORT of the headless Service whose DNS addresses are the peers."),
+        option("--peer-view", type=int, default=DEFAULT_PEER_VIEW,
+               help="Peers whose pieces a download watches at most: a random sample when "
+               "there are more (a HEAD of each twice a second)."),
     ])  # fmt: skip
 
 
@@ -250,6 +254,8 @@ def peer_settings(kw: dict[str, Any]) -> PeerSettings | None:
     addr, token = kw.pop("peer_addr", None), kw.pop("peer_token", None)
     limit, static, service = (kw.pop(k, None) for k in (
         "peer_upload_limit", "peer_list", "peer_service"))  # fmt: skip
+    view = kw.pop("peer_view", None)
+    view = DEFAULT_PEER_VIEW if view is None else view
     if addr is None:
         if static or service:
             raise UsageError("--peers and --peer-service need --peer-addr to be set")
@@ -260,4 +266,4 @@ def peer_settings(kw: dict[str, Any]) -> PeerSettings | None:
             "without it anyone who reaches the port could read the cache"
         )
     return PeerSettings(listen=addr, token=token.strip(), upload_limit=limit,
-                        static=static or (), service=service)  # fmt: skip
+                        static=static or (), service=service, view=view)  # fmt: skip

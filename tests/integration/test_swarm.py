@@ -286,7 +286,39 @@ def test_the_next_blob_starts_before_the_one_before_is_published(
 
     assert_node_ok(node, pub)
     first, second = sorted(pub.model.files, key=lambda f: seen[f"blob {f.relpath}"])
-    print(seen)
     assert seen[f"partial {second.relpath}"] < seen[f"blob {first.relpath}"], seen
     stats = proxy.stats()
     assert all(stats.bytes_for(f.relpath) == f.size for f in pub.model.files), stats
+
+
+@pytest.mark.timeout(150)
+def test_nodes_watching_one_peer_each_all_get_the_blob_despite_dead_members(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """Four cold nodes whose static list also names two addresses nobody answers (members
+    that never came up), each watching one peer (--peer-view 1): the stripes are cut over
+    all six, the dead members' stripes are found orphaned (or late) and fetched from the
+    store, and every node is ready with the right bytes."""
+    pub = one_blob(publish, 12 * MiB, "narrow")
+    (label,) = [f.relpath for f in pub.model.files]
+    nodes = make_nodes(tmp_path, 4)
+    dead = [n.peer_addr for n in make_nodes(tmp_path, 2)]
+    everyone = [n.peer_addr for n in nodes] + dead
+    for n in nodes:
+        start(daemons, n, tmp_path, proxy.url, everyone, "--peer-view", "1")
+    proxy.reset_stats()
+    proxy.configure(rate_limit=6 * MiB)  # 2 s for the blob: the nodes overlap
+
+    fetch_all(wc, pub, nodes, proxy.url)
+
+    origin = proxy.stats().body_bytes
+    print(f"narrow: origin {origin} bytes for a {pub.model.total_size}-byte blob")
+    for n in nodes:
+        assert_node_ok(n, pub)
+        watching = re.findall(r"watching (\d+) of (\d+) peers", n.d.log())
+        assert watching and watching[-1] == ("1", "5"), (n.name, watching)
+        print(n.name, summary(n, label))
+    # a node whose one watched peer is dead sees nobody until it is replaced (MEMBER_TTL)
+    # and takes what it can from the store: never more than each node alone would
+    assert origin <= len(nodes) * pub.model.total_size

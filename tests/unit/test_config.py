@@ -9,6 +9,7 @@ import pytest
 from weightcache.config import (
     Capacity,
     OriginSettings,
+    PeerSettings,
     Source,
     parse_duration,
     parse_rate,
@@ -366,3 +367,9 @@ def test_source_parse_file_invalid(url: str) -> None:
     with pytest.raises(UsageError) as info:
         Source.parse(url)
     assert "file:///path/<name>/<revision>" in str(info.value)
+
+
+def test_a_peer_view_of_no_peer_is_a_usage_error() -> None:
+    assert PeerSettings(("0.0.0.0", 9401), "t" * 16).view == 16
+    with pytest.raises(UsageError, match="--peer-view 0: watch at least one peer"):
+        PeerSettings(("0.0.0.0", 9401), "t" * 16, view=0)

@@ -490,3 +490,14 @@ def test_rates_count_the_last_window_only(monkeypatch: pytest.MonkeyPatch) -> No
     now[0] += swarmfetch.RATE_WINDOW * 0.75  # the first note is now out of the window
     assert rates.rate() == 3000 / swarmfetch.RATE_WINDOW
     assert rates.best == 4000 / swarmfetch.RATE_WINDOW
+
+
+def test_a_probe_round_within_a_view_asks_only_those_peers(head_server: _CountingServer) -> None:
+    peer = peer_url(*head_server.server_address[:2])  # type: ignore[misc]
+    other = peer_url("127.0.0.1", 9)  # discovered, not in the view: never asked
+    peers = Peers(settings(), discovery=_NoDiscovery([peer, other]))
+    try:
+        answers = peers.probe_all("ab" * 32, within=frozenset([peer]))
+        assert list(answers) == [peer] and answers[peer] is not None
+    finally:
+        peers.close()

@@ -25,7 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,13 +329,15 @@ class Peers:
     # -- the swarm (weightcache/node/swarmfetch.py) -------------------------------------------
 
     def probe_all(
-        self, sha256: str, skip: frozenset[str] = frozenset()
+        self, sha256: str, skip: frozenset[str] = frozenset(), within: Collection[str] = ()
     ) -> dict[str, tuple[int, dict[str, str]] | None]:
-        """`probe` of every peer discovered now but those in `skip`, this node and those
-        avoided (lying, or refusing our token), in parallel; {} once the daemon stops."""
+        """`probe` of every peer discovered now (of those in `within`, if given) but those
+        in `skip`, this node and those avoided (lying, or refusing our token), in parallel;
+        {} once the daemon stops."""
         known = self.discovery.peers()
         self._forget_connections(keep=known)
-        peers = [p for p in known if p not in skip and not self._skipped(p)]
+        peers = [p for p in known if (not within or p in within) and p not in skip
+                 and not self._skipped(p)]  # fmt: skip
         try:
             answers = list(self._pool.map(lambda p: self.probe(p, sha256), peers))
         except RuntimeError:  # closed: the daemon is stopping

@@ -4,8 +4,9 @@
 swarm's pieces) by a loop that asks `swarm.choose` what to request next, from its view of
 the peers and of the store, and runs each request in a worker thread:
 
-- **Views.** Every VIEW_EVERY seconds the peers found by discovery are asked a HEAD of the
-  blob (in the background); every response to a piece request updates the view too (the
+- **Views.** Every VIEW_EVERY seconds the peers found by discovery (a sample of them past
+  `--peer-view`: weightcache/node/swarmviews.py) are asked a HEAD of the blob (in the
+  background); every response to a piece request updates the view too (the
   peer server advertises held and in-flight pieces on every answer, refusals included).
   A peer that does not answer, or cuts a piece short, is left out until it answers again.
 - **Requests.** A piece asked of a peer carries `Held-Only`: a 416 only updates the view. A
@@ -50,14 +51,20 @@ from weightcache.node.swarm import (
     Limits,
     Local,
     Request,
-    StoreView,
     choose,
     piece_ranges,
 )
 
 # fmt: on
 from weightcache.node.swarmorigin import StoreGate
-from weightcache.node.swarmviews import VIEW_EVERY, PeerViews
+from weightcache.node.swarmviews import (
+    VIEW_EVERY,
+    Late,
+    PeerViews,
+    idle_requests,
+    idle_scope,
+    in_view,
+)
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
 
@@ -151,6 +158,7 @@ class SwarmDownload:
         self.views = PeerViews(peers, sha256, size, self.piece_size)
         self.store = StoreGate(self.limits, downloader, origin.where, label)
         self.idle_since = time.monotonic()
+        self.late = Late(self.idle_since, self.count)
         self.errors: list[BaseException] = []
         self.last_progress = time.monotonic()
         self.events: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -223,9 +231,11 @@ class SwarmDownload:
                                      for s in self.sources.values())  # fmt: skip
             senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
         store = self.store.view()
+        watched, listed = self.views.watching()
         log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers, %d resumed; "
-                 "store window %d, room %s", self.label, self.count, by[ORIGIN], by["peer"],
-                 len(senders), by["resumed"], store.window, store.room)  # fmt: skip
+                 "store window %d, room %s; watching %d of %d peers", self.label, self.count,
+                 by[ORIGIN], by["peer"], len(senders), by["resumed"], store.window, store.room,
+                 watched, listed)  # fmt: skip
 
     def _check(self) -> None:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
@@ -250,21 +260,19 @@ class SwarmDownload:
         views, rank, members = self.views.current()
         spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
         local = Local(self._held(), inflight, rank, members, spare)
+        fetching = sum(1 << p for p in inflight)
+        claimed, held = in_view(views)
+        self.late.saw(claimed | local.have.bits | fetching, held | local.have.bits, now)
         requests = choose(local, views, store, self.limits, self.rng)
         if requests or inflight:
             self.idle_since = now
         elif now - self.idle_since >= IDLE_GRACE:
-            # Nobody in view holds or fetches what is missing (a stripe of a node gone)
-            # for a while (views are that stale): the store, whatever its room, rather
-            # than waiting for nothing; but not a piece another node is fetching from it.
-            claimed = 0
-            for view in views:
-                claimed |= view.fetching.bits | view.have.bits
-            requests = [
-                r
-                for r in choose(local, views, StoreView(True, store.window), self.limits, self.rng)
-                if not claimed >> r.piece & 1
-            ]
+            # Nobody in view holds or fetches what is missing for a while (views are that
+            # stale): the store, whatever its room, rather than waiting for nothing; with a
+            # partial view only for pieces nobody could be expected to have (`idle_scope`).
+            scope = idle_scope(self.views.partial(), local, self.views.orphans(),
+                               self.late.late(now, rank, members))  # fmt: skip
+            requests = idle_requests(local, views, store, self.limits, self.rng, scope)
         if self.store.paused():
             requests = [r for r in requests if r.source != ORIGIN]
         return requests

@@ -7,18 +7,41 @@ Views come from HEAD rounds (`refresh`, every VIEW_EVERY seconds, skipping peers
 answered a piece request since the last round: that answer carried the same headers) and
 from every answer to a piece request (`heard`). A peer that asks this node about the blob
 joins the membership at once (`joined`), before it claims anything, so that stripes agree.
+
+A bounded view: a node watches (HEADs) at most `PeerSettings.view` peers, a random sample
+of the membership discovery gives when it lists more (`watch`). A watched peer that is
+shunned is replaced by another; one that does not advertise the blob for MEMBER_TTL (dead,
+or not downloading it) too, its stripe counted orphaned (`orphaned`); and one that is not
+serving this node pieces is rotated out each round, so that every node is watched by some.
+The stripes are then cut over that whole membership (every node's discovery gives the same
+list), not over the advertisers in view (each node's differ: each group would take its own
+copy from the store), and an idle node asks the store only for the pieces `idle_scope`
+says. With the whole membership in view (N <= view + 1) everything is as without a bound.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 from weightcache.node.peers import PIECES, parse_view
-from weightcache.node.swarm import Bitmap, PeerView
+from weightcache.node.swarm import (
+    ORIGIN,
+    Bitmap,
+    Limits,
+    Local,
+    PeerView,
+    Request,
+    StoreView,
+    choose,
+    iter_bits,
+    stripe,
+)
 
 if TYPE_CHECKING:
     from weightcache.node.peers import Peers
@@ -28,6 +51,128 @@ log = logging.getLogger(__name__)
 VIEW_EVERY = 0.5  # seconds between HEAD rounds (an answer to a piece request stands for one)
 MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membership
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
+GONE_SECONDS = 10.0  # a watched peer replaced as dead or absent is not watched again this long
+#: Watched peers replaced by others each round (a partial view), so that every node is
+#: watched by some (one watched by nobody has its pieces stuck until they are late): not one
+#: serving this node pieces, nor one watched for less than MEMBER_TTL (not yet shown gone).
+ROTATE = 1
+#: A piece unseen in a partial view is late (`Late.late`) after LATE_FACTOR times as long as
+#: the swarm took to show a first piece, and at least LATE_GRACE seconds.
+LATE_GRACE, LATE_FACTOR = 4.0, 2.0
+
+
+P = TypeVar("P", str, int)  # a peer: its URL (the daemons), its index (the simulator)
+
+
+def watch(
+    members: Sequence[P], watched: Sequence[P], drop: Collection[P], size: int,
+    rng: random.Random, rotate: int = 0, busy: Collection[P] = (),
+) -> list[P]:  # fmt: skip
+    """The peers to watch: all `members` when there are at most `size`; else those of
+    `watched` still members and not in `drop`, but `rotate` random ones not `busy` (serving
+    this node pieces), topped up to `size` with a random sample of the other members not
+    in `drop` (fewer if there are not enough)."""
+    if len(members) <= size:
+        return list(members)
+    listed, dropped = set(members), set(drop)
+    keep = [u for u in watched if u in listed and u not in dropped][:size]
+    idle = [u for u in keep if u not in busy]
+    rotated = set(rng.sample(idle, min(rotate, len(idle)))) if len(keep) == size else set()
+    keep = [u for u in keep if u not in rotated]
+    kept = set(keep)
+    others = [u for u in members if u not in kept and u not in dropped and u not in rotated]
+    return keep + rng.sample(others, min(size - len(keep), len(others)))
+
+
+@dataclass
+class Late:
+    """When each piece of a blob was last seen claimed (held or in flight, here or at a
+    peer in view), for the idle rule with a partial view (`idle_scope`). Pure: the caller
+    passes the clock."""
+
+    began: float
+    count: int
+    last_seen: list[float] = field(default_factory=list)
+    first_held: float | None = None  # when a piece was first seen held anywhere in view
+
+    def __post_init__(self) -> None:
+        self.last_seen = [self.began] * self.count
+
+    def saw(self, seen: int, held: int, now: float) -> None:
+        """`seen`: the pieces claimed now; `held`: those held (here or in view)."""
+        if held and self.first_held is None:
+            self.first_held = now
+        for piece in iter_bits(seen):
+            self.last_seen[piece] = now
+
+    def late(self, now: float, rank: int, nodes: int) -> int:
+        """The pieces unseen for long that node `rank` of `nodes` may ask the store for.
+
+        A piece is late once unseen for `wait` since the swarm showed its first piece
+        (LATE_FACTOR times as long as that took, at least LATE_GRACE; none before: the
+        store is still sending the first pieces to their owners): for the node after its
+        stripe's owner in rank order, after 2 x `wait` for the next two, after 3 x `wait`
+        the next four, and so on. A piece stuck at a dead or slow owner out of everyone's
+        view is then asked for by about one node, then by more only as it stays unseen (a
+        piece every idle node asked for at once cost 0.4 copies: 100 nodes, view 8).
+        """
+        if self.first_held is None or not self.count:
+            return 0
+        wait = max(LATE_GRACE, LATE_FACTOR * (self.first_held - self.began))
+        bits = 0
+        for piece, seen in enumerate(self.last_seen):
+            periods = min(64.0, (now - max(seen, self.first_held)) / wait)
+            owner = -(-(piece + 1) * nodes // self.count) - 1  # its stripe's
+            if periods >= 1 and (rank - owner) % nodes <= 2 ** (periods - 1):
+                bits |= 1 << piece
+        return bits
+
+
+def in_view(views: Sequence[PeerView]) -> tuple[int, int]:
+    """(the pieces peers in view hold or fetch, those they hold)."""
+    claimed = held = 0
+    for view in views:
+        claimed |= view.fetching.bits | view.have.bits
+        held |= view.have.bits
+    return claimed, held
+
+
+def orphaned(members: Sequence[P], gone: Collection[P], count: int) -> int:
+    """The stripes of the `members` (sorted, as for ranks) that are `gone` (dead, or not
+    in the blob's swarm): nobody takes those pieces from the store as its own."""
+    bits = 0
+    for rank, url in enumerate(members):
+        if url in gone:
+            bits |= stripe(rank, len(members), count)
+    return bits
+
+
+def idle_scope(partial: bool, local: Local, orphans: int, late: int) -> int:
+    """The pieces an idle node may ask the store for whatever its room (after IDLE_GRACE
+    idle): any with the whole membership in view; with a partial view only its own stripe,
+    the stripes of members known gone, and pieces unseen for long (`Late.late`). A piece
+    nobody in a partial view holds or fetches is most likely its owner's, or held out of
+    view: asking for it costs the store another copy (benchmarks/swarmsim.py: 15.2 copies
+    of a 256 MiB blob at 1,000 nodes, view 32, when an idle node asked for any)."""
+    if not partial:
+        return -1
+    return stripe(local.rank, local.nodes, local.have.count) | orphans | late
+
+
+def idle_requests(
+    local: Local, views: Sequence[PeerView], store: StoreView, limits: Limits,
+    rng: random.Random, scope: int,
+) -> list[Request]:  # fmt: skip
+    """The store's requests of an idle node: `choose` as if the store had room, over the
+    pieces of `scope` that nobody in view holds or fetches (another node's claim is not
+    asked for again)."""
+    claimed, _ = in_view(views)
+    count = local.have.count
+    eligible = scope & ~claimed & ((1 << count) - 1)
+    masked = Local(Bitmap(count, local.have.bits | ((1 << count) - 1) & ~eligible),
+                   local.inflight, local.rank, local.nodes, local.spare)  # fmt: skip
+    room = StoreView(True, store.window)
+    return [r for r in choose(masked, views, room, limits, rng) if r.source == ORIGIN]
 
 
 class PeerViews:
@@ -38,32 +183,83 @@ class PeerViews:
         self.count = -(-size // piece_size)
         self.lock = threading.Lock()
         #: Peers that hold or download the blob (they advertise pieces): with this node,
-        #: the membership whose stripes split the store's copy.
+        #: the membership whose stripes split the store's copy (with the whole membership
+        #: in view; with a partial view, the stripes are over `listed`).
         self.views: dict[str, PeerView] = {}
         self.heard_at: dict[str, float] = {}  # peer -> when it last answered anything
         self.answered_at: dict[str, float] = {}  # peer -> when it last answered a piece request
+        self.advertised_at: dict[str, float] = {}  # peer -> when it last advertised the blob
         self.shunned: dict[str, float] = {}  # peer -> until when it is left out
         self.refreshing = threading.Event()  # a HEAD round is running
+        self.bound = peers.settings.view
+        self.listed: list[str] = []  # the membership (but this node) at the last round
+        self.watched: list[str] = []  # the peers HEAD rounds ask (`watch`)
+        self.watched_at: dict[str, float] = {}  # peer -> since when it is watched
+        self.gone: dict[str, float] = {}  # watched peer found dead or absent -> until when
+        self.rng = random.Random()
+
+    def partial(self) -> bool:
+        """Whether the membership has more peers than this node watches."""
+        with self.lock:
+            return len(self.listed) > self.bound
 
     def current(self) -> tuple[list[PeerView], int, int]:
         """(the views of the peers not left out, this node's rank, the membership size)."""
         own, now = self.peers.own_url(), time.monotonic()
         with self.lock:
             views = [v for u, v in self.views.items() if self.shunned.get(u, 0.0) <= now]
-            members = sorted(self.views.keys() | {own})
+            if len(self.listed) > self.bound:
+                members = sorted(set(self.listed) | {own})
+            else:
+                members = sorted(self.views.keys() | {own})
         return views, members.index(own), len(members)
+
+    def watching(self) -> tuple[int, int]:
+        """(the peers HEAD rounds ask now, the peers discovery lists)."""
+        with self.lock:
+            return len(self.watched), len(self.listed)
+
+    def orphans(self) -> int:
+        """The stripes of the members found gone (`orphaned`); none with a whole view."""
+        own = self.peers.own_url()
+        with self.lock:
+            if len(self.listed) <= self.bound:
+                return 0
+            return orphaned(sorted(set(self.listed) | {own}), self.gone.keys(), self.count)
 
     def alone(self) -> bool:
         with self.lock:
             return not self.views
 
+    def _rewatch(self, listed: list[str], now: float) -> frozenset[str]:
+        """Choose the peers this round asks (under the lock): all of `listed`, or, past
+        the bound, the watched ones but those shunned, dead or absent, topped up."""
+        self.listed = listed
+        if len(listed) <= self.bound:
+            self.watched = list(listed)
+            return frozenset()
+        for url in self.watched:
+            since = max(self.advertised_at.get(url, -1e9), self.watched_at.get(url, now))
+            if now - since >= MEMBER_TTL:  # dead, or not in this blob's swarm
+                self.gone[url] = now + GONE_SECONDS
+        self.gone = {u: t for u, t in self.gone.items() if t > now}
+        drop = self.gone.keys() | {u for u, t in self.shunned.items() if t > now}
+        busy = {u for u, t in self.answered_at.items() if now - t < VIEW_EVERY}
+        busy |= {u for u, t in self.watched_at.items() if now - t < MEMBER_TTL}  # on trial
+        watched = watch(listed, self.watched, drop, self.bound, self.rng, ROTATE, busy)
+        self.watched_at = {u: self.watched_at.get(u, now) for u in watched}
+        self.watched = watched
+        return frozenset(watched)
+
     def refresh(self) -> None:
         """One HEAD round (call with `refreshing` set; it is cleared here)."""
         now = time.monotonic()
-        with self.lock:
-            fresh = frozenset(u for u, t in self.answered_at.items() if now - t < VIEW_EVERY)
         try:
-            answers = self.peers.probe_all(self.sha256, fresh)
+            listed = self.peers.discovery.peers()
+            with self.lock:
+                within = self._rewatch(listed, now)
+                fresh = frozenset(u for u, t in self.answered_at.items() if now - t < VIEW_EVERY)
+            answers = self.peers.probe_all(self.sha256, fresh, within)
         except Exception:  # a view is an optimisation: never let it end the download
             log.exception("refreshing the swarm's view of %s", self.sha256)
             return
@@ -98,6 +294,7 @@ class PeerViews:
                 self.views.pop(url, None)
             else:
                 self.views[url] = view
+                self.advertised_at[url] = time.monotonic()
 
     def joined(self, peer: str) -> None:
         """A peer asked about the blob: a member from now on, holding nothing yet, until
@@ -105,6 +302,7 @@ class PeerViews:
         empty = Bitmap(self.count)
         with self.lock:
             self.views.setdefault(peer, PeerView(peer, empty, empty))
+            self.advertised_at[peer] = time.monotonic()
 
     def shun(self, peer: str) -> None:
         """Leave out a peer that failed a piece (cut, timed out) for SHUN_SECONDS."""
