@@ -368,15 +368,21 @@ class Swarm:
             self._decide(i)
 
     def _background(self, i: int) -> None:
-        """Node `i`'s CPU besides its flows while it downloads: busy, the benchmark's
-        polls, and a view round's HEADs to the peers it watches that did not answer it a
-        piece request lately."""
-        node, cpu, now = self.nodes[i], self.p.cpu, self.net.now
-        if node.ready is not None:
+        """Node `i`'s CPU besides its flows while it downloads: the benchmark's polls, and
+        for each of its downloads (two while blobs overlap: each runs its own loop and view
+        rounds) busy and a view round's HEADs to the peers it watches that did not answer it
+        a piece request lately."""
+        cpu, now = self.p.cpu, self.net.now
+        loops = [dl for dl in (self.nodes[i], self.ahead[i]) if dl is not None and dl.ready is None]
+        if len(loops) == 2:  # a blob complete ahead of the other has ended its loop
+            loops = [dl for dl in loops if not self._complete(dl)] or loops[:1]
+        if not loops:
             self.net.set_background(i, 0.0)
             return
-        heads = sum(1 for j in node.watches if now - node.answered.get(j, -1e9) >= self.p.refresh)
-        self.net.set_background(i, cpu.waiting + cpu.probe * heads / self.p.refresh)
+        heads = sum(1 for dl in loops for j in dl.watches
+                    if now - dl.answered.get(j, -1e9) >= self.p.refresh)  # fmt: skip
+        cores = cpu.poll + cpu.busy * len(loops) + cpu.probe * heads / self.p.refresh
+        self.net.set_background(i, cores)
 
     def _refresh(self, i: int) -> None:
         """A HEAD round: every watched peer but those that answered a piece request within

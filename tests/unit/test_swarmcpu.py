@@ -137,6 +137,20 @@ def test_view_rounds_cost_cpu_for_every_watched_peer_not_answering_pieces() -> N
     assert probing.run().last > plain.run().last * 1.2
 
 
+def test_two_blobs_in_progress_cost_two_loops_of_busy_cpu() -> None:
+    # a node pipelining two blobs runs two downloads, each with its own loop and view
+    # rounds: busy and HEADs count twice, the benchmark's polls once
+    cpu = Cpu(cores=1.6, recv=0.02, busy=0.05, probe=0.01, poll=0.02)
+    p = replace(params(8, cpu=cpu), blobs=(32 * MiB, 32 * MiB), size=64 * MiB, pipeline=2)
+    swarm = sim.Swarm(p)
+    swarm._start(0, sim.START, 0)
+    one = swarm.net.background[0]
+    assert one == pytest.approx(0.02 + 0.05 + 0.01 * 7 / 0.5)
+    swarm.ahead[0] = sim.Node(1, started=True, watches=swarm.nodes[0].watches)
+    swarm._background(0)
+    assert swarm.net.background[0] == pytest.approx(one + 0.05 + 0.01 * 7 / 0.5)
+
+
 def test_the_calibration_s_own_readyz_polls_are_not_taken_for_the_daemon_s_busy_cpu() -> None:
     # the daemon: 0.05 cores x seconds + 0.004 CPU-s x MiB; the calibration asked /readyz
     # 40 times a second meanwhile, at 2 ms of the daemon's CPU each: 0.08 cores more
