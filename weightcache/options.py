@@ -242,7 +242,7 @@ def peer_options(fn: F) -> F:
                "skipped."),
         option("--peer-service", parse=parse_hostport,
                help="NAME:PORT of the headless Service whose DNS addresses are the peers."),
-        option("--peer-view", type=int, default=DEFAULT_PEER_VIEW,
+        option("--peer-view", type=click.IntRange(min=1), default=DEFAULT_PEER_VIEW,
                help="Peers whose pieces a download watches at most: a random sample when "
                "there are more (a HEAD of each twice a second)."),
     ])  # fmt: skip

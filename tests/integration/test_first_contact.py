@@ -149,6 +149,19 @@ def test_a_bad_value_from_the_environment_names_the_variable(wc: CLI, tmp_path: 
     assert "WEIGHTCACHE_MAX_CONCURRENCY" in concurrency.stderr, concurrency.stderr
 
 
+def test_a_peer_view_below_one_is_refused_with_peers_off_too(wc: CLI, tmp_path: Path) -> None:
+    """Checked where it enters, like --peer-upload-limit: a bad value in the environment
+    is exit 2 naming it even on a daemon that does not swarm (yet)."""
+    models = tmp_path / "models.yaml"
+    models.write_text("models: []\n")
+    args = ("daemon", "--cache-dir", tmp_path / "cache", "--models", models, "--capacity",
+            "50%", "--metrics-addr", "127.0.0.1:0")  # fmt: skip
+    proc = wc.run(*args, env={"WEIGHTCACHE_PEER_VIEW": "-3"}, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert "WEIGHTCACHE_PEER_VIEW" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_the_capacity_error_mentions_percentages(wc: CLI, tmp_path: Path) -> None:
     proc = wc.run("gc", "--cache-dir", tmp_path / "cache", "--capacity", "85x")
     assert proc.returncode == 2
