@@ -118,11 +118,16 @@ def blob_fetch(
     return fetch, failures
 
 
+def assert_all_published(layout: Layout, origin: Origin) -> None:
+    """Every blob of `origin`'s manifest is in the cache with the origin's bytes."""
+    for e in origin.manifest.entries:
+        assert layout.blob(e.sha256).read_bytes() == (origin.root / e.path).read_bytes()
+
+
 def test_blobs_come_from_the_origin_once(layout: Layout, origin: Origin) -> None:
     fetch, failures = blob_fetch(layout, origin)
     assert fetch.bring(SOURCE, origin.manifest) == 900 * KiB
-    for e in origin.manifest.entries:
-        assert layout.blob(e.sha256).read_bytes() == (origin.root / e.path).read_bytes()
+    assert_all_published(layout, origin)
     assert fetch.bring(SOURCE, origin.manifest) == 0  # all in the cache now
     assert failures == []
 
@@ -136,8 +141,7 @@ def test_with_peers_every_blob_is_claimed_and_brought_by_the_swarm(
     assert fetch.bring(SOURCE, origin.manifest) == 300 * KiB  # only b.bin from the origin
     everything = sorted(e.sha256 for e in origin.manifest.entries)
     assert sorted(peers.swarmed) == sorted(peers.claimed) == sorted(peers.released) == everything
-    for e in origin.manifest.entries:
-        assert layout.blob(e.sha256).read_bytes() == (origin.root / e.path).read_bytes()
+    assert_all_published(layout, origin)
     assert failures == []
 
 
@@ -241,8 +245,7 @@ def test_the_swarm_brings_two_blobs_at_once_the_next_from_the_end_game_of_the_on
     assert peers.events[:2] == [("start", "a.bin"), ("start", "b.bin")], peers.events
     assert peers.events.index(("end", "a.bin")) < peers.events.index(("start", "c.bin"))
     assert sorted(peers.claimed) == sorted(peers.released) == sorted(order)
-    for e in origin.manifest.entries:
-        assert layout.blob(e.sha256).read_bytes() == (origin.root / e.path).read_bytes()
+    assert_all_published(layout, origin)
     assert failures == []
 
 

@@ -265,9 +265,10 @@ class BlobFetch:
         `failed`), release its claim; return the bytes it took from the origin."""
         assert self.peers is not None
         try:
-            if not self._verified(s.wanted, s.future.result()):
+            done = s.future.result()
+            if not self._verified(s.wanted, done):
                 failed.append(s.wanted)
-            return s.future.result().origin_bytes
+            return done.origin_bytes
         finally:
             self.peers.release(s.wanted.sha256, s.claim)
 

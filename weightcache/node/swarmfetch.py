@@ -219,10 +219,8 @@ class SwarmDownload:
         """Set `endgame` once every missing piece is in flight (none left to request)."""
         if self.endgame is None or self.endgame.is_set():
             return
-        with self.lock:
-            flying = set(self.inflight)
-        held = self._held()
-        if all(i in held or i in flying for i in range(self.count)):
+        _, held, fetching = self.pieces()
+        if held.bits | fetching.bits == (1 << self.count) - 1:
             self.endgame.set()
 
     def _log_summary(self) -> None:
