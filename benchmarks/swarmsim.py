@@ -15,9 +15,10 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   daemons' own size (`piece_size_for`: 2 MiB for a 64 MiB shard, 256 KiB for a small file).
   A node's download of a blob starts with a HEAD round to its peers (one RTT) before its
   first choice. Its swarm is the peers that advertise the blob: those on it (bitmaps of the
-  pieces held and in flight) or past it (all held); a peer still on an earlier blob answers
-  nothing, so the first node at a blob is alone (its stripe is the whole blob) until the
-  others join (a joining node's HEAD makes it a member at once, `PeerViews.joined`).
+  pieces held and in flight) or past it (all held), and those it saw swarming the
+  revision's earlier blobs (`fetch.blobs.SwarmMembers`: they come to this one too, so the
+  first node at a blob takes only its stripe from the store, not the whole blob); a
+  joining node's HEAD makes it a member at once (`PeerViews.joined`).
   *Two blobs at once* (`--pipeline 2`, the default, as fetch/blobs.py does): a node starts
   its next blob as soon as its current one has nothing left to request (every missing
   piece in flight, its end game), so that its link does not idle while the last pieces
@@ -170,6 +171,7 @@ class Node:
     advertised: dict[int, float] = field(default_factory=dict)  # last advertisement, by peer
     gone: dict[int, float] = field(default_factory=dict)  # watched peer found gone -> until
     late: Late = field(default_factory=lambda: Late(0.0, 0))
+    seen: set[int] = field(default_factory=set)  # peers seen swarming the revision
 
 
 class Swarm:
@@ -283,7 +285,7 @@ class Swarm:
         missing = ((1 << self.counts[node.blob]) - 1) & ~node.have
         if missing & ~node.fetching:
             return
-        ahead = Node(node.blob + 1, started=True, watches=node.watches)
+        ahead = Node(node.blob + 1, started=True, watches=node.watches, seen=node.seen)
         self.ahead[i] = ahead
         with self._as(i, ahead):
             self._next_blob(i)
@@ -420,11 +422,13 @@ class Swarm:
         if node.ready is not None or not node.joined:
             return
         count = self.counts[node.blob]
-        # the daemons' membership: the peers advertising the blob; a node watching only some
+        # the daemons' membership: the peers advertising the blob and those seen swarming the
+        # revision's earlier blobs (`SwarmMembers`); a node watching only some
         # of them stripes among all nodes instead (as by discovery's list), or each group in
         # view would take the whole blob from the store (23 copies at 1,000 nodes, view 32)
         partial = len(node.watches) < self.p.nodes - 1
-        members = range(self.p.nodes) if partial else sorted(node.view.keys() | {i})
+        node.seen |= node.view.keys()  # no node dies here: no MEMBER_TTL to apply
+        members = range(self.p.nodes) if partial else sorted(node.seen | {i})
         inflow = self.net.inflow(i)
         node.best = max(node.best, inflow)
         local = Local(

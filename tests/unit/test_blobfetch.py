@@ -20,7 +20,7 @@ from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, Source
 from weightcache.errors import IntegrityError, Interrupted, TransientError
-from weightcache.fetch.blobs import BlobFetch, NodePeers
+from weightcache.fetch.blobs import BlobFetch, NodePeers, SwarmMembers
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.ranged import RangedDownloader
 from weightcache.transfer.sources import BlobSource, FileBlob
@@ -45,6 +45,7 @@ class FakePeers:
         self.claimed: list[str] = []
         self.released: list[str] = []
         self.swarmed: list[str] = []
+        self.members: list[SwarmMembers | None] = []
 
     def claim(self, sha256: str, partial: Path, size: int) -> str:
         self.claimed.append(sha256)
@@ -56,9 +57,10 @@ class FakePeers:
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
         downloader: RangedDownloader, endgame: threading.Event | None = None,
-        cancel: threading.Event | None = None,
+        cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Swarmed:  # fmt: skip
         self.swarmed.append(sha256)
+        self.members.append(members)
         if sha256 in self.serving:
             data = self.serving[sha256].read_bytes()
             got = hashlib.sha256(data).hexdigest()
@@ -143,6 +145,9 @@ def test_with_peers_every_blob_is_claimed_and_brought_by_the_swarm(
     assert sorted(peers.swarmed) == sorted(peers.claimed) == sorted(peers.released) == everything
     assert_all_published(layout, origin)
     assert failures == []
+    # one membership for the revision, shared by its blobs' downloads (design §8)
+    assert len({id(m) for m in peers.members}) == 1
+    assert isinstance(peers.members[0], SwarmMembers)
 
 
 def test_a_swarm_copy_that_does_not_verify_is_dropped_and_the_origin_serves_the_blob(
@@ -199,7 +204,7 @@ class PipelinedPeers(FakePeers):
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
         downloader: RangedDownloader, endgame: threading.Event | None = None,
-        cancel: threading.Event | None = None,
+        cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Swarmed:  # fmt: skip
         with self.lock:
             self.events.append(("start", label))

@@ -160,6 +160,18 @@ def test_pipelined_blobs_keep_the_links_busy_between_blobs() -> None:
     assert two.store_copies == pytest.approx(1.0, abs=0.05)
 
 
+def test_the_first_node_at_a_blob_takes_its_stripe_not_the_whole_blob() -> None:
+    # 8 nodes in lockstep, config.json (one piece) then four shards: the owner of
+    # config.json's piece is first at every shard. Striping only among the peers on the
+    # shard, it was alone there and took each shard whole from the store, its uplink then
+    # every other node's only source (2.0x the time of one blob of the same bytes);
+    # striping among the peers seen on the revision (`SwarmMembers`), 1.26x
+    p = sim.Params(8, 64 * MiB, 0, 400e6, 400e6, blobs=(100, *(16 * MiB,) * 4))
+    shards, single = sim.Swarm(p).run(), sim.Swarm(replace(p, blobs=())).run()
+    assert shards.last < 1.5 * single.last
+    assert shards.store_copies == pytest.approx(1.0, abs=0.05)
+
+
 def test_an_idle_node_watching_some_peers_leaves_pieces_out_of_view_to_their_owners() -> None:
     # 100 nodes, 64 pieces, each node watching 8: asking the store for any piece nobody in
     # view has when idle cost 2.03 copies (most were held or fetched out of view); only the

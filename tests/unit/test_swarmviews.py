@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 
 from weightcache.config import PeerSettings
+from weightcache.fetch.blobs import SwarmMembers
 from weightcache.node import swarmviews
 from weightcache.node.peers import PIECES, Peers
 from weightcache.node.swarm import (
@@ -170,9 +171,12 @@ class FakePeers:
     """What `PeerViews` uses of `Peers`: the discovered list, HEADs (every peer answers
     with nothing held, or not at all if dead), this node's URL."""
 
-    def __init__(self, listed: list[str], view: int, dead: Collection[str] = ()) -> None:
+    def __init__(
+        self, listed: list[str], view: int, dead: Collection[str] = (),
+        absent: Collection[str] = (),
+    ) -> None:  # fmt: skip
         self.settings = PeerSettings(("127.0.0.1", 9401), "t" * 16, view=view)
-        self.listed, self.dead = listed, set(dead)
+        self.listed, self.dead, self.absent = listed, set(dead), set(absent)
         self.asked: list[set[str]] = []
         self.discovery = self
 
@@ -187,7 +191,13 @@ class FakePeers:
     ) -> dict[str, tuple[int, dict[str, str]] | None]:
         asked = {p for p in self.listed if (not within or p in within) and p not in skip}
         self.asked.append(asked)
-        return {p: None if p in self.dead else (200, {PIECES: "all"}) for p in asked}
+        return {p: self._answer(p) for p in asked}
+
+    def _answer(self, peer: str) -> tuple[int, dict[str, str]] | None:
+        """None (no answer) if dead; 404 if absent (not on this blob); else all held."""
+        if peer in self.dead:
+            return None
+        return (404, {}) if peer in self.absent else (200, {PIECES: "all"})
 
     def failed(self, peer: str) -> None:
         pass
@@ -197,8 +207,8 @@ def urls(n: int) -> list[str]:
     return [f"http://10.0.{i // 250}.{i % 250 + 1}:9401" for i in range(n)]
 
 
-def views_of(fake: FakePeers) -> PeerViews:
-    return PeerViews(cast(Peers, cast(Any, fake)), "ab" * 32, 64 << 20, 1 << 20)
+def views_of(fake: FakePeers, members: SwarmMembers | None = None) -> PeerViews:
+    return PeerViews(cast(Peers, cast(Any, fake)), "ab" * 32, 64 << 20, 1 << 20, members)
 
 
 def test_a_membership_within_the_bound_is_all_watched_and_striped_by_advertisers() -> None:
@@ -248,3 +258,36 @@ def test_a_watched_peer_dead_or_shunned_is_replaced_and_a_dead_one_s_stripe_orph
     rank = members.index(dead)
     start, end = rank * views.count // 21, (rank + 1) * views.count // 21
     assert end - start >= 3 and views.orphans() == bits(range(start, end))
+
+
+def test_the_first_node_at_a_blob_stripes_with_the_peers_seen_on_the_revision_until_silent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node reaches a blob first: its three peers, still on the revision's blob before,
+    answer 404 here. Alone, its stripe would be the whole blob (it took every piece from the
+    store, and its uplink became every peer's only source); they were seen swarming the
+    revision (the shared members), so the blob is cut in four. A peer that stops answering
+    leaves after MEMBER_TTL; the advertisers of this blob join the revision's members."""
+    clock = [1000.0]
+    monkeypatch.setattr(swarmviews.time, "monotonic", lambda: clock[0])
+    listed = urls(3)
+    fake = FakePeers(listed, view=16, absent=listed)
+    alone = views_of(fake)
+    alone.refresh()
+    assert alone.current() == ([], 0, 1)
+    members = SwarmMembers()
+    members.add(listed)
+    views = views_of(fake, members)
+    views.refresh()
+    everyone = sorted([*listed, fake.own_url()])
+    assert views.current() == ([], everyone.index(fake.own_url()), 4)
+    fake.dead = {listed[0]}
+    while clock[0] < 1000.0 + MEMBER_TTL:
+        clock[0] += 0.5
+        views.refresh()
+    assert views.current()[2] == 3
+    other = SwarmMembers()
+    advertised = views_of(FakePeers(listed, view=16), other)
+    advertised.refresh()
+    advertised.current()
+    assert other.get() == frozenset(listed)

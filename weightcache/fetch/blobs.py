@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -41,6 +41,27 @@ log = logging.getLogger(__name__)
 LOCK_BATCH = 64
 
 ClaimT = TypeVar("ClaimT")
+
+
+class SwarmMembers:
+    """The peers seen swarming one revision's blobs while this node brings them. Every node
+    brings a revision's blobs in the manifest's order, so those peers come to its later
+    blobs too: a node that reaches a blob before them splits the store's copy with them
+    (their stripes) instead of taking the whole blob from the store as if it were alone,
+    which made its uplink every later peer's only source (design §8, Swarm). Thread-safe:
+    the blob pipeline's two downloads share one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._urls: set[str] = set()
+
+    def add(self, urls: Iterable[str]) -> None:
+        with self._lock:
+            self._urls.update(urls)
+
+    def get(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._urls)
 
 
 class Swarmed(Protocol):
@@ -78,9 +99,11 @@ class NodePeers(Protocol[ClaimT]):
         downloader: RangedDownloader,
         endgame: threading.Event | None = None,
         cancel: threading.Event | None = None,
+        members: SwarmMembers | None = None,
     ) -> Swarmed:
         """Download one blob into `partial`; set `endgame` once no piece of it is left to
-        request; stop (Interrupted) once `cancel` is set."""
+        request; stop (Interrupted) once `cancel` is set; `members`: the revision's swarm
+        so far, added to as peers advertise the blob."""
 
     def mark_bad(self, peer: str, why: str) -> None: ...
 
@@ -223,7 +246,7 @@ class BlobFetch:
         # imported here: a fetch without peers reaches its first GET without it (design §4)
         from concurrent.futures import ThreadPoolExecutor
 
-        fetched, failed = 0, list[Wanted]()
+        fetched, failed, members = 0, list[Wanted](), SwarmMembers()
         running: collections.deque[_Swarming] = collections.deque()
         with ThreadPoolExecutor(2, thread_name_prefix="blob") as pool:
             try:
@@ -232,14 +255,16 @@ class BlobFetch:
                         fetched += self._finish(running.popleft(), failed)
                     if running:
                         running[-1].endgame.wait()
-                    running.append(self._begin(pool, source, w))
+                    running.append(self._begin(pool, source, w, members))
                 while running:
                     fetched += self._finish(running.popleft(), failed)
             finally:
                 self._stop(running)
         return fetched, failed
 
-    def _begin(self, pool: ThreadPoolExecutor, source: Source, w: Wanted) -> _Swarming:
+    def _begin(
+        self, pool: ThreadPoolExecutor, source: Source, w: Wanted, members: SwarmMembers
+    ) -> _Swarming:
         """Claim the blob and start its swarm download in `pool`."""
         assert self.peers is not None
         peers = self.peers
@@ -249,7 +274,8 @@ class BlobFetch:
         def swarm() -> Swarmed:
             try:
                 return peers.swarm(w.sha256, w.entry.size, w.partial, w.entry.path, origin,
-                                   downloader, endgame=endgame, cancel=cancel)  # fmt: skip
+                                   downloader, endgame=endgame, cancel=cancel,
+                                   members=members)  # fmt: skip
             finally:
                 endgame.set()
 

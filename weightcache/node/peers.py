@@ -37,6 +37,7 @@ from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.sources import BlobSource, RangeReader
 
 if TYPE_CHECKING:
+    from weightcache.fetch.blobs import SwarmMembers
     from weightcache.node.swarmfetch import Outcome
     from weightcache.transfer.ranged import RangedDownloader
 
@@ -384,15 +385,16 @@ class Peers:
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
         downloader: RangedDownloader, endgame: threading.Event | None = None,
-        cancel: threading.Event | None = None,
+        cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Outcome:  # fmt: skip
         """Download one blob piece by piece from the peers and the store into `partial`
         (weightcache/node/swarmfetch.py); the fetch layer sees only this method. `endgame`
-        is set once no piece is left to request; `cancel` stops the download."""
+        is set once no piece is left to request; `cancel` stops the download; `members`:
+        the peers seen swarming the revision's other blobs (`SwarmMembers`)."""
         from weightcache.node.swarmfetch import SwarmDownload
 
         return SwarmDownload(self, sha256, size, partial, label, origin, downloader,
-                             endgame=endgame, cancel=cancel).run()  # fmt: skip
+                             endgame=endgame, cancel=cancel, members=members).run()  # fmt: skip
 
 
 class PeerBlob:

@@ -69,6 +69,7 @@ from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
 
 if TYPE_CHECKING:
+    from weightcache.fetch.blobs import SwarmMembers
     from weightcache.node.peers import Peers
     from weightcache.transfer.ranged import RangedDownloader
 
@@ -140,6 +141,7 @@ class SwarmDownload:
         self, peers: Peers, sha256: str, size: int, partial: Path, label: str,
         origin: BlobSource, downloader: RangedDownloader, limits: Limits | None = None,
         endgame: threading.Event | None = None, cancel: threading.Event | None = None,
+        members: SwarmMembers | None = None,
     ) -> None:  # fmt: skip
         self.peers, self.sha256, self.size, self.label = peers, sha256, size, label
         self.endgame, self.cancel = endgame, cancel
@@ -155,7 +157,7 @@ class SwarmDownload:
         self.lock = threading.Lock()  # the fields below, from the loop and the workers
         self.inflight: dict[int, set[str]] = {}
         self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
-        self.views = PeerViews(peers, sha256, size, self.piece_size)
+        self.views = PeerViews(peers, sha256, size, self.piece_size, members)
         self.store = StoreGate(self.limits, downloader, origin.where, label)
         self.idle_since = time.monotonic()
         self.late = Late(self.idle_since, self.count)

@@ -29,6 +29,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from weightcache.fetch.blobs import SwarmMembers
 from weightcache.node.peers import PIECES, parse_view
 from weightcache.node.swarm import (
     ORIGIN,
@@ -178,14 +179,21 @@ def idle_requests(
 class PeerViews:
     """The peers of one blob's swarm as this node sees them. Thread-safe."""
 
-    def __init__(self, peers: Peers, sha256: str, size: int, piece_size: int) -> None:
+    def __init__(
+        self, peers: Peers, sha256: str, size: int, piece_size: int,
+        members: SwarmMembers | None = None,
+    ) -> None:  # fmt: skip
         self.peers, self.sha256, self.size, self.piece_size = peers, sha256, size, piece_size
         self.count = -(-size // piece_size)
         self.lock = threading.Lock()
+        self.began = time.monotonic()
         #: Peers that hold or download the blob (they advertise pieces): with this node,
         #: the membership whose stripes split the store's copy (with the whole membership
         #: in view; with a partial view, the stripes are over `listed`).
         self.views: dict[str, PeerView] = {}
+        #: ... and the peers seen swarming the revision's other blobs, which come to this
+        #: one too (`SwarmMembers`), while they answer (MEMBER_TTL, as views).
+        self.members = members if members is not None else SwarmMembers()
         self.heard_at: dict[str, float] = {}  # peer -> when it last answered anything
         self.answered_at: dict[str, float] = {}  # peer -> when it last answered a piece request
         self.advertised_at: dict[str, float] = {}  # peer -> when it last advertised the blob
@@ -211,8 +219,17 @@ class PeerViews:
             if len(self.listed) > self.bound:
                 members = sorted(set(self.listed) | {own})
             else:
-                members = sorted(self.views.keys() | {own})
+                self.members.add(self.views)
+                members = sorted(self.views.keys() | self._coming(now) | {own})
         return views, members.index(own), len(members)
+
+    def _coming(self, now: float) -> set[str]:
+        """The peers seen swarming the revision's other blobs that have not shown
+        themselves dead (no answer for MEMBER_TTL since this blob began): they will swarm
+        this one, and their stripes are theirs (under the lock)."""
+        fresh = now - self.began < MEMBER_TTL
+        return {u for u in self.members.get()
+                if fresh or now - self.heard_at.get(u, -MEMBER_TTL) < MEMBER_TTL}  # fmt: skip
 
     def watching(self) -> tuple[int, int]:
         """(the peers HEAD rounds ask now, the peers discovery lists)."""
