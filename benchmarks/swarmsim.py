@@ -20,10 +20,9 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   first node at a blob takes only its stripe from the store, not the whole blob); a
   joining node's HEAD makes it a member at once (`PeerViews.joined`).
   *Two blobs at once* (`--pipeline 2`, the default, as fetch/blobs.py does): a node starts
-  its next blob as soon as its share of the current one is asked for (every piece of its
-  own stripe held or in flight), so that the store sends the next blob's stripes while
-  this one's pieces spread; it starts a third only when the first is complete.
-  `--pipeline 1`: one at a time.
+  its next blob as soon as its current one has nothing left to request (every missing
+  piece in flight, its end game), so that its link does not idle while the last pieces
+  come; it starts a third only when the first is complete. `--pipeline 1`: one at a time.
   `--model-bytes` simulates benchmarks/swarm.py's model (its blobs in the daemons' order).
 - *Views* are refreshed by HEAD rounds every `--refresh` seconds from the blob's start (0.5:
   the daemons' VIEW_EVERY), skipping peers that answered a piece request within a round,
@@ -125,7 +124,6 @@ from weightcache.node.swarm import (
     choose,
     next_window,
     piece_count,
-    share_asked,
 )
 from weightcache.node.swarmfetch import IDLE_GRACE
 from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
@@ -276,16 +274,16 @@ class Swarm:
             self.nodes[i], self.ahead[i] = current, dl
 
     def _pipeline(self, i: int) -> None:
-        """Start node `i`'s next blob if its share of the current one is asked for (every
-        piece of its own stripe held or in flight), it has no other in progress, and
-        `Params.pipeline` allows two."""
+        """Start node `i`'s next blob if its current one has nothing left to request
+        (every missing piece in flight), it has no other in progress, and `Params.pipeline`
+        allows two."""
         node = self.nodes[i]
         if self.p.pipeline < 2 or self.ahead[i] is not None or node.ready is not None:
             return
         if not node.started or not node.joined or node.blob + 1 >= len(self.blobs):
             return
-        rank, nodes = self._rank(i)
-        if not share_asked(rank, nodes, self.counts[node.blob], node.have, node.fetching):
+        missing = ((1 << self.counts[node.blob]) - 1) & ~node.have
+        if missing & ~node.fetching:
             return
         ahead = Node(node.blob + 1, started=True, watches=node.watches, seen=node.seen)
         self.ahead[i] = ahead
@@ -417,20 +415,6 @@ class Swarm:
             if j not in node.watched_at:
                 del node.view[j]
 
-    def _rank(self, i: int) -> tuple[int, int]:
-        """(rank, membership size) of node `i` for its current blob's stripes. The daemons'
-        membership: the peers advertising the blob and those seen swarming the revision's
-        other blobs (`SwarmMembers`; no node dies here, so no MEMBER_TTL applies); a node
-        watching only some of them stripes among all nodes instead (as by discovery's list),
-        or each group in view would take the whole blob from the store (23 copies at 1,000
-        nodes, view 32)."""
-        node = self.nodes[i]
-        if len(node.watches) < self.p.nodes - 1:
-            return i, self.p.nodes
-        node.seen |= node.view.keys()
-        members = sorted(node.seen | {i})
-        return members.index(i), len(members)
-
     def _decide(self, i: int) -> None:
         """`SwarmDownload._choose`: the policy on the node's view, then the store regardless
         of its room after IDLE_GRACE idle (not for pieces someone in view claims)."""
@@ -438,15 +422,20 @@ class Swarm:
         if node.ready is not None or not node.joined:
             return
         count = self.counts[node.blob]
+        # the daemons' membership: the peers advertising the blob and those seen swarming the
+        # revision's earlier blobs (`SwarmMembers`); a node watching only some
+        # of them stripes among all nodes instead (as by discovery's list), or each group in
+        # view would take the whole blob from the store (23 copies at 1,000 nodes, view 32)
         partial = len(node.watches) < self.p.nodes - 1
-        rank, nodes = self._rank(i)
+        node.seen |= node.view.keys()  # no node dies here: no MEMBER_TTL to apply
+        members = range(self.p.nodes) if partial else sorted(node.seen | {i})
         inflow = self.net.inflow(i)
         node.best = max(node.best, inflow)
         local = Local(
             Bitmap(count, node.have),
             {k: frozenset(self._source(f) for f in fs) for k, fs in node.inflight.items()},
-            rank=rank,
-            nodes=nodes,
+            rank=members.index(i),
+            nodes=len(members),
             spare=not node.inflight or inflow < SPARE * node.best,
         )
         views, limits = list(node.view.values()), self.p.limits
@@ -458,7 +447,7 @@ class Swarm:
         elif (
             now >= node.idle_since + IDLE_GRACE
         ):  # as the POLL below is scheduled: no rounding loop
-            orphans = orphaned(range(nodes), node.gone.keys(), count) if partial else 0
+            orphans = orphaned(members, node.gone.keys(), count) if partial else 0
             scope = idle_scope(
                 partial, local, orphans, node.late.late(now, local.rank, local.nodes)
             )

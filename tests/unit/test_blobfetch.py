@@ -2,7 +2,7 @@
 origin, blobs brought by the node's swarm (a stand-in here: the swarm itself is tested with
 real daemons in tests/integration/test_swarm.py), a swarm copy that does not verify even
 after its re-check, an origin that serves wrong bytes twice (exit 4, nothing published),
-and the swarm's blobs two at once: the next once the swarm says it may start."""
+and the swarm's blobs two at once: the next from the end game of the one before."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class FakePeers:
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader, next_may_start: threading.Event | None = None,
+        downloader: RangedDownloader, endgame: threading.Event | None = None,
         cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Swarmed:  # fmt: skip
         self.swarmed.append(sha256)
@@ -189,7 +189,7 @@ def test_an_origin_serving_wrong_bytes_twice_is_an_integrity_error(
 
 
 class PipelinedPeers(FakePeers):
-    """A swarm whose every blob says at once that the next may start, then waits (up to `hold`
+    """A swarm whose every blob reports its end game at once, then waits (up to `hold`
     seconds) for the blob after the next to start, or for `cancel`; the order of starts
     and ends goes into `events`. Blob `fail` raises TransientError after that wait."""
 
@@ -203,14 +203,14 @@ class PipelinedPeers(FakePeers):
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader, next_may_start: threading.Event | None = None,
+        downloader: RangedDownloader, endgame: threading.Event | None = None,
         cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Swarmed:  # fmt: skip
         with self.lock:
             self.events.append(("start", label))
         self.started[sha256].set()
-        if next_may_start is not None:
-            next_may_start.set()
+        if endgame is not None:
+            endgame.set()
         k = self.order.index(sha256)
         until = time.monotonic() + self.hold
         while time.monotonic() < until:
@@ -240,8 +240,8 @@ def three_blobs(tmp_path: Path) -> Origin:
 def test_the_swarm_brings_two_blobs_at_once_the_next_from_the_end_game_of_the_one_before(
     layout: Layout, tmp_path: Path
 ) -> None:
-    """b starts while a still runs; c only once a has ended (two at most), though b said
-    the next may start already; every blob published, each claim released."""
+    """b starts while a is still in its end game; c only once a has ended (two at most),
+    though b is in its end game already; every blob published, each claim released."""
     origin = three_blobs(tmp_path)
     order = [e.sha256 for e in origin.manifest.entries]
     peers = PipelinedPeers(order, hold=0.5)
@@ -257,7 +257,7 @@ def test_the_swarm_brings_two_blobs_at_once_the_next_from_the_end_game_of_the_on
 def test_a_swarm_download_failing_stops_the_other_one_in_progress(
     layout: Layout, tmp_path: Path
 ) -> None:
-    """a fails while b (started once a said so) runs: b is cancelled, both claims are
+    """a fails while b (started at a's end game) runs: b is cancelled, both claims are
     released, a's error is the fetch's, nothing of b is published (its partial is kept)."""
     origin = three_blobs(tmp_path)
     order = [e.sha256 for e in origin.manifest.entries]

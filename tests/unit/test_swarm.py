@@ -21,7 +21,6 @@ from weightcache.node.swarm import (
     next_window,
     piece_count,
     piece_ranges,
-    share_asked,
     stripe,
 )
 
@@ -122,30 +121,6 @@ def test_bitmap_contents() -> None:
 )
 def test_stripes(rank: int, nodes: int, count: int, pieces: list[int]) -> None:
     assert list(Bitmap(count, stripe(rank, nodes, count))) == pieces
-
-
-@pytest.mark.parametrize(
-    ("rank", "have", "fetching", "asked"),
-    [
-        (1, 0b0000_0000, 0b0000_0000, False),  # nothing yet
-        (1, 0b0000_0100, 0b0000_0000, False),  # half its stripe (pieces 2, 3)
-        (1, 0b0000_0100, 0b0000_1000, True),  # one held, one in flight
-        (1, 0b1111_0011, 0b0000_0000, False),  # everything but its stripe
-        (0, 0b0000_0011, 0b0000_0000, True),
-        (3, 0b0000_0000, 0b1100_0000, True),
-    ],
-)
-def test_a_node_s_share_is_asked_for_once_its_stripe_is_held_or_in_flight(
-    rank: int, have: int, fetching: int, asked: bool
-) -> None:
-    # 4 nodes, 8 pieces: node r's stripe is pieces 2r and 2r + 1
-    assert share_asked(rank, 4, 8, have, fetching) is asked
-
-
-def test_an_empty_blob_and_a_node_alone() -> None:
-    assert share_asked(0, 3, 0, 0, 0)  # nothing to ask for
-    assert not share_asked(0, 1, 4, 0b0111, 0)  # alone: its stripe is the whole blob
-    assert share_asked(0, 1, 4, 0b0111, 0b1000)
 
 
 def test_stripes_partition_the_blob() -> None:

@@ -140,11 +140,11 @@ def test_a_node_watching_some_peers_stripes_among_all_nodes() -> None:
     assert sim.Swarm(p).run().store_copies < 1.5
 
 
-def test_a_node_alone_starts_its_next_blob_once_the_one_before_is_all_asked_for() -> None:
+def test_a_node_starts_its_next_blob_at_the_end_game_of_the_one_before() -> None:
     # one node alone, two blobs of one piece each, 0.1 s from a request to its first
     # byte: one after the other, 2 x (HEAD round + request + 1 s); pipelined, the second
-    # blob's HEAD round and request go while the first's piece (its stripe: the whole
-    # blob) is in flight, and the two pieces share the link
+    # blob's HEAD round and request go while the first's piece (all it has to request)
+    # is in flight, and the two pieces share the link
     p = sim.Params(1, 2 * MiB, MiB, 8 * MiB, 8 * MiB, rtt=0.1, efficiency=1.0,
                    blobs=(MiB, MiB), pipeline=1)  # fmt: skip
     assert sim.Swarm(p).run().last == pytest.approx(2.4)
@@ -170,16 +170,6 @@ def test_the_first_node_at_a_blob_takes_its_stripe_not_the_whole_blob() -> None:
     shards, single = sim.Swarm(p).run(), sim.Swarm(replace(p, blobs=())).run()
     assert shards.last < 1.5 * single.last
     assert shards.store_copies == pytest.approx(1.0, abs=0.05)
-
-
-def test_the_next_blob_starts_once_the_node_s_stripe_of_the_one_before_is_asked_for() -> None:
-    # as above; starting the next blob only when nothing was left to request in the one
-    # before (its end game), the store idled while each shard's last pieces spread between
-    # peers (1.26x the time of one blob); starting it once the node's own stripe is held or
-    # in flight, the store sends the next shard's stripes meanwhile (1.12x)
-    p = sim.Params(8, 64 * MiB, 0, 400e6, 400e6, blobs=(100, *(16 * MiB,) * 4))
-    shards, single = sim.Swarm(p).run(), sim.Swarm(replace(p, blobs=())).run()
-    assert shards.last < 1.2 * single.last
 
 
 def test_an_idle_node_watching_some_peers_leaves_pieces_out_of_view_to_their_owners() -> None:

@@ -4,9 +4,8 @@ Each blob is claimed by its lock (one download per node; a blob another process 
 downloading is waited for, bounded by that process's progress, then re-checked). In the
 daemon, each blob is downloaded by the node's swarm (`NodePeers.swarm`, weightcache/node/
 swarmfetch.py: pieces from several peers and the origin at once), two blobs at once at
-most: the next starts once this node has asked for its share of the one before (its own
-stripe is held or in flight), so that the store and the links do not idle between blobs;
-without peers, or for a private partial, by the
+most: the next starts when the one before has nothing left to request (its end game), so
+that the links do not idle between blobs; without peers, or for a private partial, by the
 ranged downloader from the origin alone. Every blob is verified against the manifest's
 sha256 before it is published, whatever its source.
 """
@@ -98,14 +97,13 @@ class NodePeers(Protocol[ClaimT]):
         label: str,
         origin: BlobSource,
         downloader: RangedDownloader,
-        next_may_start: threading.Event | None = None,
+        endgame: threading.Event | None = None,
         cancel: threading.Event | None = None,
         members: SwarmMembers | None = None,
     ) -> Swarmed:
-        """Download one blob into `partial`; set `next_may_start` once the next blob may
-        start (this node's share of this one is asked for); stop (Interrupted) once `cancel`
-        is set; `members`: the revision's swarm so far, added to as peers advertise the
-        blob."""
+        """Download one blob into `partial`; set `endgame` once no piece of it is left to
+        request; stop (Interrupted) once `cancel` is set; `members`: the revision's swarm
+        so far, added to as peers advertise the blob."""
 
     def mark_bad(self, peer: str, why: str) -> None: ...
 
@@ -127,12 +125,12 @@ class Wanted:
 
 @dataclass
 class _Swarming:
-    """One blob the swarm brings in a worker thread: its claim, and when the next blob may
-    start (set too when the download ends, however)."""
+    """One blob the swarm brings in a worker thread: its claim, and its end game (set too
+    when the download ends, however)."""
 
     wanted: Wanted
     claim: Any
-    next_may_start: threading.Event
+    endgame: threading.Event
     cancel: threading.Event
     future: Future[Swarmed]
 
@@ -241,8 +239,8 @@ class BlobFetch:
 
     def _from_swarm(self, source: Source, todo: list[Wanted]) -> tuple[int, list[Wanted]]:
         """(bytes from the origin, the blobs not published) of `todo` brought by the swarm,
-        two at once at most: each starts once this node's share of the one before is asked
-        for (or it ended), and after the one before that has ended (design §8, Swarm). Each blob
+        two at once at most: each starts once the one before has nothing left to request
+        (or ended), and after the one before that has ended (design §8, Swarm). Each blob
         is claimed (so that peers may fetch its pieces from us while we download it) until
         it is published or dropped. On an error, the other download is stopped first."""
         # imported here: a fetch without peers reaches its first GET without it (design §4)
@@ -256,7 +254,7 @@ class BlobFetch:
                     if len(running) == 2:
                         fetched += self._finish(running.popleft(), failed)
                     if running:
-                        running[-1].next_may_start.wait()
+                        running[-1].endgame.wait()
                     running.append(self._begin(pool, source, w, members))
                 while running:
                     fetched += self._finish(running.popleft(), failed)
@@ -271,19 +269,19 @@ class BlobFetch:
         assert self.peers is not None
         peers = self.peers
         origin, downloader = self._origin_blob(source, w.entry), self._downloader()
-        next_may_start, cancel = threading.Event(), threading.Event()
+        endgame, cancel = threading.Event(), threading.Event()
 
         def swarm() -> Swarmed:
             try:
                 return peers.swarm(w.sha256, w.entry.size, w.partial, w.entry.path, origin,
-                                   downloader, next_may_start=next_may_start,
-                                   cancel=cancel, members=members)  # fmt: skip
+                                   downloader, endgame=endgame, cancel=cancel,
+                                   members=members)  # fmt: skip
             finally:
-                next_may_start.set()
+                endgame.set()
 
         claim = peers.claim(w.sha256, w.partial, w.entry.size)
         try:
-            return _Swarming(w, claim, next_may_start, cancel, pool.submit(swarm))
+            return _Swarming(w, claim, endgame, cancel, pool.submit(swarm))
         except BaseException:
             peers.release(w.sha256, claim)
             raise

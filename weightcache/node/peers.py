@@ -384,19 +384,17 @@ class Peers:
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader, next_may_start: threading.Event | None = None,
+        downloader: RangedDownloader, endgame: threading.Event | None = None,
         cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Outcome:  # fmt: skip
         """Download one blob piece by piece from the peers and the store into `partial`
-        (weightcache/node/swarmfetch.py); the fetch layer sees only this method.
-        `next_may_start` is set once this node's share of the blob is asked for; `cancel`
-        stops the download; `members`: the peers seen swarming the revision's other blobs
-        (`SwarmMembers`)."""
+        (weightcache/node/swarmfetch.py); the fetch layer sees only this method. `endgame`
+        is set once no piece is left to request; `cancel` stops the download; `members`:
+        the peers seen swarming the revision's other blobs (`SwarmMembers`)."""
         from weightcache.node.swarmfetch import SwarmDownload
 
         return SwarmDownload(self, sha256, size, partial, label, origin, downloader,
-                             next_may_start=next_may_start, cancel=cancel,
-                             members=members).run()  # fmt: skip
+                             endgame=endgame, cancel=cancel, members=members).run()  # fmt: skip
 
 
 class PeerBlob:

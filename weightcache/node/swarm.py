@@ -248,14 +248,6 @@ def stripe(rank: int, nodes: int, count: int) -> int:
     return ((1 << end) - 1) ^ ((1 << start) - 1)
 
 
-def share_asked(rank: int, nodes: int, count: int, have: int, fetching: int) -> bool:
-    """Whether node `rank` of `nodes` has asked for its share of the store's copy of a blob
-    of `count` pieces: every piece of its stripe held or in flight (`have`, `fetching`: bit
-    i = piece i). Its next blob may then start (design §8, Swarm): the store sends that
-    blob's stripes while this one's pieces spread between peers."""
-    return not stripe(rank, nodes, count) & ~(have | fetching) if count else True
-
-
 def choose(
     local: Local,
     peers: Sequence[PeerView],

@@ -19,12 +19,10 @@ the peers and of the store, and runs each request in a worker thread:
   piece that did not come from the store in this run is fetched again from the store and
   compared: a peer whose piece differs is marked bad, the store's bytes are kept, and the
   blob is hashed again. At most once; the caller decides what a second mismatch means.
-- **The next blob.** Once this node's share of the store's copy is asked for (every piece
-  of its own stripe held or in flight; at the latest once no piece is left to request),
-  the download sets its `next_may_start` event: the caller starts the next blob meanwhile,
-  whose stripe the store then sends while this blob's pieces spread between peers, so that
-  the store and the links do not idle between blobs (fetch/blobs.py). Its `cancel` event
-  stops it (Interrupted), partial kept.
+- **End game.** Once no piece is left to request (every missing piece is in flight), the
+  download sets its `endgame` event: the caller may start the next blob meanwhile, so
+  that the links do not idle while the last pieces come (fetch/blobs.py). Its `cancel`
+  event stops it (Interrupted), partial kept.
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ from weightcache.node.swarm import (
     Request,
     choose,
     piece_ranges,
-    share_asked,
 )
 
 # fmt: on
@@ -143,11 +140,11 @@ class SwarmDownload:
     def __init__(
         self, peers: Peers, sha256: str, size: int, partial: Path, label: str,
         origin: BlobSource, downloader: RangedDownloader, limits: Limits | None = None,
-        next_may_start: threading.Event | None = None,
-        cancel: threading.Event | None = None, members: SwarmMembers | None = None,
+        endgame: threading.Event | None = None, cancel: threading.Event | None = None,
+        members: SwarmMembers | None = None,
     ) -> None:  # fmt: skip
         self.peers, self.sha256, self.size, self.label = peers, sha256, size, label
-        self.next_may_start, self.cancel = next_may_start, cancel
+        self.endgame, self.cancel = endgame, cancel
         self.partial_path, self.origin, self.downloader = partial, origin, downloader
         self.observer = downloader.observer
         self.limits = limits or Limits()
@@ -216,20 +213,17 @@ class SwarmDownload:
                 with self.lock:
                     self.inflight.setdefault(request.piece, set()).add(request.source)
                 pool.submit(self._fetch, request)
-            self._note_share_asked()
+            self._note_endgame()
             with contextlib.suppress(queue.Empty):
                 self.events.get(timeout=TICK)
 
-    def _note_share_asked(self) -> None:
-        """Set `next_may_start` once every piece of this node's own stripe is held or in
-        flight: its share of the store's copy is asked for, and the store may send the next
-        blob's stripe while this one's pieces spread."""
-        if self.next_may_start is None or self.next_may_start.is_set():
+    def _note_endgame(self) -> None:
+        """Set `endgame` once every missing piece is in flight (none left to request)."""
+        if self.endgame is None or self.endgame.is_set():
             return
-        _, rank, members = self.views.current()
         _, held, fetching = self.pieces()
-        if share_asked(rank, members, self.count, held.bits, fetching.bits):
-            self.next_may_start.set()
+        if held.bits | fetching.bits == (1 << self.count) - 1:
+            self.endgame.set()
 
     def _log_summary(self) -> None:
         with self.lock:
