@@ -304,20 +304,19 @@ class SwarmDownload:
     # -- one piece ---------------------------------------------------------------------------
 
     def _fetch(self, request: Request) -> None:
-        """Bring one piece from one source (in a worker thread); a failure leaves it to be
-        chosen again, from wherever the next choice says."""
+        """Bring one piece from one source (in a worker thread); a failure of the source
+        leaves it to be chosen again, from wherever the next choice says; a failure to
+        write it (the cache disk's, no source's) ends the download."""
         piece, source = request.piece, request.source
         self.local.status = 0
         kind = "origin" if source == ORIGIN else "peer"
         started = time.monotonic()
         try:
-            data = self._read(piece, source, kind)
+            data = self._read_or_fail(piece, source, kind)
             if data is not None:
                 self._land(piece, source, data)
                 rate = len(data) / max(1e-3, time.monotonic() - started)
                 self.store.measured(kind, rate, self.views.alone())
-        except (RetryRange, WeightcacheError, OSError) as e:
-            self._failed(source, e)
         except BaseException as e:
             self.errors.append(e)
         finally:
@@ -327,6 +326,14 @@ class SwarmDownload:
                 if not sources:
                     self.inflight.pop(piece, None)
             self.events.put(None)
+
+    def _read_or_fail(self, piece: int, source: str, kind: str) -> bytearray | None:
+        """`_read`, or None after a failure of the source (`_failed`)."""
+        try:
+            return self._read(piece, source, kind)
+        except (RetryRange, WeightcacheError, OSError) as e:
+            self._failed(source, e)
+            return None
 
     def _read(self, piece: int, source: str, kind: str, recheck: bool = False) -> bytearray | None:
         """The piece's bytes from `source`; None if it landed from elsewhere meanwhile
@@ -361,21 +368,30 @@ class SwarmDownload:
         return data
 
     def _land(self, piece: int, source: str, data: bytearray) -> None:
-        """Write a complete piece at its offset and record it (first source wins)."""
+        """Write a complete piece at its offset and record it (first source wins). Raises
+        NoSpaceError, and TransientError when the cache disk fails otherwise: whoever
+        sent the piece, the next one would fail alike (retried, it would be fetched for
+        ever: each read moves the stall clock)."""
         assert self.file is not None
         start, end = self.ranges[piece]
         if source == ORIGIN:
             self.store.received(len(data))
-        with self.land_lock:
-            if self.file.state.done[piece]:
-                return
-            self.file.write(memoryview(data), start)
-            self.file.wrote(piece, end)
-            self.file.mark_done(piece)
-            self.file.save()  # a kill from now on does not lose this piece
-            with self.lock:
-                self.sources[piece] = source
-        self.file.advance_hash(self._buffer())
+        try:
+            with self.land_lock:
+                if self.file.state.done[piece]:
+                    return
+                self.file.write(memoryview(data), start)
+                self.file.wrote(piece, end)
+                self.file.mark_done(piece)
+                self.file.save()  # a kill from now on does not lose this piece
+                with self.lock:
+                    self.sources[piece] = source
+            self.file.advance_hash(self._buffer())
+        except OSError as e:
+            raise TransientError(
+                f"cannot write {self.label} to the cache disk ({e}); partial data is kept, "
+                "check the disk and run the fetch again"
+            ) from e
 
     def _failed(self, source: str, error: BaseException) -> None:
         if source != ORIGIN and getattr(self.local, "status", 0) == 416:
