@@ -5,10 +5,13 @@ real daemons in tests/integration/test_swarm.py."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import random
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +20,14 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, PeerSettings, Source
-from weightcache.errors import TransientError
+from weightcache.errors import Interrupted, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
+from weightcache.node.swarmfetch import piece_size_for
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.ranged import RangedDownloader
-from weightcache.transfer.sources import FileBlob
+from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader
 
 SOURCE = Source.parse("s3://bucket/models/m/r1")
 
@@ -34,16 +38,46 @@ def one_blob(tmp_path: Path, size: int) -> Manifest:
     return Manifest((ManifestEntry("a.bin", hashlib.sha256(data).hexdigest(), size),), "0" * 64)
 
 
-def bring_alone(layout: Layout, tmp_path: Path, manifest: Manifest) -> BaseException | None:
+class Trickle(FileBlob):
+    """A local file served 8 KiB per read, each read taking `every` seconds."""
+
+    def __init__(self, path: Path, every: float) -> None:
+        super().__init__(path)
+        self.every = every
+
+    @contextlib.contextmanager
+    def open_range(self, start: int, end: int, size: int, timeout: float) -> Iterator[RangeReader]:
+        with super().open_range(start, end, size, timeout) as reader:
+            yield _Slow(reader, self.every)
+
+
+class _Slow:
+    def __init__(self, reader: RangeReader, every: float) -> None:
+        self.reader, self.every = reader, every
+
+    def readinto(self, buf: memoryview) -> int:
+        time.sleep(self.every)
+        return self.reader.readinto(buf[: 8 << 10])
+
+
+def bring_alone(
+    layout: Layout, tmp_path: Path, manifest: Manifest,
+    trickle: bool = False, interrupt_after: float | None = None,
+) -> BaseException | None:  # fmt: skip
     """`BlobFetch.bring` with the node's swarm and no peer, in a thread given 20 s; what it
-    raised. A download still running then is interrupted and the test fails."""
+    raised. A download still running then is interrupted and the test fails. `trickle`:
+    the store sends 32 KiB/s per request; `interrupt_after`: SIGTERM then."""
     downloader = RangedDownloader(
         OriginSettings(part_size=256 << 10, max_concurrency=4, timeout=600),
         backoff=Backoff(base=0.0, cap=0.0),
     )
     peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
-    fetch = BlobFetch(layout, Cache(layout), 60.0, lambda: downloader,
-                      lambda s, e: FileBlob(tmp_path / e.path), lambda: None,
+
+    def blob(source: Source, entry: ManifestEntry) -> BlobSource:
+        path = tmp_path / entry.path
+        return Trickle(path, 0.25) if trickle else FileBlob(path)
+
+    fetch = BlobFetch(layout, Cache(layout), 60.0, lambda: downloader, blob, lambda: None,
                       peers=peers)  # fmt: skip
     raised: list[BaseException | None] = []
 
@@ -56,6 +90,10 @@ def bring_alone(layout: Layout, tmp_path: Path, manifest: Manifest) -> BaseExcep
 
     thread = threading.Thread(target=bring)
     thread.start()
+    if interrupt_after is not None:
+        thread.join(interrupt_after)
+        downloader.interrupt()
+        thread.join(2)
     thread.join(20)
     hung = thread.is_alive()
     downloader.interrupt()
@@ -82,3 +120,25 @@ def test_a_cache_disk_failing_every_write_ends_the_download(
     assert "Input/output error" in str(raised)
     (entry,) = manifest.entries
     assert not Cache(layout).has_blob(entry.sha256, entry.size)
+
+
+def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_path: Path) -> None:
+    """A resumed partial whose bytes do not verify: every piece is fetched again from the
+    (slow) store to compare. SIGTERM then ends the download within a read (the re-check
+    was not told: shutdown waited for the whole blob from the store); the partial is kept."""
+    manifest = one_blob(tmp_path, 4 << 20)
+    (entry,) = manifest.entries
+    piece = piece_size_for(entry.size)
+    partial = PartialFile.open(layout.partial(entry.sha256), "a.bin", entry.size, piece)
+    for index, (start, end) in enumerate(partial.state.parts):
+        partial.write(memoryview(bytes(end - start)), start)  # zeros: not the blob
+        partial.wrote(index, end)
+        partial.mark_done(index)
+    partial.save()
+    partial.close()
+    started = time.monotonic()
+    raised = bring_alone(layout, tmp_path, manifest, trickle=True, interrupt_after=1.0)
+    took = time.monotonic() - started
+    assert isinstance(raised, Interrupted), raised
+    assert took < 4.0, f"{took:.1f}s: a piece is 8 s at the store"
+    assert layout.partial(entry.sha256).exists()

@@ -239,7 +239,7 @@ class SwarmDownload:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
         if self.errors:
             raise self.errors[0]
-        if self.downloader.closing or (self.cancel is not None and self.cancel.is_set()):
+        if self._stopping():
             raise Interrupted("download interrupted; partial files are kept for resume")
         stalled = time.monotonic() - self.last_progress
         if stalled >= self.downloader.settings.timeout:
@@ -247,6 +247,10 @@ class SwarmDownload:
                 f"giving up on {self.label}: no piece arrived from peers or the store in "
                 f"{stalled:.0f}s; partial data is kept, run the fetch again"
             )
+
+    def _stopping(self) -> bool:
+        """SIGTERM, or the caller's `cancel`."""
+        return self.downloader.closing or (self.cancel is not None and self.cancel.is_set())
 
     # -- choosing ----------------------------------------------------------------------------
 
@@ -336,8 +340,9 @@ class SwarmDownload:
             return None
 
     def _read(self, piece: int, source: str, kind: str, recheck: bool = False) -> bytearray | None:
-        """The piece's bytes from `source`; None if it landed from elsewhere meanwhile
-        (unless `recheck`: the re-check reads pieces held already)."""
+        """The piece's bytes from `source`; None if the download stops (SIGTERM, `cancel`)
+        or the piece landed from elsewhere meanwhile (unless `recheck`: the re-check reads
+        pieces held already)."""
         assert self.file is not None
         done = self.file.state.done  # read without its lock: a stale False costs a read
         start, end = self.ranges[piece]
@@ -352,7 +357,7 @@ class SwarmDownload:
         try:
             with blob.open_range(start, end, self.size, timeout) as reader:
                 while pos < len(data):
-                    if self.stop.is_set() or (done[piece] and not recheck):
+                    if self.stop.is_set() or self._stopping() or (done[piece] and not recheck):
                         raise _Dropped()  # through the source's context: it drops the connection
                     n = reader.readinto(view[pos:])
                     if not n:
@@ -434,8 +439,7 @@ class SwarmDownload:
         for attempt in range(1, self.downloader.settings.max_attempts + 1):
             try:
                 data = self._read(piece, ORIGIN, "origin", recheck=True)
-                assert data is not None or self.stop.is_set()
-                if data is None:
+                if data is None:  # SIGTERM or `cancel`
                     raise Interrupted("download interrupted; partial files are kept")
                 self.store.received(len(data))
                 return data
