@@ -319,6 +319,8 @@ class SwarmDownload:
             data = self._read_or_fail(piece, source, kind)
             if data is not None:
                 self._land(piece, source, data)
+                if source != ORIGIN:
+                    self.views.served(source)
                 rate = len(data) / max(1e-3, time.monotonic() - started)
                 self.store.measured(kind, rate, self.views.alone())
         except BaseException as e:
