@@ -325,28 +325,36 @@ def test_nodes_watching_one_peer_each_all_get_the_blob_despite_dead_members(
 
 
 @pytest.mark.timeout(150)
-def test_a_peer_cutting_every_piece_short_is_left_for_the_store(
+def test_peers_cutting_or_trickling_every_piece_are_left_for_the_store(
     wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, store: Any,
     tmp_path: Path, daemons: Daemons,  # noqa: F811
 ) -> None:  # fmt: skip
-    """The only peer holding the blob cuts every piece short (a bad sector, a broken
-    link): its bytes keep arriving, so the download never stalls, but no piece lands. The
-    node must still finish, from the store, rather than ask that peer for ever."""
-    pub = one_blob(publish, 2 * MiB, "cutting")
+    """The only peers holding the blob answer HEADs but fail every piece: one cuts each
+    short (a bad disk, a broken link), one trickles it (2 kB/s). Their bytes keep
+    arriving, so the download never stalls, but no piece lands from them; the node must
+    still finish, from the store, rather than ask them for ever."""
+    pub = one_blob(publish, 2 * MiB, "failing")
     (label,) = [f.relpath for f in pub.model.files]
-    seed, cold = make_nodes(tmp_path, 2)
-    prewarm(wc, pub, seed, store)
-    start(daemons, seed, tmp_path, store.endpoint_url, [])
-    with FaultProxy(f"http://{seed.peer_addr}", seed="swarm-cutter") as cutter:
-        cutter.configure(scope="ranged", truncate_rate=1.0)
-        start(daemons, cold, tmp_path, proxy.url, [cutter.url.removeprefix("http://")])
+    cutting, trickling, cold = make_nodes(tmp_path, 3)
+    for seed in (cutting, trickling):
+        prewarm(wc, pub, seed, store)
+        start(daemons, seed, tmp_path, store.endpoint_url, [])
+    with (
+        FaultProxy(f"http://{cutting.peer_addr}", seed="swarm-cut") as cuts,
+        FaultProxy(f"http://{trickling.peer_addr}", seed="swarm-trickle") as trickles,
+    ):
+        cuts.configure(scope="ranged", truncate_rate=1.0)
+        trickles.configure(scope="ranged", trickle_rate=2000)
+        bad = [p.url.removeprefix("http://") for p in (cuts, trickles)]
+        start(daemons, cold, tmp_path, proxy.url, bad)
         proxy.reset_stats()
 
         started = time.monotonic()
         fetch_all(wc, pub, [cold], proxy.url)
 
         took = time.monotonic() - started
-        assert cutter.stats().faults.get("truncate", 0) >= 1, "the peer was never asked"
+        assert cuts.stats().faults.get("truncate", 0) >= 1, "the cutting peer was never asked"
+        assert trickles.stats().requests >= 2, "the trickling peer was never asked"
     assert_node_ok(cold, pub)
-    print(f"cutting: {took:.1f}s, store {proxy.stats().bytes_for(label)} bytes")
+    print(f"failing peers: {took:.1f}s, store {proxy.stats().bytes_for(label)} bytes")
     assert proxy.stats().bytes_for(label) >= pub.model.total_size

@@ -78,6 +78,10 @@ PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swa
 PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
 TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
+#: Bytes/s a piece from a peer must average once PEER_TIMEOUT has passed, or it is given up
+#: (the peer left out as for a failure): a peer trickling its pieces would hold them for
+#: ever, its bytes keeping the download from stalling, and the store never asked for them.
+PEER_MIN_RATE = 64 << 10
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 HASH_BUFFER = 256 << 10
@@ -350,17 +354,22 @@ class SwarmDownload:
         start, end = self.ranges[piece]
         data = bytearray(end - start)
         view, pos = memoryview(data), 0
+        deadline = float("inf")
         if source == ORIGIN:
             blob, timeout = self.origin, self.downloader.read_timeout
         else:
             blob = self.peers.blob(source, self.sha256, self._on_response(source))
             timeout = PEER_TIMEOUT
+            deadline = time.monotonic() + max(PEER_TIMEOUT, len(data) / PEER_MIN_RATE)
         self.observer.request_started(kind)
         try:
             with blob.open_range(start, end, self.size, timeout) as reader:
                 while pos < len(data):
                     if self.stop.is_set() or self._stopping() or (done[piece] and not recheck):
                         raise _Dropped()  # through the source's context: it drops the connection
+                    if time.monotonic() > deadline:
+                        raise RetryRange(f"too slow: {pos} of {len(data)} bytes, less than "
+                                         f"{PEER_MIN_RATE >> 10} KiB/s")  # fmt: skip
                     n = reader.readinto(view[pos:])
                     if not n:
                         raise RetryRange(f"the body ended {len(data) - pos} bytes short")
