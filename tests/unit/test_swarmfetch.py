@@ -32,10 +32,14 @@ from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader
 SOURCE = Source.parse("s3://bucket/models/m/r1")
 
 
-def one_blob(tmp_path: Path, size: int) -> Manifest:
-    data = random.Random(5).randbytes(size)
-    (tmp_path / "a.bin").write_bytes(data)
-    return Manifest((ManifestEntry("a.bin", hashlib.sha256(data).hexdigest(), size),), "0" * 64)
+def blobs(tmp_path: Path, *sizes: int) -> Manifest:
+    """A revision of files a.bin, b.bin, ... of `sizes` bytes, in `tmp_path`."""
+    rng, entries = random.Random(5), []
+    for name, size in zip("abcdefgh", sizes, strict=False):
+        data = rng.randbytes(size)
+        (tmp_path / f"{name}.bin").write_bytes(data)
+        entries.append(ManifestEntry(f"{name}.bin", hashlib.sha256(data).hexdigest(), size))
+    return Manifest(tuple(entries), "0" * 64)
 
 
 class Trickle(FileBlob):
@@ -100,6 +104,9 @@ def bring_alone(
     thread.join()
     peers.close()
     assert not hung, "the download did not end"
+    left = [t.name for t in threading.enumerate() if t.name.startswith(("swarm", "blob"))]
+    assert not left, f"threads left running: {left}"
+    assert all(peers.downloading(e.sha256) is None for e in manifest.entries), "a claim is held"
     return raised[0]
 
 
@@ -109,7 +116,7 @@ def test_a_cache_disk_failing_every_write_ends_the_download(
     """A write error (EIO) is the cache disk's, not the source's: the download ends with a
     TransientError instead of fetching the same pieces again for ever (reads kept its
     stall clock moving, and each piece received forgave the store's last failure)."""
-    manifest = one_blob(tmp_path, 2 << 20)
+    manifest = blobs(tmp_path, 2 << 20)
 
     def failing(self: PartialFile, data: memoryview, offset: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
@@ -126,7 +133,7 @@ def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_p
     """A resumed partial whose bytes do not verify: every piece is fetched again from the
     (slow) store to compare. SIGTERM then ends the download within a read (the re-check
     was not told: shutdown waited for the whole blob from the store); the partial is kept."""
-    manifest = one_blob(tmp_path, 4 << 20)
+    manifest = blobs(tmp_path, 4 << 20)
     (entry,) = manifest.entries
     piece = piece_size_for(entry.size)
     partial = PartialFile.open(layout.partial(entry.sha256), "a.bin", entry.size, piece)
@@ -142,3 +149,14 @@ def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_p
     assert isinstance(raised, Interrupted), raised
     assert took < 4.0, f"{took:.1f}s: a piece is 8 s at the store"
     assert layout.partial(entry.sha256).exists()
+
+
+def test_sigterm_stops_both_downloads_of_the_pipeline(layout: Layout, tmp_path: Path) -> None:
+    """A one-piece blob (in its end game at its first request) and a larger one, from a
+    slow store: SIGTERM while both download ends the fetch within a read, with both
+    partials kept, every claim released and no thread left running (`bring_alone`)."""
+    manifest = blobs(tmp_path, 64 << 10, 4 << 20)
+    raised = bring_alone(layout, tmp_path, manifest, trickle=True, interrupt_after=1.0)
+    assert isinstance(raised, Interrupted), raised
+    for e in manifest.entries:
+        assert layout.partial(e.sha256).exists() and not Cache(layout).has_blob(e.sha256, e.size)
