@@ -7,12 +7,13 @@ line per blob it swarmed:
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -358,3 +359,58 @@ def test_peers_cutting_or_trickling_every_piece_are_left_for_the_store(
     assert_node_ok(cold, pub)
     print(f"failing peers: {took:.1f}s, store {proxy.stats().bytes_for(label)} bytes")
     assert proxy.stats().bytes_for(label) >= pub.model.total_size
+
+
+class _Refuser(http.server.BaseHTTPRequestHandler):
+    """A peer that advertises every piece (HEAD, and its refusals) but refuses each one
+    asked for (416 `not_held`): an advertisement it does not keep."""
+
+    protocol_version = "HTTP/1.1"
+    gets = 0
+
+    def do_HEAD(self) -> None:
+        self._answer(200)
+
+    def do_GET(self) -> None:
+        type(self).gets += 1
+        self._answer(416)
+
+    def _answer(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header(PIECES, "all")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def refuser() -> Iterator[str]:
+    """The host:port of a `_Refuser`."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refuser)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.timeout(150)
+def test_a_peer_refusing_the_pieces_it_advertises_is_left_for_the_store(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, refuser: str,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """The one peer advertises every piece, and still does in the 416 it answers each piece
+    request with: it is left out as for a failure (not asked again at once, for ever, with
+    the store never asked), and the node finishes from the store."""
+    pub = one_blob(publish, 2 * MiB, "refused")
+    (cold,) = make_nodes(tmp_path, 1)
+    start(daemons, cold, tmp_path, proxy.url, [refuser])
+    _Refuser.gets = 0
+
+    fetch_all(wc, pub, [cold], proxy.url)
+
+    assert_node_ok(cold, pub)
+    print(f"refused: {_Refuser.gets} piece requests to the refusing peer")
+    assert 1 <= _Refuser.gets <= 100, _Refuser.gets

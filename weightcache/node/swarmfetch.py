@@ -342,7 +342,7 @@ class SwarmDownload:
         try:
             return self._read(piece, source, kind)
         except (RetryRange, WeightcacheError, OSError) as e:
-            self._failed(source, e)
+            self._failed(source, e, piece)
             return None
 
     def _read(self, piece: int, source: str, kind: str, recheck: bool = False) -> bytearray | None:
@@ -409,9 +409,11 @@ class SwarmDownload:
                 "check the disk and run the fetch again"
             ) from e
 
-    def _failed(self, source: str, error: BaseException) -> None:
-        if source != ORIGIN and getattr(self.local, "status", 0) == 416:
+    def _failed(self, source: str, error: BaseException, piece: int) -> None:
+        refused = source != ORIGIN and getattr(self.local, "status", 0) == 416
+        if refused and not self.views.holds(source, piece):
             return  # not held (any more, or yet): its advertisement updated the view
+        # a failure, as is a refusal still advertising the piece (else asked again at once)
         if source != ORIGIN:
             log.info("peer %s failed a piece of %s (%s); choosing again", source, self.label,
                      error)  # fmt: skip

@@ -232,6 +232,12 @@ class PeerViews:
                 return 0
             return orphaned(sorted(set(self.listed) | {own}), self.gone.keys(), self.count)
 
+    def holds(self, peer: str, piece: int) -> bool:
+        """Whether `peer` advertised `piece` as held, last we heard."""
+        with self.lock:
+            view = self.views.get(peer)
+            return view is not None and piece in view.have
+
     def alone(self) -> bool:
         with self.lock:
             return not self.views
