@@ -7,12 +7,13 @@ line per blob it swarmed:
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,3 +323,94 @@ def test_nodes_watching_one_peer_each_all_get_the_blob_despite_dead_members(
     # a node whose one watched peer is dead sees nobody until it is replaced (MEMBER_TTL)
     # and takes what it can from the store: never more than each node alone would
     assert origin <= len(nodes) * pub.model.total_size
+
+
+@pytest.mark.timeout(150)
+def test_peers_cutting_or_trickling_every_piece_are_left_for_the_store(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, store: Any,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """The only peers holding the blob answer HEADs but fail every piece: one cuts each
+    short (a bad disk, a broken link), one trickles it (2 kB/s). Their bytes keep
+    arriving, so the download never stalls, but no piece lands from them; the node must
+    still finish, from the store, rather than ask them for ever."""
+    pub = one_blob(publish, 2 * MiB, "failing")
+    (label,) = [f.relpath for f in pub.model.files]
+    cutting, trickling, cold = make_nodes(tmp_path, 3)
+    for seed in (cutting, trickling):
+        prewarm(wc, pub, seed, store)
+        start(daemons, seed, tmp_path, store.endpoint_url, [])
+    with (
+        FaultProxy(f"http://{cutting.peer_addr}", seed="swarm-cut") as cuts,
+        FaultProxy(f"http://{trickling.peer_addr}", seed="swarm-trickle") as trickles,
+    ):
+        cuts.configure(scope="ranged", truncate_rate=1.0)
+        trickles.configure(scope="ranged", trickle_rate=2000)
+        bad = [p.url.removeprefix("http://") for p in (cuts, trickles)]
+        start(daemons, cold, tmp_path, proxy.url, bad)
+        proxy.reset_stats()
+
+        started = time.monotonic()
+        fetch_all(wc, pub, [cold], proxy.url)
+
+        took = time.monotonic() - started
+        assert cuts.stats().faults.get("truncate", 0) >= 1, "the cutting peer was never asked"
+        assert trickles.stats().requests >= 2, "the trickling peer was never asked"
+    assert_node_ok(cold, pub)
+    print(f"failing peers: {took:.1f}s, store {proxy.stats().bytes_for(label)} bytes")
+    assert proxy.stats().bytes_for(label) >= pub.model.total_size
+
+
+class _Refuser(http.server.BaseHTTPRequestHandler):
+    """A peer that advertises every piece (HEAD, and its refusals) but refuses each one
+    asked for (416 `not_held`): an advertisement it does not keep."""
+
+    protocol_version = "HTTP/1.1"
+    gets = 0
+
+    def do_HEAD(self) -> None:
+        self._answer(200)
+
+    def do_GET(self) -> None:
+        type(self).gets += 1
+        self._answer(416)
+
+    def _answer(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header(PIECES, "all")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def refuser() -> Iterator[str]:
+    """The host:port of a `_Refuser`."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refuser)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.timeout(150)
+def test_a_peer_refusing_the_pieces_it_advertises_is_left_for_the_store(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, refuser: str,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """The one peer advertises every piece, and still does in the 416 it answers each piece
+    request with: it is left out as for a failure (not asked again at once, for ever, with
+    the store never asked), and the node finishes from the store."""
+    pub = one_blob(publish, 2 * MiB, "refused")
+    (cold,) = make_nodes(tmp_path, 1)
+    start(daemons, cold, tmp_path, proxy.url, [refuser])
+    _Refuser.gets = 0
+
+    fetch_all(wc, pub, [cold], proxy.url)
+
+    assert_node_ok(cold, pub)
+    print(f"refused: {_Refuser.gets} piece requests to the refusing peer")
+    assert 1 <= _Refuser.gets <= 100, _Refuser.gets

@@ -268,3 +268,49 @@ def test_a_swarm_download_failing_stops_the_other_one_in_progress(
     assert peers.cancelled == ["b.bin"]
     assert sorted(peers.claimed) == sorted(peers.released) == sorted(order[:2])
     assert not any(Cache(layout).has_blob(e.sha256, e.size) for e in origin.manifest.entries)
+
+
+class FailingPeers(FakePeers):
+    """A swarm in which blob `fail` raises TransientError at once (before its end game) and
+    every other blob is in its end game at once and takes `hold` seconds (stopped by
+    `cancel`)."""
+
+    def __init__(self, fail: str, hold: float) -> None:
+        super().__init__({})
+        self.fail, self.hold = fail, hold
+        self.started: list[str] = []
+
+    def swarm(
+        self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
+        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        cancel: threading.Event | None = None, members: SwarmMembers | None = None,
+    ) -> Swarmed:  # fmt: skip
+        self.started.append(sha256)
+        if sha256 == self.fail:
+            raise TransientError(f"giving up on {label}")
+        if endgame is not None:  # the next may start at once
+            endgame.set()
+        if cancel is not None and cancel.wait(self.hold):
+            raise Interrupted("download interrupted")
+        return super().swarm(sha256, size, partial, label, origin, downloader)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_no_blob_is_started_after_a_swarm_download_failed(
+    layout: Layout, tmp_path: Path, failing: int
+) -> None:
+    """The first blob (or the second, while the first still runs) fails at once: its error
+    is the fetch's, and the next blob is not started (claimed, its partial allocated, its
+    first pieces asked of the store) only to be cancelled; a blob before the failed one
+    is still published."""
+    origin = three_blobs(tmp_path)
+    entries = origin.manifest.entries
+    peers = FailingPeers(entries[failing].sha256, hold=0.3)
+    fetch, _ = blob_fetch(layout, origin, peers)
+    with pytest.raises(TransientError, match=f"giving up on {entries[failing].path}"):
+        fetch.bring(SOURCE, origin.manifest)
+    assert peers.started == [e.sha256 for e in entries[: failing + 1]]
+    assert sorted(peers.claimed) == sorted(peers.released) == sorted(peers.started)
+    assert not layout.partial(entries[failing + 1].sha256).exists()
+    published = [Cache(layout).has_blob(e.sha256, e.size) for e in entries]
+    assert published == [i < failing for i in range(3)]

@@ -319,6 +319,38 @@ def test_dns_discovery_refreshes_and_skips_own_addresses(clock: FakeClock) -> No
     assert calls == [("weightcache.ns.svc", 9401)] * 3
 
 
+def test_a_peer_naming_itself_is_checked_without_a_lookup(clock: FakeClock) -> None:
+    """`asked_by` runs on the peer server's event loop: it checks the asker against the
+    swarm's last lookup, never resolves the Service itself (a slow DNS would stall every
+    upload of the node), and is told of a listed asker only."""
+    calls: list[str] = []
+
+    def resolve(name: str, port: int) -> list[tuple[Any, ...]]:
+        calls.append(name)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.2", port))]
+
+    s = settings(listen=("10.0.0.1", 9401), service=("weightcache.ns.svc", 9401))
+    peers = Peers(s, discovery=Discovery(s, resolve=resolve, clock=clock, own={"10.0.0.1"}))
+    joined: list[str] = []
+
+    class Download:
+        def pieces(self) -> tuple[int, Bitmap, Bitmap]:
+            return 1 << 20, Bitmap(1), Bitmap(1)
+
+        def joined(self, peer: str) -> None:
+            joined.append(peer)
+
+    try:
+        peers.advertise(HEX, Download())
+        assert peers.discovery.peers() == ["http://10.0.0.2:9401"]  # the swarm's round
+        clock.advance(60)  # the lookup is stale now
+        peers.asked_by(HEX, "http://10.0.0.2:9401")
+        peers.asked_by(HEX, "http://10.0.0.7:9401")
+        assert calls == ["weightcache.ns.svc"] and joined == ["http://10.0.0.2:9401"]
+    finally:
+        peers.close()
+
+
 def test_peer_url_brackets_v6() -> None:
     assert peer_url("10.0.0.1", 9401) == "http://10.0.0.1:9401"
     assert peer_url("fd00::1", 9401) == "http://[fd00::1]:9401"

@@ -291,3 +291,35 @@ def test_the_first_node_at_a_blob_stripes_with_the_peers_seen_on_the_revision_un
     advertised.refresh()
     advertised.current()
     assert other.get() == frozenset(listed)
+
+
+def test_a_peer_failing_pieces_again_is_left_out_longer_even_while_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once: out until it answers a HEAD. Again before a piece landed from it (it answers
+    HEADs but cuts every piece short): out twice as long each time, answers or not, so
+    that its pieces go to others; a piece landing from it forgives it."""
+    clock = [1000.0]
+    monkeypatch.setattr(swarmviews.time, "monotonic", lambda: clock[0])
+    fake = FakePeers(urls(2), view=4)
+    views = views_of(fake)
+    bad = urls(2)[0]
+
+    def out_for() -> float:
+        """Seconds until `bad` is back in the views, HEAD rounds every 0.5 s."""
+        start = clock[0]
+        while bad not in {v.url for v in views.current()[0]}:
+            clock[0] += 0.5
+            views.refresh()
+        return clock[0] - start
+
+    views.refresh()
+    views.shun(bad)
+    assert out_for() == 0.5  # back at its next answer
+    for strike in (2, 3, 4):
+        views.shun(bad)
+        views.shun(bad)  # another request that was in flight: no strike of its own
+        assert out_for() == swarmviews.SHUN_SECONDS * 2 ** (strike - 1)
+    views.served(bad)
+    views.shun(bad)
+    assert out_for() == 0.5

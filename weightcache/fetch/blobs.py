@@ -135,6 +135,11 @@ class _Swarming:
     future: Future[Swarmed]
 
 
+def _raised(s: _Swarming) -> bool:
+    """Whether the download has ended with an error."""
+    return s.future.done() and s.future.exception() is not None
+
+
 def holder_stalled(cache: Cache, timeout: float) -> Callable[[], bool]:
     """A give-up test for lock waits: true once no download on this node has made
     progress for `timeout` seconds (a hung daemon or a stopped process holds the lock)."""
@@ -242,7 +247,8 @@ class BlobFetch:
         two at once at most: each starts once the one before has nothing left to request
         (or ended), and after the one before that has ended (design §8, Swarm). Each blob
         is claimed (so that peers may fetch its pieces from us while we download it) until
-        it is published or dropped. On an error, the other download is stopped first."""
+        it is published or dropped. On an error, the other download is stopped first, and
+        no blob is started after one that failed."""
         # imported here: a fetch without peers reaches its first GET without it (design §4)
         from concurrent.futures import ThreadPoolExecutor
 
@@ -255,6 +261,8 @@ class BlobFetch:
                         fetched += self._finish(running.popleft(), failed)
                     if running:
                         running[-1].endgame.wait()
+                        if _raised(running[-1]):  # its error now: nothing more is started
+                            self._finish(running.pop(), failed)
                     running.append(self._begin(pool, source, w, members))
                 while running:
                     fetched += self._finish(running.popleft(), failed)
@@ -270,21 +278,17 @@ class BlobFetch:
         peers = self.peers
         origin, downloader = self._origin_blob(source, w.entry), self._downloader()
         endgame, cancel = threading.Event(), threading.Event()
-
-        def swarm() -> Swarmed:
-            try:
-                return peers.swarm(w.sha256, w.entry.size, w.partial, w.entry.path, origin,
-                                   downloader, endgame=endgame, cancel=cancel,
-                                   members=members)  # fmt: skip
-            finally:
-                endgame.set()
-
         claim = peers.claim(w.sha256, w.partial, w.entry.size)
         try:
-            return _Swarming(w, claim, endgame, cancel, pool.submit(swarm))
+            future = pool.submit(peers.swarm, w.sha256, w.entry.size, w.partial, w.entry.path,
+                                 origin, downloader, endgame=endgame, cancel=cancel,
+                                 members=members)  # fmt: skip
         except BaseException:
             peers.release(w.sha256, claim)
             raise
+        # once the download has ended, if not before: its outcome is then readable (`_raised`)
+        future.add_done_callback(lambda _: endgame.set())
+        return _Swarming(w, claim, endgame, cancel, future)
 
     def _finish(self, s: _Swarming, failed: list[Wanted]) -> int:
         """Wait for one swarm download, publish its blob if it verifies (else add it to

@@ -163,6 +163,11 @@ class Discovery:
             self._cached = self._lookup(*self.settings.service)
         return self._cached
 
+    def last(self) -> list[str]:
+        """The peers as of the last `peers()`, without a lookup: for the peer server's event
+        loop, which a slow DNS must not stall."""
+        return self.peers() if self.settings.service is None else self._cached
+
     def _is_own(self, host: str, port: int) -> bool:
         return (host, port) == self.settings.listen or (
             host in self._own and port == self.settings.listen[1]
@@ -379,7 +384,7 @@ class Peers:
         """A peer request named its asker (ASKER): tell the blob's swarm download, if one
         runs, of a discovered peer (only those: the header is a hint, not an identity)."""
         live = self.live(sha256) if asker else None
-        if live is not None and asker in self.discovery.peers():
+        if live is not None and asker in self.discovery.last():
             live.joined(asker)
 
     def swarm(

@@ -79,6 +79,10 @@ PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swa
 PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
 TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
+#: Bytes/s a piece from a peer must average once PEER_TIMEOUT has passed, or it is given up
+#: (the peer left out as for a failure): a peer trickling its pieces would hold them for
+#: ever, its bytes keeping the download from stalling, and the store never asked for them.
+PEER_MIN_RATE = 64 << 10
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 HASH_BUFFER = 256 << 10
@@ -241,7 +245,7 @@ class SwarmDownload:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
         if self.errors:
             raise self.errors[0]
-        if self.downloader.closing or (self.cancel is not None and self.cancel.is_set()):
+        if self._stopping():
             raise Interrupted("download interrupted; partial files are kept for resume")
         stalled = time.monotonic() - self.last_progress
         if stalled >= self.downloader.settings.timeout:
@@ -249,6 +253,10 @@ class SwarmDownload:
                 f"giving up on {self.label}: no piece arrived from peers or the store in "
                 f"{stalled:.0f}s; partial data is kept, run the fetch again"
             )
+
+    def _stopping(self) -> bool:
+        """SIGTERM, or the caller's `cancel`."""
+        return self.downloader.closing or (self.cancel is not None and self.cancel.is_set())
 
     # -- choosing ----------------------------------------------------------------------------
 
@@ -306,20 +314,21 @@ class SwarmDownload:
     # -- one piece ---------------------------------------------------------------------------
 
     def _fetch(self, request: Request) -> None:
-        """Bring one piece from one source (in a worker thread); a failure leaves it to be
-        chosen again, from wherever the next choice says."""
+        """Bring one piece from one source (in a worker thread); a failure of the source
+        leaves it to be chosen again, from wherever the next choice says; a failure to
+        write it (the cache disk's, no source's) ends the download."""
         piece, source = request.piece, request.source
         self.local.status = 0
         kind = "origin" if source == ORIGIN else "peer"
         started = time.monotonic()
         try:
-            data = self._read(piece, source, kind)
+            data = self._read_or_fail(piece, source, kind)
             if data is not None:
                 self._land(piece, source, data)
+                if source != ORIGIN:
+                    self.views.served(source)
                 rate = len(data) / max(1e-3, time.monotonic() - started)
                 self.store.measured(kind, rate, self.views.alone())
-        except (RetryRange, WeightcacheError, OSError) as e:
-            self._failed(source, e)
         except BaseException as e:
             self.errors.append(e)
         finally:
@@ -330,25 +339,39 @@ class SwarmDownload:
                     self.inflight.pop(piece, None)
             self.events.put(None)
 
+    def _read_or_fail(self, piece: int, source: str, kind: str) -> bytearray | None:
+        """`_read`, or None after a failure of the source (`_failed`)."""
+        try:
+            return self._read(piece, source, kind)
+        except (RetryRange, WeightcacheError, OSError) as e:
+            self._failed(source, e, piece)
+            return None
+
     def _read(self, piece: int, source: str, kind: str, recheck: bool = False) -> bytearray | None:
-        """The piece's bytes from `source`; None if it landed from elsewhere meanwhile
-        (unless `recheck`: the re-check reads pieces held already)."""
+        """The piece's bytes from `source`; None if the download stops (SIGTERM, `cancel`)
+        or the piece landed from elsewhere meanwhile (unless `recheck`: the re-check reads
+        pieces held already)."""
         assert self.file is not None
         done = self.file.state.done  # read without its lock: a stale False costs a read
         start, end = self.ranges[piece]
         data = bytearray(end - start)
         view, pos = memoryview(data), 0
+        deadline = float("inf")
         if source == ORIGIN:
             blob, timeout = self.origin, self.downloader.read_timeout
         else:
             blob = self.peers.blob(source, self.sha256, self._on_response(source))
             timeout = PEER_TIMEOUT
+            deadline = time.monotonic() + max(PEER_TIMEOUT, len(data) / PEER_MIN_RATE)
         self.observer.request_started(kind)
         try:
             with blob.open_range(start, end, self.size, timeout) as reader:
                 while pos < len(data):
-                    if self.stop.is_set() or (done[piece] and not recheck):
+                    if self.stop.is_set() or self._stopping() or (done[piece] and not recheck):
                         raise _Dropped()  # through the source's context: it drops the connection
+                    if time.monotonic() > deadline:
+                        raise RetryRange(f"too slow: {pos} of {len(data)} bytes, less than "
+                                         f"{PEER_MIN_RATE >> 10} KiB/s")  # fmt: skip
                     n = reader.readinto(view[pos:])
                     if not n:
                         raise RetryRange(f"the body ended {len(data) - pos} bytes short")
@@ -363,25 +386,36 @@ class SwarmDownload:
         return data
 
     def _land(self, piece: int, source: str, data: bytearray) -> None:
-        """Write a complete piece at its offset and record it (first source wins)."""
+        """Write a complete piece at its offset and record it (first source wins). Raises
+        NoSpaceError, and TransientError when the cache disk fails otherwise: whoever
+        sent the piece, the next one would fail alike (retried, it would be fetched for
+        ever: each read moves the stall clock)."""
         assert self.file is not None
         start, end = self.ranges[piece]
         if source == ORIGIN:
             self.store.received(len(data))
-        with self.land_lock:
-            if self.file.state.done[piece]:
-                return
-            self.file.write(memoryview(data), start)
-            self.file.wrote(piece, end)
-            self.file.mark_done(piece)
-            self.file.save()  # a kill from now on does not lose this piece
-            with self.lock:
-                self.sources[piece] = source
-        self.file.advance_hash(self._buffer())
+        try:
+            with self.land_lock:
+                if self.file.state.done[piece]:
+                    return
+                self.file.write(memoryview(data), start)
+                self.file.wrote(piece, end)
+                self.file.mark_done(piece)
+                self.file.save()  # a kill from now on does not lose this piece
+                with self.lock:
+                    self.sources[piece] = source
+            self.file.advance_hash(self._buffer())
+        except OSError as e:
+            raise TransientError(
+                f"cannot write {self.label} to the cache disk ({e}); partial data is kept, "
+                "check the disk and run the fetch again"
+            ) from e
 
-    def _failed(self, source: str, error: BaseException) -> None:
-        if source != ORIGIN and getattr(self.local, "status", 0) == 416:
+    def _failed(self, source: str, error: BaseException, piece: int) -> None:
+        refused = source != ORIGIN and getattr(self.local, "status", 0) == 416
+        if refused and not self.views.holds(source, piece):
             return  # not held (any more, or yet): its advertisement updated the view
+        # a failure, as is a refusal still advertising the piece (else asked again at once)
         if source != ORIGIN:
             log.info("peer %s failed a piece of %s (%s); choosing again", source, self.label,
                      error)  # fmt: skip
@@ -420,8 +454,7 @@ class SwarmDownload:
         for attempt in range(1, self.downloader.settings.max_attempts + 1):
             try:
                 data = self._read(piece, ORIGIN, "origin", recheck=True)
-                assert data is not None or self.stop.is_set()
-                if data is None:
+                if data is None:  # SIGTERM or `cancel`
                     raise Interrupted("download interrupted; partial files are kept")
                 self.store.received(len(data))
                 return data

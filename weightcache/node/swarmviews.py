@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 VIEW_EVERY = 0.5  # seconds between HEAD rounds (an answer to a piece request stands for one)
 MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membership
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
+#: A peer failing pieces again before one landed from it is left out twice as long each
+#: time, and not back at its next answer (it answers HEADs but cuts every piece short: a
+#: bad disk, a broken link), at most this long.
+SHUN_MAX = 60.0
 GONE_SECONDS = 10.0  # a watched peer replaced as dead or absent is not watched again this long
 #: Watched peers replaced by others each round (a partial view), so that every node is
 #: watched by some (one watched by nobody has its pieces stuck until they are late): not one
@@ -198,6 +202,7 @@ class PeerViews:
         self.answered_at: dict[str, float] = {}  # peer -> when it last answered a piece request
         self.advertised_at: dict[str, float] = {}  # peer -> when it last advertised the blob
         self.shunned: dict[str, float] = {}  # peer -> until when it is left out
+        self.strikes: dict[str, int] = {}  # peer -> times shunned since a piece landed from it
         self.refreshing = threading.Event()  # a HEAD round is running
         self.bound = peers.settings.view
         self.listed: list[str] = []  # the membership (but this node) at the last round
@@ -243,6 +248,12 @@ class PeerViews:
             if len(self.listed) <= self.bound:
                 return 0
             return orphaned(sorted(set(self.listed) | {own}), self.gone.keys(), self.count)
+
+    def holds(self, peer: str, piece: int) -> bool:
+        """Whether `peer` advertised `piece` as held, last we heard."""
+        with self.lock:
+            view = self.views.get(peer)
+            return view is not None and piece in view.have
 
     def alone(self) -> bool:
         with self.lock:
@@ -291,8 +302,10 @@ class PeerViews:
             # timed out on a busy host must not reshuffle everyone's stripes.
             alive = {u for u, t in self.heard_at.items() if now - t < MEMBER_TTL}
             self.views = {u: v for u, v in self.views.items() if u in alive}
+            # an answer ends a first failure's leave (a timeout on a busy host), not a repeat's
+            again = {u for u, n in self.strikes.items() if n > 1}
             self.shunned = {u: t for u, t in self.shunned.items()
-                            if t > now and u not in answered}  # fmt: skip
+                            if t > now and (u not in answered or u in again)}  # fmt: skip
         for url, answer in answers.items():
             if answer is not None:
                 self.heard(url, answer[1])
@@ -322,7 +335,19 @@ class PeerViews:
             self.advertised_at[peer] = time.monotonic()
 
     def shun(self, peer: str) -> None:
-        """Leave out a peer that failed a piece (cut, timed out) for SHUN_SECONDS."""
+        """Leave out a peer that failed a piece (cut, timed out) for SHUN_SECONDS, or until
+        it answers; if it failed one before and none landed from it since, for twice as
+        long as then (at most SHUN_MAX), whether it answers or not. Requests in flight
+        when it was left out that fail too do not count again."""
+        now = time.monotonic()
         with self.lock:
-            self.shunned[peer] = time.monotonic() + SHUN_SECONDS
+            if self.shunned.get(peer, 0.0) <= now:
+                self.strikes[peer] = self.strikes.get(peer, 0) + 1
+            strikes = self.strikes.setdefault(peer, 1)
+            self.shunned[peer] = now + min(SHUN_MAX, SHUN_SECONDS * 2 ** (strikes - 1))
         self.peers.failed(peer)
+
+    def served(self, peer: str) -> None:
+        """A piece from `peer` landed: its next failure is a first one again."""
+        with self.lock:
+            self.strikes.pop(peer, None)

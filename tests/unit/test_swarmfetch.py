@@ -1,0 +1,184 @@
+"""The swarm's data plane in-process (weightcache/node/swarmfetch.py), on a node whose peers
+hold nothing, so that every piece comes from the store (a local file) through the swarm's
+loop: what ends a download that cannot make progress. Peers serving pieces are tested with
+real daemons in tests/integration/test_swarm.py."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from weightcache.cache.layout import Layout
+from weightcache.cache.manifest import Manifest, ManifestEntry
+from weightcache.cache.store import Cache
+from weightcache.config import OriginSettings, PeerSettings, Source
+from weightcache.errors import Interrupted, TransientError
+from weightcache.fetch.blobs import BlobFetch
+from weightcache.node.peers import Peers
+from weightcache.node.swarmfetch import piece_size_for
+from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.partial import PartialFile
+from weightcache.transfer.ranged import RangedDownloader
+from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader
+
+SOURCE = Source.parse("s3://bucket/models/m/r1")
+
+
+def blobs(tmp_path: Path, *sizes: int, same: bool = False) -> Manifest:
+    """A revision of files a.bin, b.bin, ... of `sizes` bytes, in `tmp_path` (with `same`,
+    files of one size have the same bytes)."""
+    entries = []
+    for name, size in zip("abcdefgh", sizes, strict=False):
+        data = random.Random(size if same else name).randbytes(size)
+        (tmp_path / f"{name}.bin").write_bytes(data)
+        entries.append(ManifestEntry(f"{name}.bin", hashlib.sha256(data).hexdigest(), size))
+    return Manifest(tuple(entries), "0" * 64)
+
+
+class Trickle(FileBlob):
+    """A local file served 8 KiB per read, each read taking `every` seconds."""
+
+    def __init__(self, path: Path, every: float) -> None:
+        super().__init__(path)
+        self.every = every
+
+    @contextlib.contextmanager
+    def open_range(self, start: int, end: int, size: int, timeout: float) -> Iterator[RangeReader]:
+        with super().open_range(start, end, size, timeout) as reader:
+            yield _Slow(reader, self.every)
+
+
+class _Slow:
+    def __init__(self, reader: RangeReader, every: float) -> None:
+        self.reader, self.every = reader, every
+
+    def readinto(self, buf: memoryview) -> int:
+        time.sleep(self.every)
+        return self.reader.readinto(buf[: 8 << 10])
+
+
+def bring_alone(
+    layout: Layout, tmp_path: Path, manifest: Manifest,
+    trickle: bool = False, interrupt_after: float | None = None,
+) -> BaseException | int:  # fmt: skip
+    """`BlobFetch.bring` with the node's swarm and no peer, in a thread given 20 s; what it
+    raised, or the bytes it took from the store. A download still running then is
+    interrupted and the test fails. `trickle`: the store sends 32 KiB/s per request;
+    `interrupt_after`: SIGTERM then."""
+    downloader = RangedDownloader(
+        OriginSettings(part_size=256 << 10, max_concurrency=4, timeout=600),
+        backoff=Backoff(base=0.0, cap=0.0),
+    )
+    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+
+    def blob(source: Source, entry: ManifestEntry) -> BlobSource:
+        path = tmp_path / entry.path
+        return Trickle(path, 0.25) if trickle else FileBlob(path)
+
+    fetch = BlobFetch(layout, Cache(layout), 60.0, lambda: downloader, blob, lambda: None,
+                      peers=peers)  # fmt: skip
+    raised: list[BaseException | int] = []
+
+    def bring() -> None:
+        try:
+            raised.append(fetch.bring(SOURCE, manifest))
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=bring)
+    thread.start()
+    if interrupt_after is not None:
+        thread.join(interrupt_after)
+        downloader.interrupt()
+        thread.join(2)
+    thread.join(20)
+    hung = thread.is_alive()
+    downloader.interrupt()
+    thread.join()
+    peers.close()
+    assert not hung, "the download did not end"
+    left = [t.name for t in threading.enumerate() if t.name.startswith(("swarm", "blob"))]
+    assert not left, f"threads left running: {left}"
+    assert all(peers.downloading(e.sha256) is None for e in manifest.entries), "a claim is held"
+    return raised[0]
+
+
+def test_a_cache_disk_failing_every_write_ends_the_download(
+    layout: Layout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write error (EIO) is the cache disk's, not the source's: the download ends with a
+    TransientError instead of fetching the same pieces again for ever (reads kept its
+    stall clock moving, and each piece received forgave the store's last failure)."""
+    manifest = blobs(tmp_path, 2 << 20)
+
+    def failing(self: PartialFile, data: memoryview, offset: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(PartialFile, "write", failing)
+    raised = bring_alone(layout, tmp_path, manifest)
+    assert isinstance(raised, TransientError), raised  # exit 6, as the ranged downloader
+    assert "Input/output error" in str(raised)
+    (entry,) = manifest.entries
+    assert not Cache(layout).has_blob(entry.sha256, entry.size)
+
+
+def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_path: Path) -> None:
+    """A resumed partial whose bytes do not verify: every piece is fetched again from the
+    (slow) store to compare. SIGTERM then ends the download within a read (the re-check
+    was not told: shutdown waited for the whole blob from the store); the partial is kept."""
+    manifest = blobs(tmp_path, 4 << 20)
+    (entry,) = manifest.entries
+    piece = piece_size_for(entry.size)
+    partial = PartialFile.open(layout.partial(entry.sha256), "a.bin", entry.size, piece)
+    for index, (start, end) in enumerate(partial.state.parts):
+        partial.write(memoryview(bytes(end - start)), start)  # zeros: not the blob
+        partial.wrote(index, end)
+        partial.mark_done(index)
+    partial.save()
+    partial.close()
+    started = time.monotonic()
+    raised = bring_alone(layout, tmp_path, manifest, trickle=True, interrupt_after=1.0)
+    took = time.monotonic() - started
+    assert isinstance(raised, Interrupted), raised
+    assert took < 7.0, f"{took:.1f}s: a piece is 8 s at the store"
+    assert layout.partial(entry.sha256).exists()
+
+
+def test_sigterm_stops_both_downloads_of_the_pipeline(layout: Layout, tmp_path: Path) -> None:
+    """A one-piece blob (in its end game at its first request) and a larger one, from a
+    slow store: SIGTERM while both download ends the fetch within a read, with both
+    partials kept, every claim released and no thread left running (`bring_alone`)."""
+    manifest = blobs(tmp_path, 64 << 10, 4 << 20)
+    raised = bring_alone(layout, tmp_path, manifest, trickle=True, interrupt_after=1.0)
+    assert isinstance(raised, Interrupted), raised
+    for e in manifest.entries:
+        assert layout.partial(e.sha256).exists() and not Cache(layout).has_blob(e.sha256, e.size)
+
+
+def test_an_empty_file_identical_files_and_a_complete_partial_go_through_the_swarm(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """Blobs of no piece (an empty file, twice), two files with the same bytes (one blob,
+    downloaded once), and a blob whose partial is complete already (killed before its
+    publication): all published, the store asked only for the one blob missing."""
+    manifest = blobs(tmp_path, 0, 1 << 20, 1 << 20, 0, 300 << 10, same=True)
+    done = manifest.entries[4]
+    partial = PartialFile.open(layout.partial(done.sha256), "e.bin", done.size,
+                               piece_size_for(done.size))  # fmt: skip
+    for index, (start, end) in enumerate(partial.state.parts):
+        partial.write(memoryview((tmp_path / "e.bin").read_bytes()[start:end]), start)
+        partial.wrote(index, end)
+        partial.mark_done(index)
+    partial.save()
+    partial.close()
+    assert bring_alone(layout, tmp_path, manifest) == 1 << 20
+    for e in manifest.entries:
+        assert layout.blob(e.sha256).read_bytes() == (tmp_path / e.path).read_bytes()
