@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+import pytest
 
 from tests.conftest import CLI, REPO_ROOT, cli_env
+from tests.support.checks import assert_fails
 
 #: A pointer to a document the repository does not hold (spelled so that this file does not
 #: match itself); the code points to docs/design.md instead, as "design §N".
@@ -147,6 +149,53 @@ def test_a_bad_value_from_the_environment_names_the_variable(wc: CLI, tmp_path: 
     concurrency = wc.run(*args, env={"WEIGHTCACHE_MAX_CONCURRENCY": "many"})
     assert concurrency.returncode == 2
     assert "WEIGHTCACHE_MAX_CONCURRENCY" in concurrency.stderr, concurrency.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("WEIGHTCACHE_MAX_CONCURRENCY", "0"),
+        ("WEIGHTCACHE_PART_SIZE", "1"),
+        ("WEIGHTCACHE_BWLIMIT", "0"),
+        ("WEIGHTCACHE_TIMEOUT", "0s"),
+        ("WEIGHTCACHE_PROGRESS_INTERVAL", "0"),
+        ("WEIGHTCACHE_ENDPOINT_URL", "localhost:9000"),
+        ("AWS_ENDPOINT_URL", "localhost:9000"),
+    ],
+)
+def test_a_value_out_of_range_from_the_environment_names_the_variable(
+    wc: CLI, tmp_path: Path, variable: str, value: str
+) -> None:
+    """Parsed but out of range (not only unparsable): still exit 2 in one line naming the
+    variable, checked before any network."""
+    proc = wc.run("fetch", "s3://models/x/m/r1", "--cache-dir", tmp_path / "cache",
+                  env={variable: value}, timeout=30)  # fmt: skip
+    message = assert_fails(proc, 2)
+    assert variable in message, message
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("WEIGHTCACHE_HIGH_WATERMARK", "2"), ("WEIGHTCACHE_INTERVAL", "0")]
+)
+def test_a_daemon_value_out_of_range_from_the_environment_names_the_variable(
+    wc: CLI, tmp_path: Path, variable: str, value: str
+) -> None:
+    """`--interval 0` would spin the daemon's loops; a watermark above 1 never evicts."""
+    models = tmp_path / "models.yaml"
+    models.write_text("models: []\n")
+    args = ("daemon", "--cache-dir", tmp_path / "cache", "--models", models, "--capacity",
+            "50%", "--metrics-addr", "127.0.0.1:0")  # fmt: skip
+    message = assert_fails(wc.run(*args, env={variable: value}, timeout=30), 2)
+    assert variable in message, message
+
+
+def test_an_empty_cache_dir_is_refused_not_the_working_directory(wc: CLI, tmp_path: Path) -> None:
+    """`--cache-dir "$CACHE"` with CACHE unset would otherwise fill the current directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    message = assert_fails(wc.run("fetch", "s3://models/x/m/r1", "--cache-dir", "", cwd=work), 2)
+    assert "--cache-dir" in message, message
+    assert list(work.iterdir()) == []
 
 
 def test_a_peer_view_below_one_is_refused_with_peers_off_too(wc: CLI, tmp_path: Path) -> None:
