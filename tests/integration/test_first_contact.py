@@ -90,6 +90,23 @@ def test_publish_of_empty_files_does_not_stall_the_next_upload(
         assert (Path(fetched.stdout.strip()) / rel).read_bytes() == data, rel
 
 
+@pytest.mark.parametrize(
+    "creds",
+    [{"AWS_SECRET_ACCESS_KEY": "wrong-secret"}, {"AWS_ACCESS_KEY_ID": "nobody"}],
+    ids=["wrong-secret", "unknown-key"],
+)
+def test_publish_refused_by_the_store_is_exit_3_saying_access_denied(
+    wc: CLI, uniq: str, tmp_path: Path, creds: dict[str, str]
+) -> None:
+    """The upload's refusal reaches us wrapped by boto3 (S3UploadFailedError): it is the
+    store's AccessDenied all the same, not an unexpected error with exit 1."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    message = assert_fails(wc.run("publish", model, f"s3://models/{uniq}/m/r1", env=creds), 3)
+    assert "access denied" in message and "write" in message, message
+
+
 def _hf_snapshot(root: Path, files: dict[str, bytes]) -> Path:
     """A Hugging Face cache repo: blobs named by hash, a snapshot of relative links to them."""
     repo = root / "models--org--demo"
