@@ -4,6 +4,7 @@ a real model directory, help texts and error messages)."""
 from __future__ import annotations
 
 import hashlib
+import http.server
 import os
 import re
 import shlex
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -105,6 +107,45 @@ def test_publish_refused_by_the_store_is_exit_3_saying_access_denied(
     (model / "config.json").write_text("{}")
     message = assert_fails(wc.run("publish", model, f"s3://models/{uniq}/m/r1", env=creds), 3)
     assert "access denied" in message and "write" in message, message
+
+
+class _WebPage(http.server.BaseHTTPRequestHandler):
+    """A web server at the wrong port: 200 and a page, whatever the request."""
+
+    def do_GET(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        page = b"<html><body>It works!</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    do_PUT = do_POST = do_GET
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_publish_to_an_endpoint_that_is_no_s3_store_is_exit_3(
+    wc: CLI, uniq: str, tmp_path: Path
+) -> None:
+    """Every upload answered 200 by a web server: "published" would be a lie. The listing
+    after the upload shows what the store holds."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = wc.run("publish", model, f"s3://models/{uniq}/m/r1", "--endpoint-url", endpoint,
+                      env={"AWS_ENDPOINT_URL": endpoint}, timeout=60)  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    message = assert_fails(proc, 3)
+    assert endpoint in message and "S3" in message, message
 
 
 def _hf_snapshot(root: Path, files: dict[str, bytes]) -> Path:
