@@ -109,6 +109,19 @@ def test_publish_refused_by_the_store_is_exit_3_saying_access_denied(
     assert "access denied" in message and "write" in message, message
 
 
+def test_publish_keeps_to_its_bwlimit(wc: CLI, uniq: str, tmp_path: Path) -> None:
+    """--bwlimit, which publish takes like every store command, bounds its uploads too:
+    6 MiB at 1 MiB/s take 5 s or more (unbounded, well under a second on loopback)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(os.urandom(6 << 20))
+    start = time.monotonic()
+    proc = wc.run("publish", model, f"s3://models/{uniq}/m/r1", "--bwlimit", "1M")
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert took >= 4.5, f"6 MiB published in {took:.1f}s with --bwlimit 1M"
+
+
 class _WebPage(http.server.BaseHTTPRequestHandler):
     """A web server at the wrong port: 200 and a page, whatever the request."""
 

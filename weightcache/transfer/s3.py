@@ -245,6 +245,7 @@ class Origin:
         config = TransferConfig(
             multipart_chunksize=self.settings.part_size,
             max_concurrency=self.settings.max_concurrency,
+            max_bandwidth=self.settings.bwlimit,  # None: unbounded
             # awscrt (a dependency, for checksums) would otherwise switch boto3 to the CRT
             # transfer client on the EC2 GPU instance types, with other retries and limits.
             preferred_transfer_client="classic",
