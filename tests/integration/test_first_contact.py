@@ -320,6 +320,12 @@ def test_code_names_no_document_outside_the_repository() -> None:
     assert not found, "point to docs/design.md instead:\n" + "\n".join(found)
 
 
+def test_publish_help_says_what_its_store_options_bound() -> None:
+    """publish uploads: its --max-concurrency and --part-size are of upload parts."""
+    text = " ".join(_help_texts()["publish"].split())
+    assert "upload parts) in flight" in text and "of each upload part" in text, text
+
+
 def test_ls_help_tells_table_on_a_terminal_json_in_a_pipe() -> None:
     text = " ".join(_help_texts()["ls"].split())
     assert "On a terminal, a table" in text and "JSON" in text and "pipe" in text, text
