@@ -260,6 +260,24 @@ def test_a_daemon_value_out_of_range_from_the_environment_names_the_variable(
     assert variable in message, message
 
 
+def test_a_bad_path_from_the_environment_names_its_variable(wc: CLI, tmp_path: Path) -> None:
+    """Found bad only when used (a cache dir through a file, a models file that is not
+    there): the error names the path, and the variable it came from."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fetch = ("fetch", "s3://models/x/m/r1")
+    from_env = wc.run(*fetch, env={"WEIGHTCACHE_CACHE_DIR": str(afile / "cache")})
+    message = assert_fails(from_env, 2)
+    assert str(afile) in message and "WEIGHTCACHE_CACHE_DIR" in message, message
+    typed = assert_fails(wc.run(*fetch, "--cache-dir", afile / "cache"), 2)
+    assert "came from" not in typed, typed
+    models = tmp_path / "absent.yaml"
+    prefetch = wc.run("prefetch", "--cache-dir", tmp_path / "cache",
+                      env={"WEIGHTCACHE_MODELS": str(models)})  # fmt: skip
+    message = assert_fails(prefetch, 2)
+    assert str(models) in message and "WEIGHTCACHE_MODELS" in message, message
+
+
 def test_an_empty_cache_dir_is_refused_not_the_working_directory(wc: CLI, tmp_path: Path) -> None:
     """`--cache-dir "$CACHE"` with CACHE unset would otherwise fill the current directory."""
     work = tmp_path / "work"
