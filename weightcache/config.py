@@ -475,12 +475,19 @@ class PeerSettings:
     def __post_init__(self) -> None:
         if self.view < 1:
             raise UsageError(f"invalid --peer-view {self.view}: watch at least one peer")
-        if not re.fullmatch(_PEER_TOKEN, self.token):
-            raise UsageError(
-                "invalid --peer-token: use at least 16 printable characters without spaces, "
-                "such as the output of `openssl rand -hex 32`"
-            )
+        check_peer_token(self.token)
         if self.static and self.service:
             raise UsageError("use either --peers or --peer-service to find peers, not both")
-        if self.upload_limit is not None and self.upload_limit <= 0:
-            raise UsageError("invalid --peer-upload-limit: it must be more than zero")
+        if self.upload_limit is not None:
+            positive(self.upload_limit, "--peer-upload-limit")
+
+
+def check_peer_token(token: str, what: str = "--peer-token") -> str:
+    """`token` without surrounding blanks if it is a usable peer secret; else UsageError."""
+    token = token.strip()
+    if not re.fullmatch(_PEER_TOKEN, token):
+        raise UsageError(
+            f"invalid {what}: use at least 16 printable characters without spaces, such as "
+            "the output of `openssl rand -hex 32`"
+        )
+    return token

@@ -30,6 +30,7 @@ from weightcache.config import (
     check_concurrency,
     check_endpoint_url,
     check_part_size,
+    check_peer_token,
     format_duration,
     format_size,
     parse_duration,
@@ -119,6 +120,15 @@ def positive_duration(text: str, what: str) -> float:
 
 def _bwlimit(text: str, what: str) -> int:
     return positive(parse_rate(text, what), what, " (omit it for none)")
+
+
+def _peer_token(text: str, what: str) -> str:
+    """A usable token, or "" for none given (`peer_settings` says it is needed)."""
+    return check_peer_token(text, what) if text.strip() else ""
+
+
+def _upload_limit(text: str, what: str) -> int:
+    return positive(parse_rate(text, what), what)
 
 
 def _part_size(text: str, what: str) -> int:
@@ -272,11 +282,11 @@ def peer_options(fn: F) -> F:
         option("--peer-addr", parse=_listen_address,
                help="HOST:PORT to serve blobs to the other nodes' daemons, and fetch from "
                "them ([::]:9401 for IPv6)."),
-        option("--peer-token",
+        option("--peer-token", parse=_peer_token,
                help="Secret every peer request must carry (required with --peer-addr); set "
                "WEIGHTCACHE_PEER_TOKEN from a Secret rather than putting it on the command "
                "line."),
-        option("--peer-upload-limit", parse=parse_rate,
+        option("--peer-upload-limit", parse=_upload_limit,
                default=format_size(DEFAULT_PEER_UPLOAD_LIMIT),
                help="Bytes per second served to peers, all together."),
         option("--peers", "peer_list", parse=_peer_list,

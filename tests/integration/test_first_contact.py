@@ -246,17 +246,25 @@ def test_a_value_out_of_range_from_the_environment_names_the_variable(
 
 
 @pytest.mark.parametrize(
-    ("variable", "value"), [("WEIGHTCACHE_HIGH_WATERMARK", "2"), ("WEIGHTCACHE_INTERVAL", "0")]
+    ("variable", "value"),
+    [
+        ("WEIGHTCACHE_HIGH_WATERMARK", "2"),
+        ("WEIGHTCACHE_INTERVAL", "0"),
+        ("WEIGHTCACHE_PEER_TOKEN", "short"),
+        ("WEIGHTCACHE_PEER_UPLOAD_LIMIT", "0"),
+    ],
 )
 def test_a_daemon_value_out_of_range_from_the_environment_names_the_variable(
     wc: CLI, tmp_path: Path, variable: str, value: str
 ) -> None:
-    """`--interval 0` would spin the daemon's loops; a watermark above 1 never evicts."""
+    """`--interval 0` would spin the daemon's loops; a watermark above 1 never evicts; the
+    peer token comes from a Secret through its variable, as the README says to set it."""
     models = tmp_path / "models.yaml"
     models.write_text("models: []\n")
     args = ("daemon", "--cache-dir", tmp_path / "cache", "--models", models, "--capacity",
             "50%", "--metrics-addr", "127.0.0.1:0")  # fmt: skip
-    message = assert_fails(wc.run(*args, env={variable: value}, timeout=30), 2)
+    env = {"WEIGHTCACHE_PEER_ADDR": "127.0.0.1:0", "WEIGHTCACHE_PEER_TOKEN": "t" * 32}
+    message = assert_fails(wc.run(*args, env={**env, variable: value}, timeout=30), 2)
     assert variable in message, message
 
 
