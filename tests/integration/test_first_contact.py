@@ -49,6 +49,15 @@ def test_version(wc: CLI) -> None:
     assert proc.stdout.strip() == f"weightcache, version {version}"
 
 
+def test_no_command_prints_the_help_not_an_error(wc: CLI) -> None:
+    """The first thing a new user types: the commands, on stdout, not the whole help text
+    on stderr behind 'weightcache: error:'."""
+    proc = wc.run()
+    assert proc.returncode == 0, proc.stderr
+    assert "Commands:" in proc.stdout and "fetch" in proc.stdout, proc.stdout
+    assert proc.stderr == "", proc.stderr
+
+
 # -- publish ----------------------------------------------------------------------------------
 
 

@@ -101,6 +101,14 @@ def _variable(param: click.Option) -> str | None:
 class Group(click.Group):
     """Usage errors too are one `weightcache: error:` line with exit code 2."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """No command at all: the help on stdout, exit 0 (click would raise it as a usage
+        error, which `main` below would print as one behind `weightcache: error:`)."""
+        if not args and not ctx.resilient_parsing:
+            click.echo(ctx.get_help())
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
         try:
