@@ -276,6 +276,18 @@ def test_a_broken_aws_setting_is_exit_2_naming_it(
     assert variable in message, message
 
 
+def test_an_unreachable_store_is_exit_6_naming_the_endpoint_and_its_variable(
+    wc: CLI, cache_dir: Path, guarded: dict[str, str]
+) -> None:
+    """The endpoint a newcomer got wrong (a port, a variable left over from elsewhere): the
+    error says which one was tried, and that AWS_ENDPOINT_URL chose it."""
+    endpoint = dead_endpoint()
+    proc = wc.run("fetch", "s3://models/p/m/r", "--cache-dir", cache_dir, "--timeout", "3s",
+                  env={**guarded, "AWS_ENDPOINT_URL": endpoint}, timeout=60)  # fmt: skip
+    message = assert_fails(proc, 6)
+    assert endpoint in message and "AWS_ENDPOINT_URL" in message, message
+
+
 # --- the cache directory -----------------------------------------------------------------
 
 

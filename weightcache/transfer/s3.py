@@ -126,7 +126,7 @@ class Origin:
                 if attempt >= self.settings.max_attempts or time.monotonic() + delay > deadline:
                     raise TransientError(
                         f"{what} failed {attempt} times in {time.monotonic() - start:.0f}s, "
-                        f"last: {error}; check that the object store is reachable"
+                        f"last: {error}; check that {self._store()} is reachable"
                     ) from e
                 log.warning(
                     "%s: attempt %d/%d failed (%s); retrying in %.1fs",
