@@ -395,6 +395,43 @@ def test_demo_leaves_nothing_in_tmpdir(store: Any, tmp_path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class _Readyz(http.server.BaseHTTPRequestHandler):
+    """A daemon's /readyz that serves at once and has its pin ready from the 3rd answer."""
+
+    answers = 0
+
+    def do_GET(self) -> None:
+        type(self).answers += 1
+        body = b"ready\n" if self.answers >= 3 else b"ready; pinned not yet ready: m/r1\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_demo_waits_for_the_pinned_model_not_only_for_the_daemon_to_serve() -> None:
+    """/readyz turns 200 as soon as the daemon serves; the demo says 'prefetched' only when
+    its body lists no pinned revision still missing, and fails when that never comes."""
+    from weightcache.errors import WeightcacheError
+    from weightcache.ops.demo import wait_prefetched
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Readyz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        wait_prefetched(url, timeout=30, poll=0.05)
+        assert _Readyz.answers == 3
+        _Readyz.answers = -10_000
+        with pytest.raises(WeightcacheError, match="pinned not yet ready: m/r1"):
+            wait_prefetched(url, timeout=0.5, poll=0.05)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _read_until(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

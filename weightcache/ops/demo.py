@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from weightcache.errors import UsageError
+from weightcache.errors import TransientError, UsageError
 from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
@@ -134,6 +134,26 @@ def _serve(store: DevStore, example: list[str]) -> None:
     raise UsageError("the demo store exited on its own; see its weed.log")
 
 
+def wait_prefetched(url: str, timeout: float = 120, poll: float = 0.5) -> None:
+    """Return once the daemon at `url` serves with every pinned revision ready: /readyz is
+    200 as soon as it serves, its body says "ready" alone when no pin is missing. Raises
+    TransientError with its last answer after `timeout` seconds."""
+    deadline, last = time.monotonic() + timeout, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
+                last = resp.read().decode(errors="replace").strip()
+        except OSError as e:
+            last = str(e)
+        if last == "ready":
+            return
+        time.sleep(poll)
+    raise TransientError(
+        f"the demo's node daemon did not have its pinned model ready in {timeout:g}s (its "
+        f"/readyz said: {last}); run the demo again with --workdir to look at its cache"
+    )
+
+
 def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) -> None:
     node = base / "node2"
     models = base / "models.yaml"
@@ -156,14 +176,8 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
     daemon = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{url}/readyz", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        print("readyz: ready (the pinned model was prefetched)")
+        wait_prefetched(url)
+        print("readyz: ready, and the pinned model was prefetched")
         _say("a Pod's fetch on that node: a hit, counted by the daemon")
         _run([*wc, "fetch", source, "--cache-dir", str(node), "--json"], env)
         time.sleep(0.2)
