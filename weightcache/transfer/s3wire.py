@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import http.client
 
-from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
+from weightcache.errors import (
+    AccessDenied,
+    SourceError,
+    TransientError,
+    UsageError,
+    WeightcacheError,
+)
 
 #: Error codes that mean "slow down": they count as throttling and lower concurrency.
 THROTTLE_CODES = frozenset(
@@ -143,7 +149,7 @@ def _refused(what: str, code: str, status: int, message: str) -> WeightcacheErro
         return TransientError(f"{what}: {code or status} from the object store")
     if code in _DENIED_CODES or status == 403:
         verb = "write to" if what.startswith("PUT") else "read"
-        return SourceError(
+        return AccessDenied(
             f"{what}: access denied ({code or status}); check the credentials and that "
             f"they may {verb} this bucket"
         )
