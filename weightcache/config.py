@@ -10,8 +10,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from weightcache.errors import UsageError
+
+_N = TypeVar("_N", int, float)
 
 _UNITS = {
     "": 1,
@@ -155,21 +158,52 @@ class OriginSettings:
     max_attempts: int = 8
 
     def __post_init__(self) -> None:
-        if self.endpoint_url is not None and not re.match(r"https?://", self.endpoint_url):
-            raise UsageError(
-                f"invalid endpoint URL {self.endpoint_url!r}: it must start with http:// "
-                "or https://"
-            )
-        if self.bwlimit is not None and self.bwlimit <= 0:
-            raise UsageError("invalid --bwlimit: it must be more than zero (omit it for none)")
-        if not 1 <= self.max_concurrency <= 1024:
-            raise UsageError("invalid --max-concurrency: it must be between 1 and 1024")
-        if not (256 << 10) <= self.part_size <= (5 << 30):
-            raise UsageError("invalid --part-size: it must be between 256KiB and 5GiB")
-        if self.timeout <= 0:
-            raise UsageError("invalid --timeout: it must be more than zero, such as 5m")
+        if self.endpoint_url is not None:
+            check_endpoint_url(self.endpoint_url)
+        if self.bwlimit is not None:
+            positive(self.bwlimit, "--bwlimit", " (omit it for none)")
+        check_concurrency(self.max_concurrency)
+        check_part_size(self.part_size)
+        positive(self.timeout, "--timeout", ", such as 5m")
         if self.max_attempts < 1:
             raise UsageError("invalid attempt count: it must be at least 1")
+
+
+# The checks of OriginSettings, also run by the options where a value enters (click
+# callbacks), so that a bad value from WEIGHTCACHE_* is reported naming its variable.
+
+#: Ranged GETs of at least 256 KiB keep the request count sane; 5 GiB is S3's largest part.
+MIN_PART_SIZE, MAX_PART_SIZE = 256 << 10, 5 << 30
+MAX_CONCURRENCY = 1024
+
+
+def check_endpoint_url(url: str, what: str = "endpoint URL") -> str:
+    """`url` if it is http(s)://...; else UsageError naming `what`."""
+    if not re.match(r"https?://", url):
+        raise UsageError(f"invalid {what} {url!r}: it must start with http:// or https://")
+    return url
+
+
+def check_concurrency(n: int, what: str = "--max-concurrency") -> int:
+    if not 1 <= n <= MAX_CONCURRENCY:
+        raise UsageError(f"invalid {what}: it must be between 1 and {MAX_CONCURRENCY}")
+    return n
+
+
+def check_part_size(n: int, what: str = "--part-size") -> int:
+    if not MIN_PART_SIZE <= n <= MAX_PART_SIZE:
+        raise UsageError(
+            f"invalid {what}: it must be between {format_size(MIN_PART_SIZE)} and "
+            f"{format_size(MAX_PART_SIZE)}"
+        )
+    return n
+
+
+def positive(value: _N, what: str, hint: str = "") -> _N:
+    """`value` if above zero (a rate, a duration); else UsageError naming `what`."""
+    if not value > 0:
+        raise UsageError(f"invalid {what}: it must be more than zero{hint}")
+    return value
 
 
 #: The schemes a source may have; a plain absolute path is a `file://` source.
@@ -441,12 +475,19 @@ class PeerSettings:
     def __post_init__(self) -> None:
         if self.view < 1:
             raise UsageError(f"invalid --peer-view {self.view}: watch at least one peer")
-        if not re.fullmatch(_PEER_TOKEN, self.token):
-            raise UsageError(
-                "invalid --peer-token: use at least 16 printable characters without spaces, "
-                "such as the output of `openssl rand -hex 32`"
-            )
+        check_peer_token(self.token)
         if self.static and self.service:
             raise UsageError("use either --peers or --peer-service to find peers, not both")
-        if self.upload_limit is not None and self.upload_limit <= 0:
-            raise UsageError("invalid --peer-upload-limit: it must be more than zero")
+        if self.upload_limit is not None:
+            positive(self.upload_limit, "--peer-upload-limit")
+
+
+def check_peer_token(token: str, what: str = "--peer-token") -> str:
+    """`token` without surrounding blanks if it is a usable peer secret; else UsageError."""
+    token = token.strip()
+    if not re.fullmatch(_PEER_TOKEN, token):
+        raise UsageError(
+            f"invalid {what}: use at least 16 printable characters without spaces, such as "
+            "the output of `openssl rand -hex 32`"
+        )
+    return token

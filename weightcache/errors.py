@@ -26,6 +26,11 @@ class SourceError(WeightcacheError):
     exit_code = 3
 
 
+class AccessDenied(SourceError):
+    """The store refused the credentials (exit 3, as any source error): a caller that can
+    do without the refused request tells it from the others."""
+
+
 class IntegrityError(WeightcacheError):
     """Hash or size mismatch after the retry (exit 4)."""
 

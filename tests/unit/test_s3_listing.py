@@ -72,8 +72,13 @@ def test_the_fields_of_a_page() -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b"<html>502 Bad Gateway", b"<R><Contents><Key>k</Key><Size>12x</Size></Contents></R>"],
-    ids=["not-xml", "size-not-a-number"],
+    [
+        b"<html>502 Bad Gateway",
+        b"<R><Contents><Key>k</Key><Size>12x</Size></Contents></R>",
+        b"<html><body>It works!</body></html>",
+        b"<?xml version='1.0'?><Error><Code>Oops</Code></Error>",
+    ],
+    ids=["not-xml", "size-not-a-number", "html-well-formed", "another-document"],
 )
 def test_a_body_that_is_not_a_page_is_a_value_error(body: bytes) -> None:
     with pytest.raises(ValueError):

@@ -15,7 +15,6 @@ from weightcache.config import (
     OriginSettings,
     Source,
     format_duration,
-    parse_duration,
     parse_pod_uid,
 )
 from weightcache.errors import UsageError
@@ -25,6 +24,7 @@ from weightcache.options import (
     env,
     option,
     origin_settings,
+    positive_duration,
     store_options,
 )
 from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL
@@ -63,7 +63,7 @@ log = logging.getLogger("weightcache")
 )
 @option(
     "--progress-interval",
-    parse=parse_duration,
+    parse=positive_duration,
     help=f"Seconds between progress reports (default: {format_duration(TTY_INTERVAL)} on a "
     f"TTY, else {format_duration(LOG_INTERVAL)}).",
 )

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 
@@ -26,12 +27,12 @@ def reports_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except WeightcacheError as e:
-            fail(e)
+            fail(e, _named_sources(str(e)))
         except OSError as e:
             error = os_error(e)
             if error is None:
                 raise
-            fail(error)
+            fail(error, _named_sources(str(error)))
         except KeyboardInterrupt:
             click.echo("weightcache: interrupted; partial files are kept for resume", err=True)
             sys.exit(130)
@@ -66,13 +67,47 @@ def os_error(e: OSError) -> WeightcacheError | None:
     return UsageError(f"{e.strerror or e}{where}: {hint}")
 
 
-def fail(error: WeightcacheError) -> None:
-    click.echo(f"weightcache: error: {error}", err=True)
+def fail(error: WeightcacheError, source: str = "") -> None:
+    click.echo(f"weightcache: error: {error}{source}", err=True)
     sys.exit(error.exit_code)
+
+
+def _named_sources(message: str) -> str:
+    """ "; it came from the environment variable X" for each path or text option of the
+    running command whose value `message` names and which the environment set: found bad
+    only when used (a cache dir through a file), it is still a value the user did not
+    type."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return ""
+    names = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        if not isinstance(value, str | os.PathLike) or len(os.fspath(value)) < 2:
+            continue
+        if os.fspath(value) not in message or not isinstance(param, click.Option):
+            continue
+        if ctx.get_parameter_source(param.name or "") is ParameterSource.ENVIRONMENT:
+            names += [n for n in [_variable(param)] if n]
+    return "".join(f"; it came from the environment variable {n}" for n in names)
+
+
+def _variable(param: click.Option) -> str | None:
+    """The environment variable click took `param`'s value from (the first one set)."""
+    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
+    return next((n for n in names if os.environ.get(n)), None)
 
 
 class Group(click.Group):
     """Usage errors too are one `weightcache: error:` line with exit code 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """No command at all: the help on stdout, exit 0 (click would raise it as a usage
+        error, which `main` below would print as one behind `weightcache: error:`)."""
+        if not args and not ctx.resilient_parsing:
+            click.echo(ctx.get_help())
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
@@ -99,6 +134,5 @@ def _environment_source(error: click.ClickException, argv: list[str]) -> str:
         return ""
     if any(a == opt or a.startswith(opt + "=") for a in argv for opt in param.opts):
         return ""
-    names = [param.envvar] if isinstance(param.envvar, str) else list(param.envvar or ())
-    name = next((n for n in names if os.environ.get(n)), None)  # click takes the first set
+    name = _variable(param)
     return f"; it came from the environment variable {name}" if name else ""

@@ -382,9 +382,11 @@ class Fetcher:
         sizes = _checked(listing.result(), revision.url)
         if MANIFEST_NAME in sizes:
             return self._parsed(source, revision, content, sizes), {}, 0
-        if not sizes:
-            where = f"{revision.url}/{MANIFEST_NAME}"
-            raise SourceError(f"no {MANIFEST_NAME} at {where}; {revision.manifest_hint}")
+        if not sizes:  # not a revision without a manifest: nothing at all, a wrong URL
+            raise SourceError(
+                f"nothing under {revision.url}/ (no {MANIFEST_NAME}, no files); check the "
+                "source URL (bucket, prefix, name and revision) and that it was published"
+            )
         from weightcache.fetch.vouched import plan_vouched
 
         plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)

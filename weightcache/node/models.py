@@ -22,6 +22,9 @@ from weightcache.config import Source
 from weightcache.errors import UsageError
 
 _KEYS = {"source", "name", "revision", "pin"}
+#: A ConfigMap holds at most 1 MiB: a larger file is the wrong one (a model shard, a log),
+#: and is refused unread rather than parsed at every --interval.
+MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -47,14 +50,11 @@ def load(path: Path) -> DesiredState:
     import xxhash
     import yaml
 
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read the models file {path}: {e.strerror}") from e
+    data = _read(path)
     try:
         doc = yaml.safe_load(data) or {}
     except yaml.YAMLError as e:
-        raise UsageError(f"the models file {path} is not valid YAML: {e}") from e
+        raise UsageError(f"the models file {path} is not valid YAML: {_yaml_problem(e)}") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("models") or [], list):
         raise UsageError(f"the models file {path} must be a mapping with a 'models' list")
     if set(doc) - {"models"}:  # a misspelt `models:` would silently drop every pin
@@ -78,6 +78,30 @@ def load(path: Path) -> DesiredState:
         seen.add(key)
         models.append(spec)
     return DesiredState(tuple(models), tuple(problems), xxhash.xxh64(data).hexdigest())
+
+
+def _read(path: Path) -> bytes:
+    """The file's bytes, at most MAX_BYTES of them. Raises UsageError."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise UsageError(f"cannot read the models file {path}: {e.strerror}") from e
+    if len(data) > MAX_BYTES:
+        raise UsageError(
+            f"the models file {path} is over 1MiB, more than a ConfigMap holds; check that "
+            "--models names the models file"
+        )
+    return data
+
+
+def _yaml_problem(e: Exception) -> str:
+    """What PyYAML found wrong and where, on one line (its message spans several)."""
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(e).split())
 
 
 def parse_entry(raw: Any) -> ModelSpec:

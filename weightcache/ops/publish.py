@@ -8,10 +8,11 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Protocol
 
 from weightcache.cache.manifest import MANIFEST_NAME, check_path, render
 from weightcache.config import OriginSettings, Source
-from weightcache.errors import UsageError
+from weightcache.errors import AccessDenied, SourceError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -83,4 +84,28 @@ def publish(local_dir: Path, dest: Source, settings: OriginSettings) -> bytes:
         log.info("uploading %s to %s/%s", rel, dest.url, rel)
         store.upload_file(local_dir / rel, dest.bucket, dest.key(rel))
     store.put_bytes(manifest, dest.bucket, dest.key(MANIFEST_NAME))
+    check_landed(store, dest, {rel: (local_dir / rel).stat().st_size for rel in files})
     return manifest
+
+
+class _Lister(Protocol):
+    def list_sizes(self, bucket: str, prefix: str) -> dict[str, int]: ...
+
+
+def check_landed(store: _Lister, dest: Source, sizes: dict[str, int]) -> None:
+    """Raise SourceError unless the store lists every uploaded file at its size: a server
+    that is no S3 store (a web page at the wrong port) answers every PUT 200 and keeps
+    nothing. One listing, whatever the model's size; credentials that may upload but not
+    list (publishing needed only s3:PutObject) skip the check with a warning."""
+    try:
+        listed = store.list_sizes(dest.bucket, dest.prefix)
+    except AccessDenied as e:
+        log.warning("uploads to %s not checked: listing them is refused (%s)", dest.url, e)
+        return
+    wrong = [rel for rel, size in sizes.items() if listed.get(rel) != size]
+    if wrong:
+        raise SourceError(
+            f"the store accepted the upload of {dest.url}/{wrong[0]} but does not list it "
+            f"at its size ({len(wrong)} file(s) so); check that --endpoint-url points at an "
+            "S3 store and that nothing else writes that prefix"
+        )

@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from weightcache.errors import IntegrityError, SourceError
+from weightcache.errors import IntegrityError, SourceError, UsageError
 from weightcache.transfer.checksums import Vouch, composite_parts, s3_vouched
 from weightcache.transfer.sources import RangeReader, RetryRange
 
@@ -104,6 +104,19 @@ def connect_ascii(
     host, port = address
     name = host.encode("ascii") if host.isascii() else host  # getaddrinfo takes either
     return socket.create_connection((name, port), timeout, source_address)  # type: ignore[arg-type]
+
+
+def ca_file(variable: str | None) -> str | None:
+    """The CA bundle the environment variable `variable` names (None: unset, or no
+    variable). Raises UsageError naming the variable when it names no readable file: that
+    is configuration to fix, not a network failure to retry."""
+    path = os.environ.get(variable) if variable else None
+    if path and not os.access(path, os.R_OK):
+        raise UsageError(
+            f"{variable}={path} names no readable file; point it at the CA bundle (PEM) "
+            "that signed the store's certificate, or unset it"
+        )
+    return path or None
 
 
 def new_connection(
@@ -231,8 +244,7 @@ class HttpRanges:
         if len(conns) >= MAX_HOSTS_PER_THREAD:
             oldest = next(iter(conns))
             conns.pop(oldest).close()
-        cafile = os.environ.get(ca_env) if ca_env else None
-        conn = new_connection(url.scheme, url.netloc, timeout, cafile or None)
+        conn = new_connection(url.scheme, url.netloc, timeout, ca_file(ca_env))
         conn.response_class = _Response
         conns[key] = conn
         return conn

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import logging
 import re
 import threading
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from weightcache.config import HUB_COMMIT
+from weightcache.config import HUB_COMMIT, check_endpoint_url
 from weightcache.errors import SourceError, TransientError
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.pacing import Backoff
@@ -136,6 +137,7 @@ class HubRevision:
 
     def _read_listing(self) -> HubListing:
         hub = _hub()
+        endpoint = check_endpoint_url(hub.constants.ENDPOINT, "HF_ENDPOINT")
         last = ""
         for attempt in range(1, API_ATTEMPTS + 1):
             try:
@@ -153,6 +155,12 @@ class HubRevision:
                     raise SourceError(
                         f"{self.url}: HF_HUB_OFFLINE is set, so the Hub cannot be asked; "
                         "unset it, or fetch a revision already in the cache by its commit"
+                    ) from e
+                if isinstance(e, json.JSONDecodeError):  # a web page at HF_ENDPOINT
+                    raise SourceError(
+                        f"the server at {endpoint} (HF_ENDPOINT) answered the model info of "
+                        f"{self.url} with something that is not the Hub's JSON ({e}); point "
+                        "HF_ENDPOINT at a Hub or a mirror of it"
                     ) from e
                 last = f"{type(e).__name__}: {e}"
             else:  # an answer without what it must hold is the Hub's last word: no retry

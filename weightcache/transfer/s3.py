@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
 from weightcache.errors import SourceError, TransientError
-from weightcache.transfer.httprange import new_connection
+from weightcache.transfer.httprange import ca_file, new_connection
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, static_signer
@@ -56,6 +56,10 @@ def without_expect_continue(client: Any) -> Any:
 def _drop_expect_header(request: Any, **_: Any) -> None:
     if "Expect" in request.headers:
         del request.headers["Expect"]
+
+
+#: Fields every ListObjectsV2 answer has (a page without any of them was not one).
+_LISTING_FIELDS = frozenset({"Name", "IsTruncated", "KeyCount", "Contents"})
 
 
 class Origin:
@@ -122,7 +126,7 @@ class Origin:
                 if attempt >= self.settings.max_attempts or time.monotonic() + delay > deadline:
                     raise TransientError(
                         f"{what} failed {attempt} times in {time.monotonic() - start:.0f}s, "
-                        f"last: {error}; check that the object store is reachable"
+                        f"last: {error}; check that {self._store()} is reachable"
                     ) from e
                 log.warning(
                     "%s: attempt %d/%d failed (%s); retrying in %.1fs",
@@ -158,6 +162,8 @@ class Origin:
             sizes: dict[str, int] = {}
             paginator = self._client.get_paginator("list_objects_v2")
             for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+                if not page.keys() & _LISTING_FIELDS:  # botocore reads a web page as {}
+                    raise self._not_a_listing(bucket, prefix, "no ListBucketResult fields")
                 for obj in page.get("Contents", []):
                     sizes[obj["Key"][len(prefix) :]] = int(obj["Size"])
             return sizes
@@ -239,6 +245,7 @@ class Origin:
         config = TransferConfig(
             multipart_chunksize=self.settings.part_size,
             max_concurrency=self.settings.max_concurrency,
+            max_bandwidth=self.settings.bwlimit,  # None: unbounded
             # awscrt (a dependency, for checksums) would otherwise switch boto3 to the CRT
             # transfer client on the EC2 GPU instance types, with other retries and limits.
             preferred_transfer_client="classic",
@@ -331,14 +338,17 @@ class Origin:
         try:
             return listing_page(body)
         except ValueError as e:
-            raise SourceError(
-                f"{self._store()} answered the listing of s3://{bucket}/{query['prefix']} "
-                f"with something that is not ListObjectsV2 XML ({e}); check that "
-                "--endpoint-url points at an S3 store"
-            ) from None
+            raise self._not_a_listing(bucket, query["prefix"], str(e)) from None
+
+    def _not_a_listing(self, bucket: str, prefix: str, why: str) -> SourceError:
+        return SourceError(
+            f"{self._store()} answered the listing of s3://{bucket}/{prefix} with something "
+            f"that is not ListObjectsV2 XML ({why}); check that --endpoint-url points at an "
+            "S3 store"
+        )
 
     def _store(self) -> str:
-        endpoint = self.settings.endpoint_url
+        endpoint = self.endpoint_url
         return f"the store at {endpoint}" if endpoint else "the store"
 
     def _connection(self, url: urllib.parse.SplitResult) -> http.client.HTTPConnection:
@@ -347,7 +357,6 @@ class Origin:
         if conn is not None:
             return conn
         timeout = min(self.settings.timeout, 60.0)
-        cafile = os.environ.get("AWS_CA_BUNDLE") or None
-        conn = new_connection(url.scheme, url.netloc, timeout, cafile)
+        conn = new_connection(url.scheme, url.netloc, timeout, ca_file("AWS_CA_BUNDLE"))
         self._local.conn = conn
         return conn

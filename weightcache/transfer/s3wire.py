@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import http.client
 
-from weightcache.errors import SourceError, TransientError, UsageError, WeightcacheError
+from weightcache.errors import (
+    AccessDenied,
+    SourceError,
+    TransientError,
+    UsageError,
+    WeightcacheError,
+)
 
 #: Error codes that mean "slow down": they count as throttling and lower concurrency.
 THROTTLE_CODES = frozenset(
@@ -44,8 +50,8 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
     """A ListObjectsV2 page: (key, size) of each Contents, and the text of the result's
     other fields by name (IsTruncated, NextContinuationToken, EncodingType), whatever their
     namespace. Read with expat alone: ElementTree's import cost ~3 ms before a cold fetch's
-    first GET. Raises ValueError for a body that is not such a page (not XML, a Size that
-    is not a number)."""
+    first GET. Raises ValueError for a body that is not such a page (not XML, another
+    document such as a web page, a Size that is not a number)."""
     from xml.parsers import expat
 
     objects: list[tuple[str, int]] = []
@@ -53,8 +59,11 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
     obj: dict[str, str] = {}
     path: list[str] = []  # the open elements' local names
     text: list[str] = []  # the character data since the last tag
+    root: list[str] = []  # the document element's local name
 
     def start(name: str, _: object) -> None:
+        if not path:
+            root.append(name.rpartition("}")[2])
         path.append(name.rpartition("}")[2])
         text.clear()
 
@@ -76,6 +85,8 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
         parser.Parse(body, True)
     except expat.ExpatError as e:
         raise ValueError(f"not XML: {e}") from None
+    if root != ["ListBucketResult"]:  # well-formed, but another document (a web page)
+        raise ValueError(f"a <{''.join(root)}> document, not ListBucketResult")
     return objects, fields
 
 
@@ -118,8 +129,17 @@ def translate(e: BaseException, what: str) -> WeightcacheError:
             "no usable AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
             "mount a shared config, or use IRSA (web identity)"
         )
+    if isinstance(e, bx.ProfileNotFound):
+        return UsageError(f"{e} (AWS_PROFILE); name a profile of the AWS config, or unset it")
+    if isinstance(e, bx.ConfigParseError):
+        return UsageError(
+            f"{e}; fix that file or unset the variable that names it (AWS_CONFIG_FILE, "
+            "AWS_SHARED_CREDENTIALS_FILE)"
+        )
     if isinstance(e, bx.BotoCoreError):
         return TransientError(f"{what}: {type(e).__name__}: {e}")
+    if isinstance(e.__context__, bx.ClientError):  # boto3's S3UploadFailedError wraps one
+        return translate(e.__context__, what)
     return WeightcacheError(f"{what}: unexpected {type(e).__name__}: {e}")
 
 
@@ -128,9 +148,10 @@ def _refused(what: str, code: str, status: int, message: str) -> WeightcacheErro
     if code in _TRANSIENT_CODES or status >= 500 or status == 429:
         return TransientError(f"{what}: {code or status} from the object store")
     if code in _DENIED_CODES or status == 403:
-        return SourceError(
+        verb = "write to" if what.startswith("PUT") else "read"
+        return AccessDenied(
             f"{what}: access denied ({code or status}); check the credentials and that "
-            "they may read this bucket"
+            f"they may {verb} this bucket"
         )
     if code == "NoSuchBucket":
         return SourceError(f"{what}: the bucket does not exist; check the source URL")
