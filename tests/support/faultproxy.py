@@ -30,7 +30,8 @@ connections refused), "reset" (accepted then RST) or "hang" (accepted, never ans
 `rate_limit` (bytes/s, all connections together) slows the body bytes sent to clients.
 `trickle_rate` (bytes/s, per response) sends the body of every eligible response in
 pieces of a tenth of a second's worth (one byte at 10 B/s or less), each after its own
-pause: a store that keeps a connection busy without ever filling a read buffer.
+pause: a store that keeps a connection busy without ever filling a read buffer. Lifting it
+(`trickle_rate=None`) sends the rest of the bodies in flight at once.
 
 Counters (`stats()`): requests received (including those answered with SlowDown), GETs,
 GETs with Range, response body bytes sent to clients (in total and per path), injected

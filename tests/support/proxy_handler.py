@@ -272,8 +272,14 @@ class ProxyHandler(BaseHTTPRequestHandler):
         self.proxy._sent(path, len(data))
 
     def _send_trickle(self, path: str, data: bytes, rate: float) -> None:
+        """Send `data` a tenth of a second's worth at a time; once the trickle is lifted
+        (`configure(trickle_rate=None)`), the rest at once."""
         piece = max(1, int(rate / 10))
         for i in range(0, len(data), piece):
+            if self.proxy.faults.trickle_rate is None:
+                self.trickle = None
+                self._send_body(path, data[i:])
+                return
             chunk = data[i : i + piece]
             if self.proxy._stopping.wait(len(chunk) / rate):
                 raise ConnectionError("the proxy is stopping")

@@ -391,3 +391,16 @@ def test_trickle_sends_eligible_bodies_a_piece_at_a_time(proxy: FaultProxy) -> N
     assert time.monotonic() - t0 < 3  # trickled, its 100 bytes would take 10 s
     with pytest.raises(ValueError):
         proxy.configure(trickle_rate=0)
+
+
+def test_lifting_the_trickle_sends_the_rest_of_a_body_in_flight_at_once(proxy: FaultProxy) -> None:
+    """100 bytes at 10 B/s would take 10 s; lifted after the first bytes, the rest comes
+    at once (a test that lets slowed fetches finish need not wait for their bodies)."""
+    proxy.configure(scope="data", trickle_rate=10)
+    r = _get(_conn(proxy, timeout=5), KEY, "bytes=0-99")
+    first = r.read1(100)
+    assert 0 < len(first) < 100
+    t0 = time.monotonic()
+    proxy.configure(trickle_rate=None)
+    assert first + r.read() == BLOB[:100]
+    assert time.monotonic() - t0 < 3
