@@ -4,10 +4,8 @@ huggingface_hub's metadata and ranged GETs of its files, against a small Hub on 
 
 from __future__ import annotations
 
-import http.server
 import json
 import re
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from tests.support.checks import (
 )
 from tests.support.hubserver import HubServer
 from tests.support.modelgen import MANIFEST, Model, make_model
+from tests.support.webservers import web_page
 
 MiB = 1024 * 1024
 
@@ -173,19 +172,6 @@ def test_a_hub_that_lists_no_sizes_is_exit_3_at_once(
     assert markers(cache_dir) == []
 
 
-class _WebPage(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        page = b"<html><body>It works!</body></html>"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(page)))
-        self.end_headers()
-        self.wfile.write(page)
-
-    def log_message(self, *_: object) -> None:
-        pass
-
-
 def test_an_hf_endpoint_that_is_no_hub_is_said_at_once(
     wc: CLI, hf_env: dict[str, str | None], cache_dir: Path
 ) -> None:
@@ -195,14 +181,8 @@ def test_an_hf_endpoint_that_is_no_hub_is_said_at_once(
     bad = wc.fetch(source, cache_dir, "--no-daemon", env={**hf_env, "HF_ENDPOINT": "hub.local"})
     message = assert_fails(bad, 2)
     assert "HF_ENDPOINT" in message and "hub.local" in message, message
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebPage)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    page = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with web_page() as page:
         proc = wc.fetch(source, cache_dir, "--no-daemon", env={**hf_env, "HF_ENDPOINT": page})
-    finally:
-        server.shutdown()
-        server.server_close()
     message = assert_fails(proc, 3)
     assert "HF_ENDPOINT" in message and page in message, message
     assert "attempt" not in proc.stderr, proc.stderr

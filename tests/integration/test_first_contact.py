@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import CLI, REPO_ROOT, cli_env
 from tests.support.checks import assert_fails
+from tests.support.webservers import web_page
 
 #: A pointer to a document the repository does not hold (spelled so that this file does not
 #: match itself); the code points to docs/design.md instead, as "design §N".
@@ -131,24 +132,6 @@ def test_publish_keeps_to_its_bwlimit(wc: CLI, uniq: str, tmp_path: Path) -> Non
     assert took >= 4.5, f"6 MiB published in {took:.1f}s with --bwlimit 1M"
 
 
-class _WebPage(http.server.BaseHTTPRequestHandler):
-    """A web server at the wrong port: 200 and a page, whatever the request."""
-
-    def do_GET(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        page = b"<html><body>It works!</body></html>"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(page)))
-        self.end_headers()
-        self.wfile.write(page)
-
-    do_PUT = do_POST = do_GET
-
-    def log_message(self, *_: object) -> None:
-        pass
-
-
 def test_publish_to_an_endpoint_that_is_no_s3_store_is_exit_3(
     wc: CLI, uniq: str, tmp_path: Path
 ) -> None:
@@ -157,15 +140,9 @@ def test_publish_to_an_endpoint_that_is_no_s3_store_is_exit_3(
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WebPage)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with web_page() as endpoint:
         proc = wc.run("publish", model, f"s3://models/{uniq}/m/r1", "--endpoint-url", endpoint,
                       env={"AWS_ENDPOINT_URL": endpoint}, timeout=60)  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
     message = assert_fails(proc, 3)
     assert endpoint in message and "S3" in message, message
 

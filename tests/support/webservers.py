@@ -17,6 +17,8 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +140,36 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client killed mid-download (the kill -9 tests): nothing to report
+
+
+class _WebPage(http.server.BaseHTTPRequestHandler):
+    """A web server where a store or a Hub should be: 200 and a page, whatever the request."""
+
+    def do_GET(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        page = b"<html><body>It works!</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    do_PUT = do_POST = do_GET
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@contextmanager
+def web_page() -> Iterator[str]:
+    """The URL of a `_WebPage` server on loopback, for the block's duration."""
+    server = _Server(("127.0.0.1", 0), _WebPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class NoRangeServer:
