@@ -13,7 +13,8 @@ its flows at their link rates: `recv + hash` CPU-s per MiB it receives (from the
 peer), `sent` per MiB it serves to peers; plus, while it downloads, `busy` cores (what a
 daemon spends per second whatever its rate: timers, its loops; why a MiB costs more when
 bytes trickle in), `poll` cores (the benchmark asking its /readyz every 0.1 s: about 1.5 ms
-of the daemon's CPU each; not the daemon's own, so kept apart) and `probe` CPU-s per HEAD of
+of the daemon's CPU each; not the daemon's own, so kept apart; 0 for runs that watched
+the cache for the marker instead, `swarm.Poller`) and `probe` CPU-s per HEAD of
 its view rounds (the simulator sets this `background`: slowed with the flows when the node
 is short, as polls and timers of a descheduled process fire less often); a booting node
 (`startup` CPU-s of work from its spawn until it serves) asks for a whole `node_cores`. A

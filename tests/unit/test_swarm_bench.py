@@ -197,3 +197,54 @@ def test_the_prediction_is_the_median_of_several_simulated_swarms() -> None:
     lasts = sorted(sim.Swarm(replace(p, seed=s)).run().last for s in range(1, 6))
     assert lasts[0] < lasts[-1]  # the seeds do differ here
     assert swarmplot.predict(out, runs, 1 << 20)[1, 6]["p2p"].last == lasts[2]
+
+
+def test_the_poller_asks_readyz_until_up_then_only_once_the_marker_is_there(
+    tmp_path: Path,
+) -> None:
+    """Ten /readyz a second cost a swarming daemon a tenth of its CPU: once a node is up,
+    the poller watches its cache for the revision's marker and asks /readyz only then."""
+    import http.server
+    import threading
+    import time
+
+    asked: list[float] = []
+
+    class Readyz(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            asked.append(time.monotonic())
+            body = b"ready\n" if (cache / "m" / "r1" / ".weightcache").exists() else (
+                b"ready; pinned not yet ready: m/r1\n")  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    cache = tmp_path / "cache"
+    (cache / ".weightcache" / "tmp" / ".weightcache").mkdir(parents=True)  # the cache's own
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Readyz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    halt = threading.Event()
+    t0 = time.perf_counter()
+    url = f"http://127.0.0.1:{server.server_address[1]}/readyz"
+    poller = swarm.Poller(url, cache, t0, 0.02, halt)
+    try:
+        poller.start()
+        time.sleep(0.5)
+        assert poller.up is not None and poller.ready is None
+        assert len(asked) == 1, "asked /readyz again while no marker was there"
+        (cache / "m" / "r1").mkdir(parents=True)
+        (cache / "m" / "r1" / ".weightcache").write_text("{}")
+        appeared = time.perf_counter() - t0
+        poller.join(5)
+        assert poller.ready is not None and poller.ready >= appeared
+        assert len(asked) == 2
+    finally:
+        halt.set()
+        server.shutdown()
+        server.server_close()
