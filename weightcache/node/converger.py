@@ -129,20 +129,21 @@ class Converger:
             then()
             self._converged = True
 
-    def converge_once(self) -> None:
+    def converge_once(self, retries: bool = True) -> None:
         """Fetch every listed revision that is not ready, one at a time. A failing entry
         (whatever it raises) never stops the others: it is recorded in `failures` and
-        retried with a backoff (`retry_due`)."""
+        retried with a backoff (`retry_due`). `retries=False` (`prefetch`, which runs this
+        once and exits) logs a failure as final: nothing retries it, the exit code says it."""
         now = time.monotonic()
         for spec in self.desired.models:
             if self.stopping.is_set():
                 return
             key = (spec.source.name, spec.source.revision)
             if self._retry.get(key, (0, now))[1] <= now:
-                self._converge_entry(spec.source)
+                self._converge_entry(spec.source, retries)
         self._update_labels()
 
-    def _converge_entry(self, source: Source) -> None:
+    def _converge_entry(self, source: Source, retries: bool = True) -> None:
         key = (source.name, source.revision)
         try:
             marker = self.cache.ready(*key)
@@ -156,7 +157,11 @@ class Converger:
             if not isinstance(e, WeightcacheError):  # a bug or the disk: say what it was
                 e = WeightcacheError(f"unexpected {type(e).__name__}: {e}")
             self.failures[key] = e
-            log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
+            if retries:
+                log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
+            else:
+                log.error("prefetch of %s failed (not retried: the exit code reports it): %s",
+                          source.label, e)  # fmt: skip
             return
         self.failures.pop(key, None)
         self._retry.pop(key, None)

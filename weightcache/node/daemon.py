@@ -166,7 +166,8 @@ class Daemon:
         self.converger.load()
 
     def converge_once(self) -> None:
-        self.converger.converge_once()
+        """Converge once, as `prefetch` does: a failure is not retried (the process exits)."""
+        self.converger.converge_once(retries=False)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
