@@ -205,6 +205,16 @@ class Converger:
     def _update_labels(self) -> None:
         if not self.node_name:
             return
+        if not labels.in_cluster():
+            # Said once, then off: outside a cluster it could never work.
+            log.warning(
+                "could not label node %s: a node's labels cannot be read or set outside a "
+                "Kubernetes cluster (no in-cluster API: KUBERNETES_SERVICE_HOST is unset); "
+                "node labels are off, readiness is still on /readyz and /metrics",
+                self.node_name,
+            )
+            self.node_name = None
+            return
         listed = [(m.source.name, m.source.revision) for m in self.desired.models]
         ready = [key for key in listed if self.ready(*key)]
         wanted = labels.node_labels(ready)
@@ -212,7 +222,7 @@ class Converger:
             try:
                 labels.patch_node(self.node_name, wanted, self._labels or {})
                 self._labels = wanted
-            except (OSError, KeyError, ValueError) as e:  # KeyError: not in a cluster
+            except (OSError, ValueError) as e:
                 # Labels are a convenience: failing to set them never fails the converge
                 # step (nor, through it, /healthz).
                 log.warning("could not label node %s: %r", self.node_name, e)
