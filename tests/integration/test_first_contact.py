@@ -281,6 +281,19 @@ def test_an_empty_cache_dir_is_refused_not_the_working_directory(wc: CLI, tmp_pa
     assert list(work.iterdir()) == []
 
 
+@pytest.mark.parametrize("option", ["--name", "--revision"])
+def test_an_empty_name_or_revision_is_refused_not_the_url_segment(
+    wc: CLI, tmp_path: Path, option: str
+) -> None:
+    """`--revision "$REV"` with REV unset would otherwise fetch the URL's last segment: a
+    revision the caller did not ask for. Refused before any network."""
+    cache = tmp_path / "cache"
+    proc = wc.run("fetch", "s3://models/x/m/r1", "--cache-dir", cache, option, "", timeout=30)
+    message = assert_fails(proc, 2)
+    assert option in message and "empty" in message, message
+    assert not cache.exists()
+
+
 def test_a_peer_view_below_one_is_refused_with_peers_off_too(wc: CLI, tmp_path: Path) -> None:
     """Checked where it enters, like --peer-upload-limit: a bad value in the environment
     is exit 2 naming it even on a daemon that does not swarm (yet)."""
