@@ -89,18 +89,22 @@ class Capacity:
     percent: float | None = None
 
     @classmethod
-    def parse(cls, text: str, what: str = "capacity", zero_ok: bool = False) -> Capacity:
+    def parse(
+        cls, text: str, what: str = "capacity", zero_ok: bool = False, full_ok: bool = True
+    ) -> Capacity:
         """`500G` or `85%`; `what` names the option in errors; `zero_ok` accepts 0 (and
-        0%), for a bound that 0 turns off (--min-free)."""
+        0%), for a bound that 0 turns off (--min-free); `full_ok=False` refuses 100%, for a
+        floor of free space (the whole disk free can never be kept)."""
         text = str(text).strip()
-        low = "[0, 100]" if zero_ok else "(0, 100]"
+        valid = ("[0, " if zero_ok else "(0, ") + ("100]" if full_ok else "100)")
         if text.endswith("%"):
             try:
                 pct = float(text[:-1])
             except ValueError:
                 pct = -1.0
-            if not (0 <= pct <= 100 if zero_ok else 0 < pct <= 100):
-                raise UsageError(f"invalid {what} {text!r}: a percentage must be in {low}")
+            above_low = pct >= 0 if zero_ok else pct > 0
+            if not (above_low and (pct <= 100 if full_ok else pct < 100)):
+                raise UsageError(f"invalid {what} {text!r}: a percentage must be in {valid}")
             return cls(percent=pct)
         try:
             size = parse_size(text, what)

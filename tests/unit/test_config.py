@@ -177,6 +177,13 @@ def test_min_free_invalid_names_the_option(text: str) -> None:
         Capacity.parse(text, "--min-free", zero_ok=True)
 
 
+@pytest.mark.parametrize("text", ["100%", "150%"])
+def test_a_floor_of_the_whole_disk_is_refused_with_its_range(text: str) -> None:
+    with pytest.raises(UsageError, match=r"--min-free .*\[0, 100\)"):
+        Capacity.parse(text, "--min-free", zero_ok=True, full_ok=False)
+    assert Capacity.parse("99.5%", "--min-free", zero_ok=True, full_ok=False).percent == 99.5
+
+
 # -- OriginSettings -----------------------------------------------------------------------------
 
 
