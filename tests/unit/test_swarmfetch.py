@@ -20,12 +20,13 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, PeerSettings, Source
-from weightcache.errors import Interrupted, TransientError
+from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
 from weightcache.node.swarmfetch import piece_size_for
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
+from weightcache.transfer.parts import PartState
 from weightcache.transfer.ranged import RangedDownloader
 from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader
 
@@ -128,6 +129,22 @@ def test_a_cache_disk_failing_every_write_ends_the_download(
     assert "Input/output error" in str(raised)
     (entry,) = manifest.entries
     assert not Cache(layout).has_blob(entry.sha256, entry.size)
+
+
+def test_no_room_for_the_part_state_ends_the_download_with_no_space(
+    layout: Layout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pieces go into preallocated space; the part state saved after each one needs a
+    new page, and the disk filled up since: exit 5 with the no-space message, not a
+    TransientError (exit 6) telling to run the fetch again when the disk is full."""
+
+    def full(self: PartState, path: Path, written: list[int] | None = None) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(PartState, "save", full)
+    raised = bring_alone(layout, tmp_path, blobs(tmp_path, 2 << 20))
+    assert isinstance(raised, NoSpaceError), raised
+    assert "no space left on the cache disk for the part state of a.bin" in str(raised)
 
 
 def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from weightcache.errors import NoSpaceError, WeightcacheError
+from weightcache.errors import WeightcacheError, no_space
 from weightcache.transfer.checksums import Hasher, new_hasher
 from weightcache.transfer.parts import PartState
 
@@ -78,7 +78,7 @@ class PartialFile:
                 # A state that claimed bytes is replaced now; where none did (a new
                 # partial), the first write saves one: one file less before the first GET.
                 if state.bytes_done():
-                    PartState(size, part_size).save(state_path(path))
+                    _save_state(PartState(size, part_size), path, label)
                 state = PartState(size, part_size)
                 os.ftruncate(fd, 0)
                 _preallocate(fd, size, label)
@@ -108,11 +108,9 @@ class PartialFile:
                 n = os.pwrite(self.fd, data, offset)
                 data, offset = data[n:], offset + n
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise NoSpaceError(
-                    f"no space left on the cache disk while writing {self.label}; free "
-                    "space or lower --capacity"
-                ) from e
+            full = no_space(e, self.label)
+            if full is not None:
+                raise full from e
             raise
 
     def wrote(self, index: int, upto: int) -> None:
@@ -153,8 +151,10 @@ class PartialFile:
         return self.state.snapshot()
 
     def _save(self, snapshot: list[int] | None) -> None:
+        """Raises NoSpaceError when the disk has no room for the small state file (the
+        partial itself is preallocated: this is where a disk filled since then shows)."""
         if snapshot is not None:
-            self.state.save(state_path(self.path), snapshot)
+            _save_state(self.state, self.path, self.label, snapshot)
 
     def hash_landed(self, data: memoryview, offset: int) -> None:
         """Hash `data`, just written at `offset` (after `wrote`), straight from the caller's
@@ -232,6 +232,19 @@ class PartialFile:
         return self.digest
 
 
+def _save_state(
+    state: PartState, partial: Path, label: str, snapshot: list[int] | None = None
+) -> None:
+    """`state.save` beside `partial`; a full disk is NoSpaceError, as for the data."""
+    try:
+        state.save(state_path(partial), snapshot)
+    except OSError as e:
+        full = no_space(e, f"the part state of {label}")
+        if full is not None:
+            raise full from e
+        raise
+
+
 @functools.cache
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range (None off Linux), loaded when the first part is done: ctypes
@@ -278,11 +291,9 @@ def _preallocate(fd: int, size: int, label: str) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise NoSpaceError(
-                f"no space left on the cache disk for {label} ({size} bytes); free "
-                "space or lower --capacity"
-            ) from e
+        full = no_space(e, f"{label} ({size} bytes)")
+        if full is not None:
+            raise full from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)
