@@ -22,14 +22,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from weightcache.errors import WeightcacheError, no_space
+from weightcache.errors import Interrupted, WeightcacheError, no_space
 from weightcache.transfer.checksums import Hasher, new_hasher
 from weightcache.transfer.parts import PartState
 
 log = logging.getLogger(__name__)
+_INTERRUPTED = "download interrupted; partial files are kept for resume"
 #: How often a file's part state is written, at most: a kill loses at most the bytes in
 #: flight and those written in the last interval (they are fetched again), never correctness.
 SAVE_INTERVAL = 0.25
+
+
+def _never() -> bool:
+    return False
 
 
 def state_path(partial: Path) -> Path:
@@ -176,9 +181,11 @@ class PartialFile:
                 self.hashed += hashed
                 self._hashing = False
 
-    def advance_hash(self, buf: bytearray) -> None:
+    def advance_hash(self, buf: bytearray, stop: Callable[[], bool] = _never) -> None:
         """Hash the newly contiguous prefix, reading it back through `buf`; only one
-        thread hashes a file at a time (the others return at once)."""
+        thread hashes a file at a time (the others return at once). Raises Interrupted
+        when `stop()` turns true between two reads: a resumed partial's rehash can be
+        long, and SIGTERM must not wait for it (the partial stays for resume)."""
         with self.lock:
             if self._hashing:
                 return
@@ -195,14 +202,16 @@ class PartialFile:
                             self.digest = self.hasher.hexdigest()
                         self._hashing = False
                         return
-                self._hash_to(end, memoryview(buf))
+                self._hash_to(end, memoryview(buf), stop)
         except BaseException:
             with self.lock:
                 self._hashing = False
             raise
 
-    def _hash_to(self, end: int, view: memoryview) -> None:
+    def _hash_to(self, end: int, view: memoryview, stop: Callable[[], bool]) -> None:
         while self.hashed < end:
+            if stop():
+                raise Interrupted(_INTERRUPTED)
             n = os.preadv(self.fd, [view[: min(len(view), end - self.hashed)]], self.hashed)
             if not n:
                 raise WeightcacheError(f"internal error: {self.path} is short")
@@ -211,12 +220,15 @@ class PartialFile:
                 self.checker.update(view[:n])
             self.hashed += n
 
-    def rehash(self, buf: bytearray) -> str:
+    def rehash(self, buf: bytearray, stop: Callable[[], bool] = _never) -> str:
         """The sha256 of the whole file as it is now, read back through `buf` (after parts
-        were rewritten in place: the running hash no longer describes them)."""
+        were rewritten in place: the running hash no longer describes them). Raises
+        Interrupted when `stop()` turns true between two reads."""
         os.fsync(self.fd)
         hasher, pos, view = hashlib.sha256(), 0, memoryview(buf)
         while pos < self.size:
+            if stop():
+                raise Interrupted(_INTERRUPTED)
             n = os.preadv(self.fd, [view[: min(len(buf), self.size - pos)]], pos)
             if not n:
                 raise WeightcacheError(f"internal error: {self.path} is short")
