@@ -385,6 +385,15 @@ def test_demo_leaves_nothing_in_tmpdir(store: Any, tmp_path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_demo_with_a_workdir_it_cannot_write_names_the_workdir(wc: CLI, tmp_path: Path) -> None:
+    """Not the cache directory the demo would make inside it: the user gave --workdir."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    message = assert_fails(wc.run("demo", "--workdir", afile / "demo", timeout=60), 2)
+    assert f"--workdir {afile / 'demo'}" in message and "cache-dir" not in message, message
+    assert "omit --workdir" in message, message
+
+
 class _Readyz(http.server.BaseHTTPRequestHandler):
     """A daemon's /readyz that serves at once and has its pin ready from the 3rd answer."""
 

