@@ -394,6 +394,50 @@ def test_demo_with_a_workdir_it_cannot_write_names_the_workdir(wc: CLI, tmp_path
     assert "omit --workdir" in message, message
 
 
+def _running_under(path: Path) -> list[str]:
+    """The command lines of the processes that name `path` (the demo's `weed`, its daemon)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(path) in cmdline and proc.name.isdigit():
+            found.append(cmdline)
+    return found
+
+
+def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
+    store: Any, tmp_path: Path
+) -> None:
+    """`weightcache demo | head -3`: no traceback, its store stopped, its temporary
+    directory removed, and exit 141 as a process ended by SIGPIPE (not a silent 1)."""
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: the daemon's socket
+    try:
+        proc = subprocess.Popen(
+            CLI(store, tmp_path).argv("demo", "--size", "4MiB"),
+            env=cli_env(store, {"TMPDIR": str(tmp)}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        head = [proc.stdout.readline() for _ in range(3)]
+        proc.stdout.close()  # as `head -3` does once it has its lines
+        stderr = proc.stderr.read().decode(errors="replace")
+        code = proc.wait(timeout=120)
+        assert b"SeaweedFS" in b"".join(head), head
+        assert code == 141, stderr[-3000:]
+        assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+        assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+        assert _running_under(tmp) == [], "the demo left its store or daemon running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class _Readyz(http.server.BaseHTTPRequestHandler):
     """A daemon's /readyz that serves at once and has its pin ready from the 3rd answer."""
 
