@@ -438,6 +438,41 @@ def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_ctrl_c_in_the_demo_s_daemon_phase_stops_its_store_promptly(
+    store: Any, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT to the demo's process group; its store runs in a session of its
+    own) while its daemon runs: the demo ends within seconds, not after weed's ~15 s
+    shutdown, and leaves nothing running and nothing in TMPDIR."""
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: the daemon's socket
+    out = tmp_path / "demo.out"
+    try:
+        with open(out, "wb") as fh:
+            proc = subprocess.Popen(
+                CLI(store, tmp_path).argv("demo", "--size", "128MiB"),
+                env=cli_env(store, {"TMPDIR": str(tmp)}),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own group, as a shell's foreground job
+            )
+        _read_until(out, "node daemon on a second", proc, timeout=240)
+        time.sleep(0.3)  # the daemon prefetching: its connections to the store are open
+        pressed = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        took = time.monotonic() - pressed
+        assert took < 10, f"{took:.1f}s after Ctrl-C:\n{out.read_text()[-2000:]}"
+        assert "Traceback" not in out.read_text(), out.read_text()[-3000:]
+        assert _running_under(tmp) == [], "the demo left its store or daemon running"
+        assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class _Readyz(http.server.BaseHTTPRequestHandler):
     """A daemon's /readyz that serves at once and has its pin ready from the 3rd answer."""
 

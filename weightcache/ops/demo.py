@@ -26,6 +26,10 @@ from weightcache.errors import TransientError, UsageError
 from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
+#: Seconds the demo's store gets to stop on SIGTERM before its process group is killed.
+#: weed waits ~15 s for the connections a client left open (the daemon's, after Ctrl-C);
+#: what it holds is the demo's own throwaway data, and a user waits for the prompt.
+STORE_STOP_GRACE = 2.0
 
 
 def generate_model(root: Path, size: int) -> None:
@@ -116,14 +120,14 @@ def _started(store: DevStore) -> Iterator[DevStore]:
     try:
         store.start()
     except RuntimeError as e:
-        store.stop()
+        store.stop(STORE_STOP_GRACE)
         # Its log goes with a temporary directory: its last line says why.
         last = _last_line(store.data_dir / "weed.log")
         raise UsageError(f"the demo's SeaweedFS did not start: {e}; it said: {last!r}") from e
     try:
         yield store
     finally:
-        store.stop()
+        store.stop(STORE_STOP_GRACE)
 
 
 def _last_line(path: Path) -> str:
