@@ -10,12 +10,12 @@ from weightcache.config import (
     Capacity,
     OriginSettings,
     PeerSettings,
-    Source,
     parse_duration,
     parse_rate,
     parse_size,
 )
 from weightcache.errors import UsageError
+from weightcache.sourceurl import Source
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 

@@ -19,11 +19,12 @@ import pytest
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
-from weightcache.config import OriginSettings, PeerSettings, Source
+from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
 from weightcache.node.swarmfetch import piece_size_for
+from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.parts import PartState

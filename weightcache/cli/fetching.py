@@ -11,12 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from weightcache.cli.reporting import reports_errors
-from weightcache.config import (
-    OriginSettings,
-    Source,
-    format_duration,
-    parse_pod_uid,
-)
+from weightcache.config import OriginSettings, format_duration, parse_pod_uid
 from weightcache.errors import UsageError
 from weightcache.options import (
     cache_dir_option,
@@ -28,6 +23,7 @@ from weightcache.options import (
     store_options,
 )
 from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL
+from weightcache.sourceurl import Source
 
 if TYPE_CHECKING:
     from weightcache.fetch import FetchResult

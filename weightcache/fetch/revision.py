@@ -29,10 +29,11 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.cache.store import Cache
-from weightcache.config import OriginSettings, Source
+from weightcache.config import OriginSettings
 from weightcache.errors import SourceError, UsageError, no_space
 from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled
 from weightcache.progress import human
+from weightcache.sourceurl import Source
 
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from weightcache.cache.index import Index
 from weightcache.cache.store import Cache
-from weightcache.config import Source
 from weightcache.errors import UsageError, WeightcacheError
 from weightcache.node import labels
 from weightcache.node.metrics import Metrics
 from weightcache.node.models import DesiredState, load
 from weightcache.node.worker import backoff
+from weightcache.sourceurl import Source
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,6 @@ from weightcache.config import (
     Capacity,
     OriginSettings,
     PeerSettings,
-    Source,
-    SourcePrefix,
     format_hostport,
 )
 from weightcache.errors import UsageError, WeightcacheError
@@ -62,6 +60,7 @@ from weightcache.node.models import DesiredState
 from weightcache.node.peers import Peers
 from weightcache.node.peerserver import PeerServer
 from weightcache.node.worker import Worker
+from weightcache.sourceurl import Source, SourcePrefix
 
 log = logging.getLogger(__name__)
 

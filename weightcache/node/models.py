@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from weightcache.cache.layout import check_revision
-from weightcache.config import Source
 from weightcache.errors import UsageError
+from weightcache.sourceurl import Source
 
 _KEYS = {"source", "name", "revision", "pin"}
 #: A ConfigMap holds at most 1 MiB: a larger file is the wrong one (a model shard, a log),
