@@ -170,6 +170,34 @@ def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_p
     assert layout.partial(entry.sha256).exists()
 
 
+def test_sigterm_stops_the_rehash_of_a_large_resumed_partial(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """A resumed 1 GiB partial is rehashed before the swarm asks for its last piece:
+    SIGTERM during that rehash ends the download within a read, not after the whole
+    prefix, and the partial is kept."""
+    size = 1 << 30
+    with open(tmp_path / "a.bin", "wb") as f:
+        f.truncate(size)  # sparse zeros: the store's copy
+    started = time.monotonic()
+    with open(tmp_path / "a.bin", "rb") as f:
+        sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+    whole = time.monotonic() - started  # what the rehash costs on this machine now
+    manifest = Manifest((ManifestEntry("a.bin", sha256, size),), "0" * 64)
+    partial = PartialFile.open(layout.partial(sha256), "a.bin", size, piece_size_for(size))
+    last = len(partial.state.parts) - 1
+    partial.state.done = [True] * last + [False]
+    partial.save()
+    partial.close()
+    started = time.monotonic()
+    raised = bring_alone(layout, tmp_path, manifest, interrupt_after=0.05)
+    took = time.monotonic() - started - 0.05
+    assert isinstance(raised, Interrupted), raised
+    assert took < whole / 2, f"{took:.2f}s after SIGTERM; the whole rehash takes {whole:.2f}s"
+    assert layout.partial(sha256).exists()
+    layout.partial(sha256).unlink()  # 1 GiB: not left for pytest's last three runs
+
+
 def test_sigterm_stops_both_downloads_of_the_pipeline(layout: Layout, tmp_path: Path) -> None:
     """A one-piece blob (in its end game at its first request) and a larger one, from a
     slow store: SIGTERM while both download ends the fetch within a read, with both
