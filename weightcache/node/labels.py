@@ -47,8 +47,8 @@ def merge_patch(wanted: dict[str, str], previous: dict[str, str]) -> dict[str, o
 
 
 def in_cluster() -> bool:
-    """Whether the in-cluster API is reachable the way `patch_node` reaches it: Kubernetes
-    sets KUBERNETES_SERVICE_HOST in every container it starts."""
+    """Whether this runs in a Kubernetes cluster, where `patch_node` finds its API:
+    Kubernetes sets KUBERNETES_SERVICE_HOST in every container it starts."""
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
 

@@ -27,8 +27,9 @@ from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
 #: Seconds the demo's store gets to stop on SIGTERM before its process group is killed.
-#: weed waits ~15 s for the connections a client left open (the daemon's, after Ctrl-C);
-#: what it holds is the demo's own throwaway data, and a user waits for the prompt.
+#: Interrupted while the demo's daemon downloads (Ctrl-C), weed took the whole 15 s of
+#: `DevStore.stop` to go; what it holds is the demo's own data, and a user waits for the
+#: prompt.
 STORE_STOP_GRACE = 2.0
 
 
