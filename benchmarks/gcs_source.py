@@ -124,8 +124,9 @@ def loop_share(model: bl.Model, server: FakeGcs, work: Path) -> str:
     """One fetch in this process: its CPU seconds, and those of the gcs-io loop thread."""
     os.environ["STORAGE_EMULATOR_HOST"] = server.url
     from weightcache.cache.layout import Layout
-    from weightcache.config import OriginSettings, Source
+    from weightcache.config import OriginSettings
     from weightcache.fetch import Fetcher
+    from weightcache.sourceurl import Source
     from weightcache.transfer.gcs import GcsClient
 
     GcsClient.shared()

@@ -7,6 +7,8 @@ botocore or the HTTP stack escapes the transfer layer.
 
 from __future__ import annotations
 
+import errno
+
 
 class WeightcacheError(Exception):
     """Root of all weightcache errors; `exit_code` is the process exit status."""
@@ -53,3 +55,15 @@ class Interrupted(WeightcacheError):
     """SIGTERM/SIGINT: work stopped, partial files left resumable (exit 143 like a shell)."""
 
     exit_code = 143
+
+
+def no_space(e: OSError, what: str = "") -> NoSpaceError | None:
+    """The NoSpaceError (exit 5) for a full disk or quota (`what`: the file being written,
+    named in the message), or None for any other OSError: wherever the cache disk fills
+    up, the exit code and the message are the same."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    for_what = f" for {what}" if what else f" ({e})"
+    return NoSpaceError(
+        f"no space left on the cache disk{for_what}; free space or lower --capacity"
+    )

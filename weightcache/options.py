@@ -106,7 +106,8 @@ def _peer_list(text: str, what: str) -> tuple[tuple[str, int], ...]:
 
 
 def _parse_min_free(text: str, what: str) -> Capacity:
-    return Capacity.parse(text, what, zero_ok=True)
+    """0 turns the floor off; 100% would be a floor no disk ever keeps."""
+    return Capacity.parse(text, what, zero_ok=True, full_ok=False)
 
 
 # Values checked here, where they enter, and not only by the settings they feed: a click

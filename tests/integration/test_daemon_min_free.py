@@ -108,3 +108,35 @@ def test_gc_evicts_to_keep_min_free(
     assert "evict old/r1" in gc.stdout, describe(gc)
     assert not is_marked(cache_dir, old) and is_marked(cache_dir, new), describe(gc)
     assert free_bytes(small_disk) >= FLOOR
+
+
+@pytest.mark.timeout(120)
+def test_gc_says_a_floor_no_eviction_can_keep_without_a_negative_target(
+    wc: CLI, publish: Callable[..., Published], small_disk: Path
+) -> None:
+    """Other files leave less than the floor free even with the cache empty: gc evicts what
+    it can (down to 0) and says the floor cannot be kept, never a negative target."""
+    pub = publish([1 * MiB], name="m", rev="r1")
+    cache_dir = small_disk / "cache"
+    assert_ok_path(wc.fetch(pub.source, cache_dir, "--no-daemon"), pub.local_path(cache_dir))
+    fill(small_disk / "other-files", free_bytes(small_disk) - 8 * MiB)
+    args = ("gc", "--cache-dir", cache_dir, "--capacity", "100%", "--min-free", "50%")
+    gc = wc.run(*args, "--dry-run")
+    assert gc.returncode == 0, describe(gc)
+    assert "target -" not in gc.stdout and "(target 0)" in gc.stdout, describe(gc)
+    assert "--min-free 50%" in gc.stdout and "cannot be kept" in gc.stdout, describe(gc)
+
+
+@pytest.mark.parametrize("command", ["gc", "daemon"])
+def test_a_min_free_of_the_whole_disk_is_refused(wc: CLI, tmp_path: Path, command: str) -> None:
+    """A floor of 100% free can never be kept: a usage error naming the option and its
+    range, the same for the daemon (and prefetch) as for gc."""
+    models = write_models(tmp_path / "models.yaml", [])
+    args = {
+        "gc": ("gc", "--capacity", "50%"),
+        "daemon": ("daemon", "--models", models, "--capacity", "50%", "--metrics-addr",
+                   "127.0.0.1:0"),
+    }[command]  # fmt: skip
+    proc = wc.run(*args, "--cache-dir", tmp_path / "cache", "--min-free", "100%", timeout=30)
+    message = assert_fails(proc, 2)
+    assert "--min-free" in message and "[0, 100)" in message, message

@@ -79,6 +79,21 @@ def test_prefetch_bad_entry_does_not_stop_good_one(
     assert_revision_ok(cache_dir, good.name, good.rev, good.model)
 
 
+@pytest.mark.timeout(120)
+def test_prefetch_says_a_failure_is_not_retried(
+    wc: CLI, cache_dir: Path, tmp_path: Path, uniq: str
+) -> None:
+    """`prefetch` converges once and exits: its log must not promise a retry that never
+    comes (the daemon's converger retries; this process does not)."""
+    absent = f"s3://models/{uniq}/absent/r1"
+    models = write_models(tmp_path / "models.yaml", [{"source": absent}])
+    proc = wc.run("prefetch", "--cache-dir", cache_dir, "--models", models)
+    assert proc.returncode == 3, describe(proc)
+    failed = [line for line in proc.stderr.splitlines() if "prefetch of" in line]
+    assert len(failed) == 1, describe(proc)
+    assert "retry in" not in failed[0] and "not retried" in failed[0], failed
+
+
 @pytest.mark.timeout(150)
 def test_daemon_readiness_follows_models_file(
     wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path,

@@ -119,3 +119,31 @@ def test_disk_fills_up_during_the_download(
     again = wc.fetch(pub.source, cache, "--part-size", "1M", endpoint=proxy.url)
     assert_ok_path(again, pub.local_path(cache))
     assert_revision_ok(cache, pub.name, pub.rev, pub.model)
+
+
+@pytest.mark.timeout(180)
+def test_a_disk_filled_mid_prefetch_is_exit_5(
+    wc: CLI, publish: Callable[..., Published], small_disk: Path, proxy: FaultProxy,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The data goes into space preallocated at the start; the small part-state file saved
+    beside it (and the marker after it) need new pages: a disk filled up mid-download is
+    the disk's fault, exit 5 with the no-space message, for `prefetch` as for `fetch` (it
+    was an unexpected OSError, exit 1)."""
+    pub = publish([6 * MiB], name="stateful", rev="r1")
+    cache = small_disk / "cache"
+    models = tmp_path / "models.yaml"
+    models.write_text(f"models:\n  - source: {pub.source}\n")
+    proxy.configure(rate_limit=2 * MiB)
+    running = wc.popen("prefetch", "--cache-dir", cache, "--models", models, "--min-free",
+                       "0", "--part-size", "1M", "--endpoint-url", proxy.url,
+                       env={"AWS_ENDPOINT_URL": proxy.url})  # fmt: skip
+    deadline = time.monotonic() + 60
+    while proxy.stats(settle=0).body_bytes < 1 * MiB and running.poll() is None:
+        assert time.monotonic() < deadline, "the download never started"
+        time.sleep(0.01)
+    with open(small_disk / "filler", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, free_bytes(small_disk))
+    message = assert_fails(running.finish(timeout=120), 5)
+    assert "no space left on the cache disk" in message, message
+    assert markers(cache) == []

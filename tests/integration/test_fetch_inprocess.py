@@ -21,9 +21,10 @@ from tests.support.checks import (
 )
 from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
-from weightcache.config import OriginSettings, Source
+from weightcache.config import OriginSettings
 from weightcache.errors import IntegrityError, SourceError, UsageError
 from weightcache.fetch import Fetcher, check_hit
+from weightcache.sourceurl import Source
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -14,8 +14,9 @@ import pytest
 from tests.conftest import Published
 from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
-from weightcache.config import OriginSettings, Source
+from weightcache.config import OriginSettings
 from weightcache.fetch import Fetcher, FetchResult
+from weightcache.sourceurl import Source
 
 MiB = 1 << 20
 

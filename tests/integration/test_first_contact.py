@@ -281,6 +281,19 @@ def test_an_empty_cache_dir_is_refused_not_the_working_directory(wc: CLI, tmp_pa
     assert list(work.iterdir()) == []
 
 
+@pytest.mark.parametrize("option", ["--name", "--revision"])
+def test_an_empty_name_or_revision_is_refused_not_the_url_segment(
+    wc: CLI, tmp_path: Path, option: str
+) -> None:
+    """`--revision "$REV"` with REV unset would otherwise fetch the URL's last segment: a
+    revision the caller did not ask for. Refused before any network."""
+    cache = tmp_path / "cache"
+    proc = wc.run("fetch", "s3://models/x/m/r1", "--cache-dir", cache, option, "", timeout=30)
+    message = assert_fails(proc, 2)
+    assert option in message and "empty" in message, message
+    assert not cache.exists()
+
+
 def test_a_peer_view_below_one_is_refused_with_peers_off_too(wc: CLI, tmp_path: Path) -> None:
     """Checked where it enters, like --peer-upload-limit: a bad value in the environment
     is exit 2 naming it even on a daemon that does not swarm (yet)."""
@@ -369,6 +382,94 @@ def test_demo_leaves_nothing_in_tmpdir(store: Any, tmp_path: Path) -> None:
         assert "a hit, no network" in proc.stdout
         assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_demo_with_a_workdir_it_cannot_write_names_the_workdir(wc: CLI, tmp_path: Path) -> None:
+    """Not the cache directory the demo would make inside it: the user gave --workdir."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    message = assert_fails(wc.run("demo", "--workdir", afile / "demo", timeout=60), 2)
+    assert f"--workdir {afile / 'demo'}" in message and "cache-dir" not in message, message
+    assert "omit --workdir" in message, message
+
+
+def _running_under(path: Path) -> list[str]:
+    """The command lines of the processes that name `path` (the demo's `weed`, its daemon)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(path) in cmdline and proc.name.isdigit():
+            found.append(cmdline)
+    return found
+
+
+def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
+    store: Any, tmp_path: Path
+) -> None:
+    """`weightcache demo | head -3`: no traceback, its store stopped, its temporary
+    directory removed, and exit 141 as a process ended by SIGPIPE (not a silent 1)."""
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: the daemon's socket
+    try:
+        proc = subprocess.Popen(
+            CLI(store, tmp_path).argv("demo", "--size", "4MiB"),
+            env=cli_env(store, {"TMPDIR": str(tmp)}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        head = [proc.stdout.readline() for _ in range(3)]
+        proc.stdout.close()  # as `head -3` does once it has its lines
+        stderr = proc.stderr.read().decode(errors="replace")
+        code = proc.wait(timeout=120)
+        assert b"SeaweedFS" in b"".join(head), head
+        assert code == 141, stderr[-3000:]
+        assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+        assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+        assert _running_under(tmp) == [], "the demo left its store or daemon running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ctrl_c_in_the_demo_s_daemon_phase_stops_its_store_promptly(
+    store: Any, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT to the demo's process group; its store runs in a session of its
+    own) while its daemon runs: the demo ends within seconds, not after weed's ~15 s
+    shutdown, and leaves nothing running and nothing in TMPDIR."""
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: the daemon's socket
+    out = tmp_path / "demo.out"
+    try:
+        with open(out, "wb") as fh:
+            proc = subprocess.Popen(
+                CLI(store, tmp_path).argv("demo", "--size", "128MiB"),
+                env=cli_env(store, {"TMPDIR": str(tmp)}),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own group, as a shell's foreground job
+            )
+        _read_until(out, "node daemon on a second", proc, timeout=240)
+        time.sleep(0.3)  # the daemon prefetching: its connections to the store are open
+        pressed = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        took = time.monotonic() - pressed
+        assert took < 10, f"{took:.1f}s after Ctrl-C:\n{out.read_text()[-2000:]}"
+        assert "Traceback" not in out.read_text(), out.read_text()[-3000:]
+        assert _running_under(tmp) == [], "the demo left its store or daemon running"
+        assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

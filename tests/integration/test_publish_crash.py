@@ -25,8 +25,9 @@ from tests.support.checks import assert_blobs_valid, assert_revision_ok
 from tests.support.modelgen import sha256_file
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache, FileOps
-from weightcache.config import OriginSettings, Source
+from weightcache.config import OriginSettings
 from weightcache.fetch import Fetcher
+from weightcache.sourceurl import Source
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(300)

@@ -99,7 +99,7 @@ def test_the_hf_component_serves_the_commit_it_fetches(
 ) -> None:
     """hf:// (design §4): a pinned commit (a hit needs no network), the engine reading the
     directory the fetch fills, HF_TOKEN from an optional Secret, and nothing else changed."""
-    from weightcache.config import Source
+    from weightcache.sourceurl import Source
 
     fetch = _fetch(initcontainer_hf)
     argv = fetch.argv

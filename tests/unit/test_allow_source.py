@@ -8,8 +8,8 @@ import click
 import pytest
 
 from weightcache import cli
-from weightcache.config import Source, SourcePrefix, parse_allow_sources
 from weightcache.errors import UsageError
+from weightcache.sourceurl import Source, SourcePrefix, parse_allow_sources
 
 
 def covers(prefix: str, source: str) -> bool:

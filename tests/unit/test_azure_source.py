@@ -7,8 +7,8 @@ import concurrent.futures as cf
 
 import pytest
 
-from weightcache.config import Source, SourcePrefix
 from weightcache.errors import IntegrityError, SourceError, UsageError
+from weightcache.sourceurl import Source, SourcePrefix
 from weightcache.transfer import azure
 from weightcache.transfer.azure import (
     _AzureRange,

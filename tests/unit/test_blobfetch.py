@@ -18,9 +18,10 @@ import pytest
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
-from weightcache.config import OriginSettings, Source
+from weightcache.config import OriginSettings
 from weightcache.errors import IntegrityError, Interrupted, TransientError
 from weightcache.fetch.blobs import BlobFetch, NodePeers, SwarmMembers
+from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.ranged import RangedDownloader
 from weightcache.transfer.sources import BlobSource, FileBlob

@@ -10,12 +10,12 @@ from weightcache.config import (
     Capacity,
     OriginSettings,
     PeerSettings,
-    Source,
     parse_duration,
     parse_rate,
     parse_size,
 )
 from weightcache.errors import UsageError
+from weightcache.sourceurl import Source
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -175,6 +175,13 @@ def test_min_free_accepts_zero_to_turn_the_floor_off(text: str, expected: Capaci
 def test_min_free_invalid_names_the_option(text: str) -> None:
     with pytest.raises(UsageError, match="--min-free"):
         Capacity.parse(text, "--min-free", zero_ok=True)
+
+
+@pytest.mark.parametrize("text", ["100%", "150%"])
+def test_a_floor_of_the_whole_disk_is_refused_with_its_range(text: str) -> None:
+    with pytest.raises(UsageError, match=r"--min-free .*\[0, 100\)"):
+        Capacity.parse(text, "--min-free", zero_ok=True, full_ok=False)
+    assert Capacity.parse("99.5%", "--min-free", zero_ok=True, full_ok=False).percent == 99.5
 
 
 # -- OriginSettings -----------------------------------------------------------------------------

@@ -12,10 +12,10 @@ from tests.support.cached import add_revision
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
-from weightcache.config import Source
 from weightcache.errors import SourceError, UsageError
 from weightcache.node.converger import Converger
 from weightcache.node.metrics import Metrics
+from weightcache.sourceurl import Source
 
 MODELS = """
 models:

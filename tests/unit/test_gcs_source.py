@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from weightcache.config import Source, SourcePrefix
 from weightcache.errors import UsageError
+from weightcache.sourceurl import Source, SourcePrefix
 
 
 def test_a_gs_source_parses_like_s3() -> None:

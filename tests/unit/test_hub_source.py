@@ -9,10 +9,10 @@ import hashlib
 import pytest
 
 from weightcache.cache.manifest import parse
-from weightcache.config import Source, SourcePrefix
 from weightcache.errors import SourceError, UsageError
 from weightcache.fetch.vouched import vouched_manifest
 from weightcache.node.models import parse_entry
+from weightcache.sourceurl import Source, SourcePrefix
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

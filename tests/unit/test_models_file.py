@@ -262,6 +262,9 @@ def test_a_number_revision_is_refused_not_renamed(tmp_path: Path, written: str) 
         pytest.param({"source": SRC, "extra": 1}, id="extra-key"),
         pytest.param({"source": SRC, "pin": "false"}, id="pin-str"),
         pytest.param({"source": SRC, "pin": 0}, id="pin-zero"),
+        # Empty, not absent: refused rather than replaced by the URL's segment.
+        pytest.param({"source": SRC, "name": ""}, id="empty-name"),
+        pytest.param({"source": SRC, "revision": " "}, id="blank-revision"),
     ],
 )
 def test_parse_entry_raises_usage_error(raw: object) -> None:

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from weightcache.config import Source
 from weightcache.errors import AccessDenied, SourceError
 from weightcache.ops.publish import check_landed
+from weightcache.sourceurl import Source
 
 DEST = Source.parse("s3://models/team/m/r1")
 SIZES = {"a.bin": 10, "config.json": 2}

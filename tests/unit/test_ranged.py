@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from weightcache.config import OriginSettings
-from weightcache.errors import IntegrityError, SourceError, TransientError
+from weightcache.errors import IntegrityError, Interrupted, SourceError, TransientError
 from weightcache.node.peerserver import PARTIAL_WAIT
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile, state_path
@@ -232,6 +232,52 @@ def test_a_download_stopped_mid_part_resumes_at_the_byte_it_had_written(
     assert done.digests["model.bin"] == hashlib.sha256(data).hexdigest()
     assert done.received == {"origin": len(data) - stop_at}  # nothing written is fetched again
     assert sorted(again.opened) == [(stop_at, 6 * PART), *plan_parts(len(data), PART)[6:]]
+
+
+def _hash_seconds(path: Path) -> float:
+    started = time.monotonic()
+    with open(path, "rb") as f:
+        hashlib.file_digest(f, "sha256")
+    return time.monotonic() - started
+
+
+def test_sigterm_stops_the_rehash_of_a_large_resumed_partial(tmp_path: Path) -> None:
+    """A resumed partial rehashes its written prefix before any GET: 1 GiB here. SIGTERM
+    then ends the download within a read, not after the whole rehash, and the partial and
+    its state stay for the next run."""
+    size = 1 << 30
+    origin = tmp_path / "origin.bin"
+    with open(origin, "wb") as f:
+        f.truncate(size)  # sparse: only its last part is read
+    partial = PartialFile.open(tmp_path / "blob.part", "model.bin", size, PART)
+    last = len(partial.state.parts) - 1
+    partial.state.done = [True] * last + [False]
+    partial.save()
+    partial.close()
+    whole = _hash_seconds(tmp_path / "blob.part")  # what the rehash costs on this machine now
+
+    d = downloader()
+    raised: list[BaseException] = []
+
+    def download() -> None:
+        try:
+            d.download([job(FileBlob(origin), size, tmp_path)])
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=download)
+    thread.start()
+    time.sleep(min(0.05, whole / 10))
+    interrupted = time.monotonic()
+    d.interrupt()
+    thread.join(60)
+    took = time.monotonic() - interrupted
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], Interrupted), raised
+    assert took < whole / 2, f"{took:.2f}s after SIGTERM; the whole rehash takes {whole:.2f}s"
+    kept = PartState.load(state_path(tmp_path / "blob.part"), size, PART)
+    assert kept.done == [True] * last + [False]
+    (tmp_path / "blob.part").unlink()  # 1 GiB: not left for pytest's last three runs
 
 
 def test_a_range_that_breaks_is_resumed_at_the_byte_where_it_broke(

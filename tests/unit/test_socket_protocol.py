@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from weightcache.config import Source
 from weightcache.node import coord
 from weightcache.node.coord import DaemonError, ask_daemon, notify_hit, parse_request, request
+from weightcache.sourceurl import Source
 
 UID = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
 SRC = Source.parse("s3://models/team/llama/v1")

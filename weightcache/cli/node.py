@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from weightcache.cli.reporting import reports_errors
-from weightcache.config import parse_allow_sources
 from weightcache.errors import UsageError, WeightcacheError
 from weightcache.options import (
     cache_dir_option,
@@ -22,6 +21,7 @@ from weightcache.options import (
     serving_options,
     store_options,
 )
+from weightcache.sourceurl import parse_allow_sources
 
 if TYPE_CHECKING:
     from weightcache.node.daemon import Daemon

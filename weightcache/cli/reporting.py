@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
+from weightcache.errors import UsageError, WeightcacheError, no_space
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,10 +56,9 @@ _OS_HINTS = {
 
 def os_error(e: OSError) -> WeightcacheError | None:
     """The weightcache error for an OSError of the environment (None: a bug, re-raise)."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return NoSpaceError(
-            f"no space left on the cache disk ({e}); free space or lower --capacity"
-        )
+    full = no_space(e)
+    if full is not None:
+        return full
     hint = _OS_HINTS.get(e.errno or 0)
     if hint is None:
         return None

@@ -26,9 +26,9 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry
 from weightcache.cache.store import Cache
-from weightcache.config import Source
 from weightcache.errors import IntegrityError, NoSpaceError
 from weightcache.progress import human
+from weightcache.sourceurl import Source
 from weightcache.transfer.sources import BlobSource
 
 if TYPE_CHECKING:

@@ -29,10 +29,11 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import MANIFEST_NAME, Manifest, ManifestEntry, parse
 from weightcache.cache.store import Cache
-from weightcache.config import OriginSettings, Source
-from weightcache.errors import SourceError, UsageError
+from weightcache.config import OriginSettings
+from weightcache.errors import SourceError, UsageError, no_space
 from weightcache.fetch.blobs import BlobFetch, NodePeers, holder_stalled
 from weightcache.progress import human
+from weightcache.sourceurl import Source
 
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
@@ -270,7 +271,18 @@ class Fetcher:
             downloader.interrupt()
 
     def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
-        """Make the revision ready; raises a WeightcacheError subclass on failure."""
+        """Make the revision ready; raises a WeightcacheError subclass on failure: a full
+        cache disk wherever it shows (a marker, the index, a link) is NoSpaceError, as in
+        the CLI, for the daemon's callers too (prefetch, the Pods it fetches for)."""
+        try:
+            return self._fetch(source, pod_uid)
+        except OSError as e:
+            full = no_space(e)
+            if full is None:
+                raise
+            raise full from e
+
+    def _fetch(self, source: Source, pod_uid: str | None) -> FetchResult:
         start = time.monotonic()
         if not source.pinned:  # the caller resolves it: the cache's revision is a commit
             raise UsageError(f"{source.url}: fetch its commit, not a branch or tag")

@@ -35,10 +35,10 @@ from weightcache.cache.manifest import (
     select_files,
 )
 from weightcache.cache.store import Cache
-from weightcache.config import Source
 from weightcache.errors import IntegrityError, NoSpaceError, SourceError
 from weightcache.fetch.blobs import LOCK_BATCH, holder_stalled
 from weightcache.progress import human
+from weightcache.sourceurl import Source
 from weightcache.transfer.checksums import COMPOSITE_SUFFIX, Vouch, available, composite_parts
 from weightcache.transfer.sources import BlobSource
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from weightcache.cache.index import Index
 from weightcache.cache.store import Cache
-from weightcache.config import Source
 from weightcache.errors import UsageError, WeightcacheError
 from weightcache.node import labels
 from weightcache.node.metrics import Metrics
 from weightcache.node.models import DesiredState, load
 from weightcache.node.worker import backoff
+from weightcache.sourceurl import Source
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +129,21 @@ class Converger:
             then()
             self._converged = True
 
-    def converge_once(self) -> None:
+    def converge_once(self, retries: bool = True) -> None:
         """Fetch every listed revision that is not ready, one at a time. A failing entry
         (whatever it raises) never stops the others: it is recorded in `failures` and
-        retried with a backoff (`retry_due`)."""
+        retried with a backoff (`retry_due`). `retries=False` (`prefetch`, which runs this
+        once and exits) logs a failure as final: nothing retries it, the exit code says it."""
         now = time.monotonic()
         for spec in self.desired.models:
             if self.stopping.is_set():
                 return
             key = (spec.source.name, spec.source.revision)
             if self._retry.get(key, (0, now))[1] <= now:
-                self._converge_entry(spec.source)
+                self._converge_entry(spec.source, retries)
         self._update_labels()
 
-    def _converge_entry(self, source: Source) -> None:
+    def _converge_entry(self, source: Source, retries: bool = True) -> None:
         key = (source.name, source.revision)
         try:
             marker = self.cache.ready(*key)
@@ -156,7 +157,11 @@ class Converger:
             if not isinstance(e, WeightcacheError):  # a bug or the disk: say what it was
                 e = WeightcacheError(f"unexpected {type(e).__name__}: {e}")
             self.failures[key] = e
-            log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
+            if retries:
+                log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
+            else:
+                log.error("prefetch of %s failed (not retried: the exit code reports it): %s",
+                          source.label, e)  # fmt: skip
             return
         self.failures.pop(key, None)
         self._retry.pop(key, None)
@@ -200,6 +205,16 @@ class Converger:
     def _update_labels(self) -> None:
         if not self.node_name:
             return
+        if not labels.in_cluster():
+            # Said once, then off: outside a cluster it could never work.
+            log.warning(
+                "could not label node %s: a node's labels cannot be read or set outside a "
+                "Kubernetes cluster (no in-cluster API: KUBERNETES_SERVICE_HOST is unset); "
+                "node labels are off, readiness is still on /readyz and /metrics",
+                self.node_name,
+            )
+            self.node_name = None
+            return
         listed = [(m.source.name, m.source.revision) for m in self.desired.models]
         ready = [key for key in listed if self.ready(*key)]
         wanted = labels.node_labels(ready)
@@ -207,7 +222,7 @@ class Converger:
             try:
                 labels.patch_node(self.node_name, wanted, self._labels or {})
                 self._labels = wanted
-            except (OSError, KeyError, ValueError) as e:  # KeyError: not in a cluster
+            except (OSError, ValueError) as e:
                 # Labels are a convenience: failing to set them never fails the converge
                 # step (nor, through it, /healthz).
                 log.warning("could not label node %s: %r", self.node_name, e)

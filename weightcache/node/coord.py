@@ -26,8 +26,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from weightcache.config import Source, parse_pod_uid
+from weightcache.config import parse_pod_uid
 from weightcache.errors import UsageError, WeightcacheError
+from weightcache.sourceurl import Source
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from typing import Any
 from weightcache.cache import alone
 from weightcache.cache.index import Index
 from weightcache.cache.store import Cache
-from weightcache.config import Source, SourcePrefix
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 from weightcache.fetch import FetchResult
 from weightcache.node import coord
 from weightcache.node.metrics import Metrics
 from weightcache.node.models import DesiredState
+from weightcache.sourceurl import Source, SourcePrefix
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,6 @@ from weightcache.config import (
     Capacity,
     OriginSettings,
     PeerSettings,
-    Source,
-    SourcePrefix,
     format_hostport,
 )
 from weightcache.errors import UsageError, WeightcacheError
@@ -62,6 +60,7 @@ from weightcache.node.models import DesiredState
 from weightcache.node.peers import Peers
 from weightcache.node.peerserver import PeerServer
 from weightcache.node.worker import Worker
+from weightcache.sourceurl import Source, SourcePrefix
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +165,8 @@ class Daemon:
         self.converger.load()
 
     def converge_once(self) -> None:
-        self.converger.converge_once()
+        """Converge once, as `prefetch` does: a failure is not retried (the process exits)."""
+        self.converger.converge_once(retries=False)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

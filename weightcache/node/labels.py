@@ -46,8 +46,15 @@ def merge_patch(wanted: dict[str, str], previous: dict[str, str]) -> dict[str, o
     return {"metadata": {"labels": labels}}
 
 
+def in_cluster() -> bool:
+    """Whether this runs in a Kubernetes cluster, where `patch_node` finds its API:
+    Kubernetes sets KUBERNETES_SERVICE_HOST in every container it starts."""
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+
+
 def patch_node(node: str, wanted: dict[str, str], previous: dict[str, str]) -> None:
-    """PATCH the node through the API server with the Pod's service account token."""
+    """PATCH the node through the API server with the Pod's service account token (call
+    it `in_cluster()` only)."""
     host = os.environ["KUBERNETES_SERVICE_HOST"]
     port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     with open(f"{_SA}/token") as fh:

@@ -186,7 +186,7 @@ class SwarmDownload:
             self.observer.expect(self.size - sum(b - a for i, (a, b) in enumerate(self.ranges)
                                                  if i in held))  # fmt: skip
             self.sources = {i: "resumed" for i in held}
-            self.file.advance_hash(self._buffer())
+            self.file.advance_hash(self._buffer(), self._stopping)  # a resumed prefix: long
             self._loop(pool)
             digest = self._digest()
             self._log_summary()
@@ -196,7 +196,8 @@ class SwarmDownload:
                         "pieces peers sent again from the store", self.label, digest,
                         self.sha256)  # fmt: skip
             liars = self._recheck(pool)
-            return Outcome(self.file.rehash(self._buffer()), True, self.store.bytes, liars)
+            digest = self.file.rehash(self._buffer(), self._stopping)
+            return Outcome(digest, True, self.store.bytes, liars)
         finally:
             self.stop.set()
             self.peers.unadvertise(self.sha256, self)

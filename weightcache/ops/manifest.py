@@ -21,9 +21,10 @@ import time
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from weightcache.cache.manifest import MANIFEST_NAME, Selection, render, select_files
-from weightcache.config import OriginSettings, Source
+from weightcache.config import OriginSettings
 from weightcache.errors import UsageError
 from weightcache.progress import Progress, human
+from weightcache.sourceurl import Source
 from weightcache.transfer.ranged import TransferObserver
 
 if TYPE_CHECKING:

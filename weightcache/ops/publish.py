@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Protocol
 
 from weightcache.cache.manifest import MANIFEST_NAME, check_path, render
-from weightcache.config import OriginSettings, Source
+from weightcache.config import OriginSettings
 from weightcache.errors import AccessDenied, SourceError, UsageError
+from weightcache.sourceurl import Source
 
 log = logging.getLogger(__name__)
 

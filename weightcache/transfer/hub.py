@@ -27,8 +27,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from weightcache.config import HUB_COMMIT, check_endpoint_url
+from weightcache.config import check_endpoint_url
 from weightcache.errors import SourceError, TransientError
+from weightcache.sourceurl import HUB_COMMIT
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange

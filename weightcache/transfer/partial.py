@@ -22,14 +22,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from weightcache.errors import NoSpaceError, WeightcacheError
+from weightcache.errors import Interrupted, WeightcacheError, no_space
 from weightcache.transfer.checksums import Hasher, new_hasher
 from weightcache.transfer.parts import PartState
 
 log = logging.getLogger(__name__)
+_INTERRUPTED = "download interrupted; partial files are kept for resume"
 #: How often a file's part state is written, at most: a kill loses at most the bytes in
 #: flight and those written in the last interval (they are fetched again), never correctness.
 SAVE_INTERVAL = 0.25
+
+
+def _never() -> bool:
+    return False
 
 
 def state_path(partial: Path) -> Path:
@@ -78,7 +83,7 @@ class PartialFile:
                 # A state that claimed bytes is replaced now; where none did (a new
                 # partial), the first write saves one: one file less before the first GET.
                 if state.bytes_done():
-                    PartState(size, part_size).save(state_path(path))
+                    _save_state(PartState(size, part_size), path, label)
                 state = PartState(size, part_size)
                 os.ftruncate(fd, 0)
                 _preallocate(fd, size, label)
@@ -108,11 +113,9 @@ class PartialFile:
                 n = os.pwrite(self.fd, data, offset)
                 data, offset = data[n:], offset + n
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise NoSpaceError(
-                    f"no space left on the cache disk while writing {self.label}; free "
-                    "space or lower --capacity"
-                ) from e
+            full = no_space(e, self.label)
+            if full is not None:
+                raise full from e
             raise
 
     def wrote(self, index: int, upto: int) -> None:
@@ -153,8 +156,10 @@ class PartialFile:
         return self.state.snapshot()
 
     def _save(self, snapshot: list[int] | None) -> None:
+        """Raises NoSpaceError when the disk has no room for the small state file (the
+        partial itself is preallocated: this is where a disk filled since then shows)."""
         if snapshot is not None:
-            self.state.save(state_path(self.path), snapshot)
+            _save_state(self.state, self.path, self.label, snapshot)
 
     def hash_landed(self, data: memoryview, offset: int) -> None:
         """Hash `data`, just written at `offset` (after `wrote`), straight from the caller's
@@ -176,9 +181,11 @@ class PartialFile:
                 self.hashed += hashed
                 self._hashing = False
 
-    def advance_hash(self, buf: bytearray) -> None:
+    def advance_hash(self, buf: bytearray, stop: Callable[[], bool] = _never) -> None:
         """Hash the newly contiguous prefix, reading it back through `buf`; only one
-        thread hashes a file at a time (the others return at once)."""
+        thread hashes a file at a time (the others return at once). Raises Interrupted
+        when `stop()` turns true between two reads: a resumed partial's rehash can be
+        long, and SIGTERM must not wait for it (the partial stays for resume)."""
         with self.lock:
             if self._hashing:
                 return
@@ -195,14 +202,16 @@ class PartialFile:
                             self.digest = self.hasher.hexdigest()
                         self._hashing = False
                         return
-                self._hash_to(end, memoryview(buf))
+                self._hash_to(end, memoryview(buf), stop)
         except BaseException:
             with self.lock:
                 self._hashing = False
             raise
 
-    def _hash_to(self, end: int, view: memoryview) -> None:
+    def _hash_to(self, end: int, view: memoryview, stop: Callable[[], bool]) -> None:
         while self.hashed < end:
+            if stop():
+                raise Interrupted(_INTERRUPTED)
             n = os.preadv(self.fd, [view[: min(len(view), end - self.hashed)]], self.hashed)
             if not n:
                 raise WeightcacheError(f"internal error: {self.path} is short")
@@ -211,12 +220,15 @@ class PartialFile:
                 self.checker.update(view[:n])
             self.hashed += n
 
-    def rehash(self, buf: bytearray) -> str:
+    def rehash(self, buf: bytearray, stop: Callable[[], bool] = _never) -> str:
         """The sha256 of the whole file as it is now, read back through `buf` (after parts
-        were rewritten in place: the running hash no longer describes them)."""
+        were rewritten in place: the running hash no longer describes them). Raises
+        Interrupted when `stop()` turns true between two reads."""
         os.fsync(self.fd)
         hasher, pos, view = hashlib.sha256(), 0, memoryview(buf)
         while pos < self.size:
+            if stop():
+                raise Interrupted(_INTERRUPTED)
             n = os.preadv(self.fd, [view[: min(len(buf), self.size - pos)]], pos)
             if not n:
                 raise WeightcacheError(f"internal error: {self.path} is short")
@@ -230,6 +242,19 @@ class PartialFile:
         if self.digest is None:  # every part done, so only a bug can get here
             raise WeightcacheError(f"internal error: {self.label} hashed {self.hashed} bytes")
         return self.digest
+
+
+def _save_state(
+    state: PartState, partial: Path, label: str, snapshot: list[int] | None = None
+) -> None:
+    """`state.save` beside `partial`; a full disk is NoSpaceError, as for the data."""
+    try:
+        state.save(state_path(partial), snapshot)
+    except OSError as e:
+        full = no_space(e, f"the part state of {label}")
+        if full is not None:
+            raise full from e
+        raise
 
 
 @functools.cache
@@ -278,11 +303,9 @@ def _preallocate(fd: int, size: int, label: str) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise NoSpaceError(
-                f"no space left on the cache disk for {label} ({size} bytes); free "
-                "space or lower --capacity"
-            ) from e
+        full = no_space(e, f"{label} ({size} bytes)")
+        if full is not None:
+            raise full from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)

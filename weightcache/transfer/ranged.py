@@ -222,7 +222,8 @@ class RangedDownloader:
                 if round_ < len(parts):
                     tasks.append((f, parts[round_]))
         for f in files:
-            f.partial.advance_hash(self._buffer())  # a resumed file rehashes its prefix
+            # A resumed file rehashes its prefix: long for a large one, so SIGTERM stops it.
+            f.partial.advance_hash(self._buffer(), run.stop.is_set)
         self.observer.expect(sum(f.job.size - f.partial.state.bytes_done() for f in files))
         errors: list[BaseException] = []
         workers = [
@@ -253,7 +254,7 @@ class RangedDownloader:
                     return
                 self._fetch_part(f, index)
                 f.partial.mark_done(index)
-                f.partial.advance_hash(self._buffer())
+                f.partial.advance_hash(self._buffer(), run.stop.is_set)
         except BaseException as e:
             errors.append(e)
             run.stop.set()
