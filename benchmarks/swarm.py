@@ -160,10 +160,10 @@ class Poller(threading.Thread):
     """Times one node: `up` when its /readyz first answers, `ready` when its cache holds a
     revision's completion marker (`cache`/NAME/REV/.weightcache) and its /readyz then says
     every pinned revision is ready (or `stop`). Once the daemon is up, the marker is
-    watched from here (a stat per period) and /readyz asked only when it appears: ten
-    /readyz a second cost a daemon ~1.8 ms of CPU each (benchmarks/swarmcal.py), about a
-    tenth of a swarming daemon's CPU at 100 mbit, on the host all the daemons share; a
-    kubelet asks every 10 s."""
+    looked for from here (a directory listing per period) and /readyz asked only when it
+    appears: a /readyz costs a daemon ~1.8 ms of CPU (benchmarks/swarmcal.py), so ten a
+    second are about a tenth of a swarming daemon's CPU at 100 mbit, on the host all the
+    daemons share; a kubelet asks every 10 s."""
 
     def __init__(self, url: str, cache: Path, t0: float, period: float,
                  stop: threading.Event) -> None:  # fmt: skip
