@@ -91,8 +91,13 @@ class Source:
 
     @classmethod
     def parse(cls, url: str, name: str | None = None, revision: str | None = None) -> Source:
-        """Raises UsageError for anything but the forms above, and for a path with an
-        empty, `.` or `..` segment (the same rules for every scheme)."""
+        """Raises UsageError for anything but the forms above, for a path with an
+        empty, `.` or `..` segment (the same rules for every scheme), and for a `name` or
+        `revision` given empty: None takes the URL's segment, "" is refused, not read as
+        None (an unset variable, a Pod's request, would name another revision)."""
+        for what, value in (("model name", name), ("revision", revision)):
+            if value is not None and not value.strip():
+                raise UsageError(f"the {what} is empty; give one, or none to take the URL's")
         split = _split_source(url)
         if split is not None and split[0] == "hf":
             return cls._parse_hub(url, split[2][1:], name, revision)

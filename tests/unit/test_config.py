@@ -313,6 +313,17 @@ def test_source_parse_overrides() -> None:
     assert (only_rev.name, only_rev.revision) == ("qwen3-70b", "prod")
 
 
+@pytest.mark.parametrize("url", ["s3://models/org/qwen3-70b/2026-10-01", "hf://Qwen/Qwen3-8B@main"])
+@pytest.mark.parametrize("given", [{"name": ""}, {"revision": ""}, {"revision": " "}])
+def test_an_empty_name_or_revision_is_refused_not_taken_from_the_url(
+    url: str, given: dict[str, str]
+) -> None:
+    """Every caller (the CLI, the models file, a Pod's request on the socket) gets the same
+    rule: None takes the URL's segment, an empty value is an error."""
+    with pytest.raises(UsageError, match="is empty"):
+        Source.parse(url, **given)
+
+
 @pytest.mark.parametrize(
     "url",
     [

@@ -200,6 +200,17 @@ def test_a_bad_request_is_an_error_event(coordinator: Coordinator) -> None:
     assert events(sent) == ["error"] and sent[0]["exit_code"] == 2
 
 
+def test_a_request_with_an_empty_revision_is_an_error_not_the_url_s(
+    coordinator: Coordinator, fake: FakeFetch
+) -> None:
+    """A Pod's "revision": "" is refused (exit 2), not read as "take the URL's"."""
+    sent: list[dict[str, Any]] = []
+    request = json.dumps({"source": SOURCE.url, "revision": "", "pod_uid": POD}).encode()
+    handler(coordinator).handle_line(request, sent.append)
+    assert events(sent) == ["error"] and sent[0]["exit_code"] == 2, sent
+    assert "empty" in sent[0]["message"] and fake.calls == []
+
+
 def test_a_stopping_daemon_answers_no_error(coordinator: Coordinator) -> None:
     coordinator.stopping.set()
     sent: list[dict[str, Any]] = []

@@ -128,8 +128,6 @@ def _text(raw: dict[str, Any], key: str) -> str | None:
     """A name or revision as written. YAML reads `1.10` as the float 1.1 and `010` as 8:
     refused rather than renamed (quote them). An unquoted date reads back as written."""
     value = raw.get(key)
-    if isinstance(value, str) and not value.strip():
-        raise UsageError(f"'{key}' is empty; remove it to take the source's {key}")
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, datetime.date) and not isinstance(value, datetime.datetime):
