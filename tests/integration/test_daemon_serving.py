@@ -41,6 +41,7 @@ from tests.support.faultproxy import FaultProxy
 
 REPLICAS = "weightcache_replica_fetches_inflight"
 MISSES = 'weightcache_fetches_total{result="miss"}'
+HITS = 'weightcache_fetches_total{result="hit"}'
 FLOOD = 1100  # more than the 1024 fds a container gets by default
 
 
@@ -296,3 +297,30 @@ def test_metrics_serve_on_a_bracketed_ipv6_address(
             return False
 
     wait_for("/healthz on [::1]", healthy, timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_a_cache_dir_too_deep_for_a_socket_path_still_serves_pods(
+    wc: CLI, publish: Callable[..., Published], store: Any, tmp_path: Path,
+    daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """Local NVMe mounted deep: the socket's path is longer than a Unix socket's address
+    may be (107 bytes). The daemon still listens and Pods still reach it (through their
+    directory's descriptor), for a miss and for a hit."""
+    cache_dir = tmp_path / ("nvme-" + "x" * 60) / ("models-" + "y" * 40) / "cache"
+    cache_dir.mkdir(parents=True)
+    assert len(os.fsencode(sock_path(cache_dir))) > 107
+    pub = publish([1 * MiB], name="deep", rev="r1", seed="deep")
+    models = write_models(tmp_path / "models.yaml", [])
+    daemon = daemons.start(cache_dir, models, endpoint=store.endpoint_url)
+    miss = wc.fetch(pub.source, cache_dir, endpoint=store.endpoint_url)
+    assert_ok_path(miss, pub.local_path(cache_dir))
+    assert "fetching alone" not in miss.stderr, describe(miss)
+    hit = wc.fetch(pub.source, cache_dir, endpoint=store.endpoint_url)
+    assert_ok_path(hit, pub.local_path(cache_dir))
+
+    def counted() -> dict[str, float] | None:
+        m = daemon.metrics()
+        return m if m[MISSES] == 1 and m[HITS] == 1 else None
+
+    wait_for("the miss and the hit counted by the daemon", counted, 10)

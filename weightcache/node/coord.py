@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,24 @@ log = logging.getLogger(__name__)
 HEARTBEAT = 1.0
 ACCEPT_TIMEOUT = 2.0
 SILENCE_TIMEOUT = 10.0
+#: The most bytes of a Unix socket's path (`sun_path`: 108 with its NUL, Linux).
+SUN_PATH_MAX = 107
+
+
+@contextlib.contextmanager
+def socket_address(path: Path) -> Iterator[str]:
+    """`path` as `bind` and `connect` take it: itself, or, when it is longer than a Unix
+    socket's address may be (a deep --cache-dir), the same file reached through an open
+    descriptor of its directory (`/proc/self/fd/N/NAME`, which Linux resolves like the
+    path). Raises OSError if the directory cannot be opened."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
 
 
 class DaemonError(WeightcacheError):
@@ -97,7 +117,8 @@ def ask_daemon(
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(accept_timeout)
-        sock.connect(str(socket_path))
+        with socket_address(socket_path) as address:
+            sock.connect(address)
         sock.sendall(request(source, pod_uid))
         reader = sock.makefile("rb")
     except OSError as e:
@@ -131,7 +152,8 @@ def notify_hit(socket_path: Path, source: Source, pod_uid: str | None) -> None:
         return
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(0.05)
-        s.connect(str(socket_path))
+        with socket_address(socket_path) as address:
+            s.connect(address)
         s.sendall(request(source, pod_uid, op="hit"))
 
 

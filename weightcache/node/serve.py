@@ -36,6 +36,8 @@ from typing import Any, TypeVar
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
+from weightcache.node.coord import socket_address
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -317,7 +319,8 @@ class SocketServer:
             self.path.unlink()
         self._stop = asyncio.Event()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(str(self.path))
+        with socket_address(self.path) as address:  # a deep cache dir's too long a path
+            sock.bind(address)
         os.chmod(self.path, 0o666)  # Pods may run as another uid than the daemon
         self._server = await asyncio.start_unix_server(
             self._client, sock=sock, limit=self._line_limit, backlog=ACCEPT_BURST
