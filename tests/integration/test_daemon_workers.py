@@ -90,7 +90,9 @@ def test_a_step_that_keeps_failing_makes_healthz_fail_until_it_works(
 
     _, body = wait_for("/healthz 503", unhealthy, timeout=60)
     assert body.count("\n") == 1 and "NotADirectoryError" in body, body
-    assert "lease and capacity step failed" in body, body
+    # The lease and capacity loop surveys the blobs; on a loaded machine the converge loop
+    # may reach its third failure first (it checks the pinned revision's blobs too).
+    assert re.search(r"(lease and capacity|converge) step failed", body), body
     assert "Traceback" not in daemon.log(), daemon.log()
 
     blobs.unlink()

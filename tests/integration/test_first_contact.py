@@ -531,6 +531,9 @@ def test_demo_serve_keeps_the_store_for_another_shell(store: Any, tmp_path: Path
             stdout=fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            # Ctrl-C as a shell delivers it: a runner that ignores SIGINT (pytest-xdist's
+            # workers do) would pass that on, and the demo would never see it.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         text = _read_until(out, "Ctrl-C stops the store.", proc, timeout=300)
