@@ -367,7 +367,7 @@ def test_the_demo_extra_is_just_weed() -> None:
 
 
 def test_demo_leaves_nothing_in_tmpdir(store: Any, tmp_path: Path) -> None:
-    # A short TMPDIR: the daemon's socket path inside it must stay under 108 bytes.
+    # A TMPDIR of its own: whatever the demo leaves behind shows in it.
     tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
     try:
         proc = subprocess.run(
@@ -412,7 +412,7 @@ def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
 ) -> None:
     """`weightcache demo | head -3`: no traceback, its store stopped, its temporary
     directory removed, and exit 141 as a process ended by SIGPIPE (not a silent 1)."""
-    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: the daemon's socket
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
     try:
         proc = subprocess.Popen(
             CLI(store, tmp_path).argv("demo", "--size", "4MiB"),
@@ -444,7 +444,7 @@ def test_ctrl_c_in_the_demo_s_daemon_phase_stops_its_store_promptly(
     """Ctrl-C (SIGINT to the demo's process group; its store runs in a session of its
     own) while its daemon runs: the demo ends within seconds, not after weed's ~15 s
     shutdown, and leaves nothing running and nothing in TMPDIR."""
-    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # short: the daemon's socket
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
     out = tmp_path / "demo.out"
     try:
         with open(out, "wb") as fh:
@@ -563,3 +563,37 @@ def test_demo_serve_keeps_the_store_for_another_shell(store: Any, tmp_path: Path
             proc.kill()
             proc.wait()
     assert (workdir / "model").is_dir(), "--workdir is kept"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
+def test_demo_serve_stopped_by_sigterm_or_a_closed_terminal_cleans_up(
+    store: Any, tmp_path: Path, stop: signal.Signals
+) -> None:
+    """`timeout` or a supervisor (SIGTERM), a closed terminal (SIGHUP): as Ctrl-C, the
+    store stops and the temporary directory goes; exit 143, no traceback."""
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    out = tmp_path / "demo.out"
+    try:
+        with open(out, "wb") as fh:
+            proc = subprocess.Popen(
+                CLI(store, tmp_path).argv("demo", "--size", "4MiB", "--serve"),
+                env=cli_env(store, {"TMPDIR": str(tmp)}),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        _read_until(out, "Ctrl-C stops the store.", proc, timeout=300)
+        assert _running_under(tmp) != [], "nothing to prove: the store is not running"
+        proc.send_signal(stop)
+        code = proc.wait(timeout=60)
+        text = out.read_text()
+        assert code == 143, text[-3000:]
+        assert f"stopped by {stop.name}" in text and "Traceback" not in text, text[-3000:]
+        assert _running_under(tmp) == [], "the demo left its store running"
+        assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["pkill", "-f", str(tmp)], check=False)  # a store left on failure
+        shutil.rmtree(tmp, ignore_errors=True)

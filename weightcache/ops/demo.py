@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from weightcache.errors import TransientError, UsageError
+from weightcache.errors import Interrupted, TransientError, UsageError
 from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
@@ -71,7 +72,8 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
         _check_workdir(workdir)
     base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     try:
-        _story(base, size, serve)
+        with _stopped_by_signals():
+            _story(base, size, serve)
     finally:
         if workdir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -90,6 +92,24 @@ def _check_workdir(workdir: Path) -> None:
             f"cannot write the demo's --workdir {workdir} ({e.strerror or e}); give a "
             "directory you can write, or omit --workdir for a temporary one"
         ) from e
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM (`timeout`, a supervisor) and SIGHUP (a closed terminal) end the demo as
+    Ctrl-C does, through its `finally` blocks: its store and daemon stop and its temporary
+    directory goes (by default both would end the process on the spot, `weed` left
+    running). Exit 143, as for any command stopped so."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise Interrupted(f"the demo was stopped by {signal.Signals(signum).name}")
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _story(base: Path, size: int, serve: bool) -> None:
