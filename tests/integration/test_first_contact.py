@@ -407,6 +407,12 @@ def _running_under(path: Path) -> list[str]:
     return found
 
 
+def _kill_under(path: Path) -> None:
+    """Kill what a failed demo left running under `path`: its store runs in a session of
+    its own, so killing the demo does not end it."""
+    subprocess.run(["pkill", "-9", "-f", str(path)], check=False)
+
+
 def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
     store: Any, tmp_path: Path
 ) -> None:
@@ -435,6 +441,7 @@ def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        _kill_under(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -470,6 +477,7 @@ def test_ctrl_c_in_the_demo_s_daemon_phase_stops_its_store_promptly(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        _kill_under(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -562,6 +570,7 @@ def test_demo_serve_keeps_the_store_for_another_shell(store: Any, tmp_path: Path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        _kill_under(workdir)
     assert (workdir / "model").is_dir(), "--workdir is kept"
 
 
@@ -595,5 +604,5 @@ def test_demo_serve_stopped_by_sigterm_or_a_closed_terminal_cleans_up(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        subprocess.run(["pkill", "-f", str(tmp)], check=False)  # a store left on failure
+        _kill_under(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
