@@ -52,9 +52,15 @@ class TransientError(WeightcacheError):
 
 
 class Interrupted(WeightcacheError):
-    """SIGTERM/SIGINT: work stopped, partial files left resumable (exit 143 like a shell)."""
+    """SIGTERM/SIGINT: work stopped, partial files left resumable (exit 143 like a shell).
+    Without a message: a download's, which every downloader raises alike."""
 
     exit_code = 143
+
+    def __init__(
+        self, message: str = "download interrupted; partial files are kept for resume"
+    ) -> None:
+        super().__init__(message)
 
 
 def no_space(e: OSError, what: str = "") -> NoSpaceError | None:

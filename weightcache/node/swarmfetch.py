@@ -247,7 +247,7 @@ class SwarmDownload:
         if self.errors:
             raise self.errors[0]
         if self._stopping():
-            raise Interrupted("download interrupted; partial files are kept for resume")
+            raise Interrupted()
         stalled = time.monotonic() - self.last_progress
         if stalled >= self.downloader.settings.timeout:
             raise TransientError(
@@ -456,7 +456,7 @@ class SwarmDownload:
             try:
                 data = self._read(piece, ORIGIN, "origin", recheck=True)
                 if data is None:  # SIGTERM or `cancel`
-                    raise Interrupted("download interrupted; partial files are kept")
+                    raise Interrupted()
                 self.store.received(len(data))
                 return data
             except (RetryRange, OSError) as e:

@@ -27,7 +27,6 @@ from weightcache.transfer.checksums import Hasher, new_hasher
 from weightcache.transfer.parts import PartState
 
 log = logging.getLogger(__name__)
-_INTERRUPTED = "download interrupted; partial files are kept for resume"
 #: How often a file's part state is written, at most: a kill loses at most the bytes in
 #: flight and those written in the last interval (they are fetched again), never correctness.
 SAVE_INTERVAL = 0.25
@@ -211,7 +210,7 @@ class PartialFile:
     def _hash_to(self, end: int, view: memoryview, stop: Callable[[], bool]) -> None:
         while self.hashed < end:
             if stop():
-                raise Interrupted(_INTERRUPTED)
+                raise Interrupted()
             n = os.preadv(self.fd, [view[: min(len(view), end - self.hashed)]], self.hashed)
             if not n:
                 raise WeightcacheError(f"internal error: {self.path} is short")
@@ -228,7 +227,7 @@ class PartialFile:
         hasher, pos, view = hashlib.sha256(), 0, memoryview(buf)
         while pos < self.size:
             if stop():
-                raise Interrupted(_INTERRUPTED)
+                raise Interrupted()
             n = os.preadv(self.fd, [view[: min(len(buf), self.size - pos)]], pos)
             if not n:
                 raise WeightcacheError(f"internal error: {self.path} is short")

@@ -48,7 +48,6 @@ PROGRESS_BYTES = 1 << 10
 #: Files one download keeps open at once: jobs are downloaded in batches of this many, so
 #: a manifest of 50k small files needs 64 fds, not 50k (EMFILE at the usual 1024).
 MAX_OPEN_FILES = 64
-_INTERRUPTED = "download interrupted; partial files are kept for resume"
 
 
 class TransferObserver(Protocol):
@@ -238,7 +237,7 @@ class RangedDownloader:
         if errors:
             raise errors[0]
         if run.stop.is_set():
-            raise Interrupted(_INTERRUPTED)
+            raise Interrupted()
         return {f.job.label: f.partial.finish(self._buffer()) for f in files}
 
     def _work(
@@ -269,7 +268,7 @@ class RangedDownloader:
         failures = 0
         while pos < end:
             if f.run.stop.is_set():
-                raise Interrupted(_INTERRUPTED)
+                raise Interrupted()
             if not self.gate.acquire(f.run.stop):
                 continue
             self.observer.request_started(source.kind)
@@ -311,7 +310,7 @@ class RangedDownloader:
                     if broke is not None:
                         raise broke  # through the source's context: it drops the connection
                     if f.run.stop.is_set() and pos < end:
-                        raise Interrupted(_INTERRUPTED)
+                        raise Interrupted()
                     if not got:
                         raise RetryRange(f"the body ended {end - pos} bytes short")
         except RetryRange as e:
