@@ -413,6 +413,15 @@ def _kill_under(path: Path) -> None:
     subprocess.run(["pkill", "-9", "-f", str(path)], check=False)
 
 
+def _end_demo(proc: subprocess.Popen[Any], tmp: Path) -> None:
+    """After a demo test, passed or failed: the demo, what it left running in `tmp`, `tmp`."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    _kill_under(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
     store: Any, tmp_path: Path
 ) -> None:
@@ -438,11 +447,7 @@ def test_demo_whose_reader_goes_away_stops_quietly_and_cleans_up(
         assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
         assert _running_under(tmp) == [], "the demo left its store or daemon running"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        _kill_under(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _end_demo(proc, tmp)
 
 
 def test_ctrl_c_in_the_demo_s_daemon_phase_stops_its_store_promptly(
@@ -601,8 +606,4 @@ def test_demo_serve_stopped_by_sigterm_or_a_closed_terminal_cleans_up(
         assert _running_under(tmp) == [], "the demo left its store running"
         assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        _kill_under(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _end_demo(proc, tmp)
