@@ -25,7 +25,6 @@ from weightcache.node.peers import (
     LOAD,
     PIECE_SIZE,
     PIECES,
-    Claim,
     Discovery,
     Peers,
     parse_view,
@@ -281,11 +280,6 @@ def test_partial_pieces_are_the_done_parts(tmp_path: Path) -> None:
 
 
 # -- choosing sources -------------------------------------------------------------------------
-
-
-def test_claim_header_round_trips() -> None:
-    claim = Claim(1767225600.123456, 2**62 + 5)
-    assert Claim.parse(claim.header()) == claim
 
 
 # -- discovery --------------------------------------------------------------------------------

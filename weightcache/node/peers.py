@@ -11,8 +11,8 @@ Nothing a peer sends is trusted: the receiver hashes every blob and publishes it
 sha256 is the manifest's, exactly as for the origin; a peer whose pieces differ from the
 store's is marked bad (`Peers.mark_bad`) and not asked again for a while.
 
-A node downloading a blob claims it (`Peers.claim`: wall clock + nonce, told in
-`X-Weightcache-Claim`) so that its server serves the pieces of its partial.
+A node downloading a blob claims it (`Peers.claim`) so that its server serves the pieces of
+its partial.
 """
 
 from __future__ import annotations
@@ -63,20 +63,11 @@ _WILDCARDS = ("", "0.0.0.0", "::")
 # -- pure decisions ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Claim:
-    """When a node started to want a blob; earlier claims go to the origin, later follow."""
+    """One download of a blob by this node (`Peers.claim`): only that download releases it."""
 
-    since: float  # wall clock (time.time()), comparable across nodes
-    nonce: int  # breaks ties
-
-    def header(self) -> str:
-        return f"{self.since!r} {self.nonce}"
-
-    @classmethod
-    def parse(cls, text: str) -> Claim:
-        since, nonce = text.split()
-        return cls(float(since), int(nonce))
+    nonce: int
 
 
 def regrid(theirs: Bitmap, their_size: int, our_size: int, size: int) -> Bitmap:
@@ -226,7 +217,7 @@ class Peers:
 
     def claim(self, sha256: str, partial: Path, size: int) -> Claim:
         """Announce that this node downloads the blob into `partial`, from now on."""
-        claim = Claim(time.time(), secrets.randbits(63))
+        claim = Claim(secrets.randbits(63))
         with self._lock:
             self._downloads[sha256] = _Download(claim, partial, size)
         return claim

@@ -43,7 +43,6 @@ from weightcache.node.peers import (
     LOAD,
     PIECE_SIZE,
     PIECES,
-    Claim,
     Peers,
 )  # fmt: skip
 from weightcache.node.serve import HttpServer, Limits
@@ -247,7 +246,7 @@ class PeerServer:
         where = await self._locate(sha256)
         if where is None:
             return self._refuse(404, "not_found", head)
-        path, pieces, claim = where
+        path, pieces = where
         size = pieces.size
         try:
             wanted = parse_range(request.headers.get("Range"), size)
@@ -263,8 +262,6 @@ class PeerServer:
                    "X-Weightcache-Available": str(pieces.run_end(0)), **advertised}  # fmt: skip
         if wanted is not None:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
-        if claim is not None:
-            headers["X-Weightcache-Claim"] = claim.header()
         resp = web.StreamResponse(status=200 if wanted is None else 206, headers=headers)
         resp.content_length = end - start
         await resp.prepare(request)
@@ -279,7 +276,7 @@ class PeerServer:
                 request.protocol.force_close()  # the receiver sees a cut body, and retries
         return resp
 
-    async def _locate(self, sha256: str) -> tuple[Path, Pieces, Claim | None] | None:
+    async def _locate(self, sha256: str) -> tuple[Path, Pieces] | None:
         """`_where`, on the loop when it reads no file (an lstat, and the pieces of a
         download this process runs: every HEAD of a swarm, twice a second per peer; a
         thread hop cost more than the work), in a thread when it reads a part state."""
@@ -287,22 +284,22 @@ class PeerServer:
             return self._where(sha256)
         return await asyncio.to_thread(self._where, sha256)
 
-    def _where(self, sha256: str) -> tuple[Path, Pieces, Claim | None] | None:
-        """(file, the pieces held, claim) now; None: not held."""
+    def _where(self, sha256: str) -> tuple[Path, Pieces] | None:
+        """(file, the pieces held) now; None: not held."""
         blob = self.layout.blob(sha256)
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(blob)
             if stat.S_ISREG(st.st_mode):
-                return blob, Pieces(st.st_size), None
+                return blob, Pieces(st.st_size)
         d = self.peers.downloading(sha256)
         if d is None:
             return None
         live = self.peers.live(sha256)
         if live is None:
-            return d.partial, partial_pieces(Layout.part_state(d.partial), d.size), d.claim
+            return d.partial, partial_pieces(Layout.part_state(d.partial), d.size)
         piece_size, held, fetching = live.pieces()
         pieces = Pieces(d.size, piece_size, tuple(i in held for i in range(held.count)), fetching)
-        return d.partial, pieces, d.claim
+        return d.partial, pieces
 
     def _sendfile_chunk(self) -> int:
         if self.limiter is None:
@@ -340,7 +337,7 @@ class PeerServer:
                 where = await self._locate(sha256)
                 if where is None:
                     raise _Abort()
-                path, pieces, _ = where
+                path, pieces = where
                 available = pieces.run_end(pos)
             n = min(CHUNK, end - pos, available - pos)
             data = await asyncio.to_thread(_pread, path, n, pos) if n > 0 else None
