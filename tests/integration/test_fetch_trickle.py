@@ -69,3 +69,26 @@ def test_waiting_for_bwlimit_tokens_is_not_a_stall(
     proc = wc.fetch(pub.source, cache_dir, "--timeout", "3s", "--bwlimit", "32K", timeout=120)
     assert_ok_path(proc, pub.local_path(cache_dir))
     assert time.monotonic() - t0 >= 5, "the bandwidth limit was not applied"
+
+
+@pytest.mark.timeout(150)
+def test_a_starved_response_at_the_hash_frontier_is_overtaken_on_another_connection(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    """The first part's response crawls (128 KiB/s: 16 s for its 2 MiB) while the others
+    flow (4 MiB/s): after a second another worker reads the rest of that part on its own
+    kept-alive connection, and the starved reader stops where that begins, its connection
+    dropped (kept with a body unread, its next request would fail), then takes more parts."""
+    pub = publish([16 << 20], name="straggler", rev="r1", small_files=False)
+    proxy.configure(scope="data", script=("slow",), slow_rate=128 * KiB, rate_limit=4 << 20)
+    t0 = time.monotonic()
+    proc = wc.fetch(pub.source, cache_dir, "--part-size", "2M", "--max-concurrency", "2",
+                    endpoint=proxy.url, timeout=120)  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert_ok_path(proc, pub.local_path(cache_dir))
+    assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
+    assert "attempt" not in proc.stderr, proc.stderr  # no request failed
+    stats = proxy.stats()
+    assert stats.faults.get("slow") == 1
+    assert stats.requests_for(".safetensors") == 8 + 1  # eight parts and the first one's tail
+    assert elapsed < 16, f"{elapsed:.1f}s: the fetch waited for the starved response"

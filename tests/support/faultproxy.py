@@ -28,6 +28,8 @@ answered 501 NotImplemented: a store without that API. `head_latency` delays eve
 `set_down()` makes the store unreachable through the proxy: "refuse" (listener closed,
 connections refused), "reset" (accepted then RST) or "hang" (accepted, never answered).
 `rate_limit` (bytes/s, all connections together) slows the body bytes sent to clients.
+`slow` (in a `script` only) sends that one response's body at `slow_rate` bytes/s, the
+others as usual: one starved connection among healthy ones.
 `trickle_rate` (bytes/s, per response) sends the body of every eligible response in
 pieces of a tenth of a second's worth (one byte at 10 B/s or less), each after its own
 pause: a store that keeps a connection busy without ever filling a read buffer. Lifting it
@@ -86,6 +88,7 @@ class Faults:
     max_consecutive: int | None = None  # per path; None = unbounded
     rate_limit: float | None = None  # bytes/s of response bodies, all connections together
     trickle_rate: float | None = None  # bytes/s of each eligible response body, in pieces
+    slow_rate: float = 64 * 1024  # bytes/s of the body of a response the script makes "slow"
     #: Query parameters of requests answered 501 NotImplemented, of any method, without
     #: asking the store: a store without that API ("attributes": GetObjectAttributes).
     unsupported: tuple[str, ...] = ()
@@ -99,7 +102,7 @@ class Faults:
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         for name in self.script:
-            if name not in (*FAULT_KINDS, "none"):
+            if name not in (*FAULT_KINDS, "none", "slow"):
                 raise ValueError(f"unknown fault {name!r} in script")
         if self.rate_limit is not None and self.rate_limit <= 0:
             raise ValueError("rate_limit must be positive")

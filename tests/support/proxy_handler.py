@@ -38,6 +38,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     timeout = 300
     server: Any
     trickle: float | None = None  # bytes/s of this response's body (Faults.trickle_rate)
+    slow = False  # this response is a scripted "slow" one (Faults.slow_rate)
 
     def __init__(self, request: socket.socket, client_address: Any, proxy: FaultProxy) -> None:
         self.proxy = proxy
@@ -82,7 +83,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def _forward_counted(self, path: str, has_range: bool) -> None:
         proxy = self.proxy
         fault = None
-        self.trickle = None
+        self.trickle, self.slow = None, False
         if self.command == "HEAD" and proxy.faults.head_latency > 0:
             time.sleep(proxy.faults.head_latency)
         if proxy.eligible(self.command, self.path, has_range):
@@ -91,6 +92,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 time.sleep(faults.latency)
             fault = proxy._decide(path)
             self.trickle = faults.trickle_rate
+            if fault == "slow":  # this response only, not lifted with the trickle
+                fault, self.trickle, self.slow = None, faults.slow_rate, True
+                proxy._count_fault("slow")
         answer = _NOT_IMPLEMENTED if proxy.unsupported(self.path) else None
         answer = _SLOWDOWN if fault == "slowdown" else answer
         if answer is not None:
@@ -276,7 +280,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         (`configure(trickle_rate=None)`), the rest at once."""
         piece = max(1, int(rate / 10))
         for i in range(0, len(data), piece):
-            if self.proxy.faults.trickle_rate is None:
+            if self.proxy.faults.trickle_rate is None and not self.slow:
                 self.trickle = None
                 self._send_body(path, data[i:])
                 return

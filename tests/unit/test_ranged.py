@@ -19,6 +19,7 @@ import pytest
 from weightcache.config import OriginSettings
 from weightcache.errors import IntegrityError, Interrupted, SourceError, TransientError
 from weightcache.node.peerserver import PARTIAL_WAIT
+from weightcache.transfer import ranged
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile, state_path
 from weightcache.transfer.parts import PartState, plan_parts
@@ -78,6 +79,7 @@ class Wrapped:
         self.inner = FileBlob(path)
         self.attempts = attempts
         self.opened: list[tuple[int, int]] = []
+        self.left_unread: list[tuple[int, int]] = []  # ranges left without an exception
         self.threads: set[int] = set()
         self.timeouts: set[float] = set()
         self._on_open, self._on_read, self._chunk = on_open, on_read, chunk
@@ -96,7 +98,10 @@ class Wrapped:
         if self._on_open is not None:
             self._on_open(start, end)
         with self.inner.open_range(start, end, size, timeout) as reader:
-            yield _Reader(reader, start, self._on_read, self._chunk)
+            wrapped = _Reader(reader, start, self._on_read, self._chunk)
+            yield wrapped
+            if wrapped._read < end - start:  # an HTTP source would keep a connection
+                self.left_unread.append((start + wrapped._read, end))  # with a body unread
 
 
 class _Reader:
@@ -278,6 +283,87 @@ def test_sigterm_stops_the_rehash_of_a_large_resumed_partial(tmp_path: Path) -> 
     kept = PartState.load(state_path(tmp_path / "blob.part"), size, PART)
     assert kept.done == [True] * last + [False]
     (tmp_path / "blob.part").unlink()  # 1 GiB: not left for pytest's last three runs
+
+
+@pytest.fixture
+def stragglers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, bytes]:
+    """Stragglers judged after 0.2 s, not 1 s; a blob of four 2 MiB parts."""
+    monkeypatch.setattr(ranged, "STRAGGLER_AFTER", 0.2)
+    data = random.Random(11).randbytes(4 * BIG_PART)
+    path = tmp_path / "origin.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+BIG_PART = 2 << 20
+
+
+def _slow_first_part(start: int, read: int) -> None:
+    if start == 0:  # the first part's own reader: ~1 MB/s, the others as fast as the disk
+        time.sleep(0.03)
+
+
+def test_a_straggler_at_the_hash_frontier_has_its_tail_read_by_another_worker(
+    stragglers: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    """A starved connection holding the first part would hold every later byte of the
+    file unhashed (and the download) until it ends: a worker with nothing left to start
+    reads the rest of that part on its own connection, and the starved reader stops there."""
+    path, data = stragglers
+    source = Wrapped(path, on_read=_slow_first_part, chunk=32 * KiB)
+    j = job(source, len(data), tmp_path)
+    done = downloader(part_size=BIG_PART, max_concurrency=2).download([j])
+    assert done.digests == {"model.bin": hashlib.sha256(data).hexdigest()}
+    assert j.partial.read_bytes() == data
+    tails = [(a, b) for a, b in source.opened if 0 < a < BIG_PART]
+    assert len(tails) == 1 and tails[0][1] == BIG_PART  # the rest of the first part
+    assert source.left_unread == []  # the cut reader's response is dropped, not kept
+    assert len(data) <= done.received["origin"] <= len(data) + ranged.BUFFER
+
+
+def test_a_download_stopped_while_a_tail_is_read_claims_only_bytes_it_wrote(
+    stragglers: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    """The part state counts the bytes written from a part's start; a tail's bytes lie
+    past a gap until the part is done, so a stop then resumes at the part's own reader."""
+    path, data = stragglers
+    d = downloader(part_size=BIG_PART, max_concurrency=2)
+
+    def stop_in_the_tail(start: int, read: int) -> None:
+        _slow_first_part(start, read)
+        if 0 < start < BIG_PART and read >= 256 * KiB:
+            d.interrupt()
+
+    with pytest.raises(Interrupted):
+        d.download([job(Wrapped(path, on_read=stop_in_the_tail, chunk=32 * KiB), len(data),
+                        tmp_path)])  # fmt: skip
+    saved = PartState.load(state_path(tmp_path / "blob.part"), len(data), BIG_PART)
+    assert not saved.done[0] and 0 < saved.filled(0) < BIG_PART
+    on_disk = (tmp_path / "blob.part").read_bytes()
+    for i, (start, _) in enumerate(saved.parts):
+        assert on_disk[start : start + saved.filled(i)] == data[start : start + saved.filled(i)]
+
+    done = downloader(part_size=BIG_PART).download([job(Wrapped(path), len(data), tmp_path)])
+    assert done.digests["model.bin"] == hashlib.sha256(data).hexdigest()
+
+
+def test_a_tail_that_breaks_is_read_again_from_where_it_broke(
+    stragglers: tuple[Path, bytes], tmp_path: Path
+) -> None:
+    path, data = stragglers
+    broke: list[int] = []
+
+    def break_the_tail_once(start: int, read: int) -> None:
+        _slow_first_part(start, read)
+        if 0 < start < BIG_PART and read >= 64 * KiB and not broke:
+            broke.append(start + read)
+            raise RetryRange("ConnectionResetError: reset by peer")
+
+    source = Wrapped(path, on_read=break_the_tail_once, chunk=32 * KiB)
+    j = job(source, len(data), tmp_path)
+    done = downloader(part_size=BIG_PART, max_concurrency=2).download([j])
+    assert done.digests == {"model.bin": hashlib.sha256(data).hexdigest()}
+    assert (broke[0], BIG_PART) in source.opened  # resumed at the byte where it broke
 
 
 def test_a_range_that_breaks_is_resumed_at_the_byte_where_it_broke(

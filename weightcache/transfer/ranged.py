@@ -10,7 +10,8 @@ gives up after its source's `attempts` (or `max_attempts`) failures without prog
 whole download gives up when less than PROGRESS_BYTES arrived in `timeout` seconds. The
 stall clock is checked after every read, not every buffer: a store trickling a byte a
 second never fills a buffer, and would otherwise hang the fetch forever while each read
-still beats the read timeout (design §4, Stall bound).
+still beats the read timeout (design §4, Stall bound). A starved reader at a file's hash
+frontier has its part's tail read by a faster worker (design §4, Stragglers).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from weightcache.transfer.sources import (
     RangeReader,
     RetryRange,
     part_size_for,
+    whole_only,
 )
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,14 @@ PROGRESS_BYTES = 1 << 10
 #: Files one download keeps open at once: jobs are downloaded in batches of this many, so
 #: a manifest of 50k small files needs 64 fds, not 50k (EMFILE at the usual 1024).
 MAX_OPEN_FILES = 64
+#: A straggler: the part at a file's hash frontier, read for at least STRAGGLER_AFTER
+#: seconds at less than 1/STRAGGLER_RATIO of the rate a free worker's connection just had,
+#: with at least STRAGGLER_MIN bytes left. The free worker takes its tail (`_take_tail`):
+#: a starved connection otherwise holds every later byte of the file unhashed until the
+#: end (seen: ~800 MiB left to hash after the last byte of a link-bound 1 GiB fetch).
+STRAGGLER_AFTER, STRAGGLER_RATIO, STRAGGLER_MIN = 1.0, 3.0, 2 * BUFFER
+#: Seconds a worker with no part left to start waits before it looks for a straggler again.
+STRAGGLER_POLL = 0.1
 
 
 class TransferObserver(Protocol):
@@ -119,13 +129,38 @@ class Downloaded:
     checks: dict[str, str] = field(default_factory=dict)
 
 
+class _Cut(Exception):
+    """Raised inside a source's range context to stop reading before the range's end."""
+
+
+@dataclass
+class _Flight:
+    """A part being read by the worker that took it: since when and from where its rate is
+    measured (its current attempt's start, moved on every 1-2 s), where it ends now
+    (lowered when another worker takes its tail), and how many of its ranges are still
+    being read (its own and each tail taken)."""
+
+    began: float
+    start: int
+    end: int
+    ranges: int = 1
+
+
 @dataclass
 class _File:
-    """A job of one download with its open partial file."""
+    """A job of one download with its open partial file, and its parts in flight."""
 
     job: BlobJob
     partial: PartialFile
     run: Run
+    flights: dict[int, _Flight] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def end_of(self, index: int) -> int:
+        """Where the reader of part `index` stops now (its end, or where a tail begins)."""
+        with self.lock:
+            flight = self.flights.get(index)
+        return self.partial.state.parts[index][1] if flight is None else flight.end
 
 
 class RangedDownloader:
@@ -226,7 +261,7 @@ class RangedDownloader:
         self.observer.expect(sum(f.job.size - f.partial.state.bytes_done() for f in files))
         errors: list[BaseException] = []
         workers = [
-            threading.Thread(target=self._work, args=(run, tasks, errors), daemon=True)
+            threading.Thread(target=self._work, args=(run, files, tasks, errors), daemon=True)
             for _ in range(min(self.settings.max_concurrency, max(1, len(tasks))))
         ]
         for w in workers:
@@ -241,44 +276,103 @@ class RangedDownloader:
         return {f.job.label: f.partial.finish(self._buffer()) for f in files}
 
     def _work(
-        self, run: Run, tasks: collections.deque[tuple[_File, int]], errors: list[BaseException]
-    ) -> None:
+        self, run: Run, files: list[_File], tasks: collections.deque[tuple[_File, int]],
+        errors: list[BaseException],
+    ) -> None:  # fmt: skip
         try:
-            while True:
-                try:
-                    f, index = tasks.popleft()
-                except IndexError:
-                    return
-                if run.stop.is_set():
-                    return
-                self._fetch_part(f, index)
+            rate = 0.0  # bytes/s of this worker's last range: what its connection can do
+            while not run.stop.is_set():
+                tail = self._take_tail(files, rate)
+                if tail is not None:
+                    f, index, start, end = tail
+                    rate = self._fetch(f, index, start, end, tail=True)
+                else:
+                    try:
+                        f, index = tasks.popleft()
+                    except IndexError:
+                        if not any(g.flights for g in files):
+                            return
+                        run.stop.wait(STRAGGLER_POLL)  # the last parts may yet straggle
+                        continue
+                    pos, end = f.partial.state.resume_at(index), f.partial.state.parts[index][1]
+                    with f.lock:
+                        f.flights[index] = _Flight(time.monotonic(), pos, end)
+                    rate = self._fetch(f, index, pos, end, tail=False)
+                with f.lock:
+                    flight = f.flights[index]
+                    flight.ranges -= 1
+                    if flight.ranges:
+                        continue  # the part's other range is still being read
+                    del f.flights[index]
                 f.partial.mark_done(index)
                 f.partial.advance_hash(self._buffer(), run.stop.is_set)
         except BaseException as e:
             errors.append(e)
             run.stop.set()
 
-    # -- one part ------------------------------------------------------------------------------
+    def _take_tail(self, files: list[_File], rate: float) -> tuple[_File, int, int, int] | None:
+        """(file, part, start, end) of a straggler's tail for a worker whose connection
+        just read at `rate`, now the straggler's end; None if no part at a hash frontier
+        straggles. The straggler keeps the bytes it would read, at its rate, in the time
+        this worker takes for the rest."""
+        if rate <= 0:
+            return None
+        now = time.monotonic()
+        for f in files:
+            state = f.partial.state
+            frontier = f.partial.hashed  # read without the partial's lock: a hint
+            if frontier >= f.job.size or whole_only(f.job.source):
+                continue
+            index = frontier // state.part_size
+            with f.lock:
+                flight = f.flights.get(index)
+                if flight is None or now - flight.began < STRAGGLER_AFTER:
+                    continue
+                pos = state.parts[index][0] + state.filled(index)
+                slow = max(pos - flight.start, 0) / (now - flight.began)
+                if now - flight.began >= 2 * STRAGGLER_AFTER:  # judged on its recent rate:
+                    flight.began, flight.start = now, pos  # the store may have been slow for all
+                if slow * STRAGGLER_RATIO > rate or flight.end - pos < STRAGGLER_MIN:
+                    continue
+                start = pos + int((flight.end - pos) * slow / (slow + rate))
+                start = max(start, pos + BUFFER)  # past what its current read may bring
+                end, flight.end = flight.end, start
+                flight.ranges += 1
+            log.debug("%s: part %d at %.0f B/s, another connection at %.0f B/s reads [%d, %d)",
+                      f.job.label, index, slow, rate, start, end)  # fmt: skip
+            return f, index, start, end
+        return None
 
-    def _fetch_part(self, f: _File, index: int) -> None:
-        """Bring one part from the job's source, from the byte a previous download wrote
-        it up to (parts.py), resuming where each attempt broke."""
-        pos, end = f.partial.state.resume_at(index), f.partial.state.parts[index][1]
+    # -- one range of a part ---------------------------------------------------------------
+
+    def _fetch(self, f: _File, index: int, pos: int, end: int, tail: bool) -> float:
+        """Bring [pos, end) of part `index` from the job's source, resuming where each
+        attempt broke; the part's own reader (not a `tail`) records its progress in the part
+        state and stops where a tail taken from it begins. Returns the rate of the last
+        attempt (bytes/s)."""
         source = f.job.source
-        failures = 0
-        while pos < end:
+        failures, rate = 0, 0.0
+        while True:
+            limit = end if tail else f.end_of(index)
+            if pos >= limit:
+                return rate
             if f.run.stop.is_set():
                 raise Interrupted()
             if not self.gate.acquire(f.run.stop):
                 continue
             self.observer.request_started(source.kind)
+            began = time.monotonic()
+            if not tail:
+                with f.lock:
+                    f.flights[index].began, f.flights[index].start = began, pos
             try:
-                reached, broke = self._copy_range(f, index, pos, end)
+                reached, broke = self._copy_range(f, index, pos, limit, tail)
                 if broke is None:
                     self.gate.on_success()
             finally:
                 self.observer.request_finished(source.kind)
                 self.gate.release()
+            rate = (reached - pos) / max(time.monotonic() - began, 1e-6)
             if broke is not None:
                 failures = 0 if reached > pos else failures + 1
                 if broke.throttle and source.throttles:
@@ -288,23 +382,30 @@ class RangedDownloader:
             pos = reached
 
     def _copy_range(
-        self, f: _File, index: int, start: int, end: int
+        self, f: _File, index: int, start: int, end: int, tail: bool = False
     ) -> tuple[int, RetryRange | None]:
-        """Copy [start, end) of part `index` from the source into the partial file,
-        recording each write in the part state. Returns the byte reached and, if the read
-        broke before `end`, the retryable failure that broke it: the bytes read before the
-        break are written, so the next attempt (or download) starts there."""
-        pos = start
+        """Copy [start, end) of part `index` from the source into the partial file; the
+        part's own reader records each write in the part state and stops early where a
+        tail taken from it begins (the connection is then dropped). Returns the byte
+        reached and, if the read broke before the end, the retryable failure that broke
+        it: the bytes read before the break are written, so the next attempt (or
+        download) starts there."""
+        pos, asked = start, end
         view = memoryview(self._buffer())
         try:
             with f.job.source.open_range(start, end, f.job.size, self.read_timeout) as reader:
-                while pos < end:
+                while True:
+                    if not tail:
+                        end = min(end, f.end_of(index))
+                    if pos >= end:
+                        break
                     want = min(BUFFER, end - pos)
                     if self.tokens is not None:
                         self.tokens.take(want)
                     got, broke = self._fill(f, reader, view[:want])
                     self._write(f, view[:got], pos)
-                    f.partial.wrote(index, pos + got)
+                    if not tail:  # a tail's bytes are past the part's written start
+                        f.partial.wrote(index, pos + got)
                     f.partial.hash_landed(view[:got], pos)
                     pos += got
                     if broke is not None:
@@ -313,8 +414,12 @@ class RangedDownloader:
                         raise Interrupted()
                     if not got:
                         raise RetryRange(f"the body ended {end - pos} bytes short")
+                if pos < asked:  # a tail begins here: the rest of the response is not read
+                    raise _Cut()  # through the source's context: it drops the connection
         except RetryRange as e:
             return pos, e
+        except _Cut:
+            pass
         return pos, None
 
     @staticmethod
