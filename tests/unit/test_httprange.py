@@ -103,6 +103,15 @@ def test_a_body_partly_buffered_is_not_waited_for_past_its_end(server: str) -> N
     assert time.monotonic() - began < 4.0  # waited for more: the 5 s timeout
 
 
+def test_a_range_left_unread_does_not_spoil_the_next_one(server: str) -> None:
+    """A reader that stops before its range's end (the rest is read elsewhere) leaves a
+    body on the connection: it is not kept, or the next GET on it fails (ResponseNotReady)."""
+    ranges = HttpRanges()
+    with ranges.get(f"{server}/fast", {}, 0, FAST, FAST, 5.0, "fast") as reader:
+        assert reader.readinto(memoryview(bytearray(1000)))
+    assert read_all(ranges, f"{server}/fast", FAST, timeout=5.0)
+
+
 PART = 5 << 20
 
 

@@ -206,6 +206,8 @@ class HttpRanges:
         except BaseException:
             self._drop_connection()  # its state is unknown: a fresh one for the next range
             raise
+        if not resp.isclosed():  # left with its body unread: the next request would fail
+            self._drop_connection()
 
     def request(
         self, method: str, location: str, headers: dict[str, str], timeout: float,
