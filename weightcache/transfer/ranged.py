@@ -330,8 +330,9 @@ class RangedDownloader:
                     continue
                 pos = state.parts[index][0] + state.filled(index)
                 slow = max(pos - flight.start, 0) / (now - flight.began)
-                if now - flight.began >= 2 * STRAGGLER_AFTER:  # judged on its recent rate:
-                    flight.began, flight.start = now, pos  # the store may have been slow for all
+                # Judged on its recent rate: the store may have been slow for every reader.
+                if now - flight.began >= 2 * STRAGGLER_AFTER:
+                    flight.began, flight.start = now, pos
                 if slow * STRAGGLER_RATIO > rate or flight.end - pos < STRAGGLER_MIN:
                     continue
                 start = pos + int((flight.end - pos) * slow / (slow + rate))
