@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 
 from weightcache.config import OriginSettings
-from weightcache.errors import IntegrityError, Interrupted, SourceError, TransientError
+from weightcache.errors import (
+    IntegrityError,
+    Interrupted,
+    NoSpaceError,
+    SourceError,
+    TransientError,
+)
 from weightcache.node.peerserver import PARTIAL_WAIT
 from weightcache.transfer import ranged
 from weightcache.transfer.pacing import Backoff
@@ -343,6 +349,38 @@ def test_a_download_stopped_while_a_tail_is_read_claims_only_bytes_it_wrote(
     for i, (start, _) in enumerate(saved.parts):
         assert on_disk[start : start + saved.filled(i)] == data[start : start + saved.filled(i)]
 
+    done = downloader(part_size=BIG_PART).download([job(Wrapped(path), len(data), tmp_path)])
+    assert done.digests["model.bin"] == hashlib.sha256(data).hexdigest()
+
+
+def test_a_full_disk_while_a_tail_is_written_stops_the_download_losing_nothing_written(
+    stragglers: tuple[Path, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC on a tail's write is exit 5 (NoSpaceError), as on any write; the part state
+    claims only bytes written from each part's start, and the next download completes."""
+    path, data = stragglers
+    write = PartialFile.write
+    source = Wrapped(path, on_read=_slow_first_part, chunk=32 * KiB)
+
+    def full_in_the_tail(self: PartialFile, view: memoryview, offset: int) -> None:
+        tails = [a for a, _ in source.opened if 0 < a < BIG_PART]
+        if tails and tails[0] + ranged.BUFFER <= offset < BIG_PART:  # its first write lands
+            raise NoSpaceError(f"no space left for {self.label}")
+        write(self, view, offset)
+
+    monkeypatch.setattr(PartialFile, "write", full_in_the_tail)
+    with pytest.raises(NoSpaceError):
+        downloader(part_size=BIG_PART, max_concurrency=2).download(
+            [job(source, len(data), tmp_path)]
+        )
+    assert [a for a, _ in source.opened if 0 < a < BIG_PART], "no tail was taken"
+    saved = PartState.load(state_path(tmp_path / "blob.part"), len(data), BIG_PART)
+    assert not saved.done[0]
+    on_disk = (tmp_path / "blob.part").read_bytes()
+    for i, (start, _) in enumerate(saved.parts):
+        assert on_disk[start : start + saved.filled(i)] == data[start : start + saved.filled(i)]
+
+    monkeypatch.setattr(PartialFile, "write", write)
     done = downloader(part_size=BIG_PART).download([job(Wrapped(path), len(data), tmp_path)])
     assert done.digests["model.bin"] == hashlib.sha256(data).hexdigest()
 
