@@ -247,6 +247,37 @@ class Flow:
         self.left, self.rate, self.stamp, self.ver, self.active = float(size), 0.0, 0.0, 0, False
 
 
+class Usage:
+    """How full the links were over time, in bins of `step` seconds (`swarmsim.py --trace`):
+    the nodes' downlinks together and the store's egress, each as a share of its capacity.
+    `until(t)` adds the rates in force since the last call, up to the next event at `t`."""
+
+    def __init__(self, net: Network, step: float) -> None:
+        self.net, self.step, self.stamp = net, step, 0.0
+        self.down: list[float] = []  # bytes received by all nodes, per bin
+        self.store: list[float] = []  # bytes the store sent, per bin
+
+    def until(self, t: float) -> None:
+        rates = sum(self.net.down_rate), self.net.up_rate[-1]
+        while self.stamp < t:
+            k = int(self.stamp / self.step)
+            if (k + 1) * self.step <= self.stamp:  # rounding put the stamp on the bin's edge
+                k += 1
+            end = min(t, (k + 1) * self.step)
+            while len(self.down) <= k:
+                self.down.append(0.0)
+                self.store.append(0.0)
+            self.down[k] += rates[0] * (end - self.stamp)
+            self.store[k] += rates[1] * (end - self.stamp)
+            self.stamp = end
+
+    def rows(self) -> list[list[str]]:
+        """One row per bin: its start, the downlinks' and the store's use."""
+        down, store = sum(self.net.down) * self.step, self.net.up[-1] * self.step
+        return [[f"{k * self.step:.0f}", f"{max(0.0, d) / down:.2f}", f"{max(0.0, s) / store:.2f}"]
+                for k, (d, s) in enumerate(zip(self.down, self.store, strict=True))]  # fmt: skip
+
+
 class Boot:
     """A daemon's start-up: CPU-s left, at the rate (cores) it is granted since `stamp`."""
 

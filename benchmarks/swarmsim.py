@@ -102,6 +102,7 @@ from swarmnet import (  # the setting and closed forms live with the model; used
     Network,
     Outcome,
     Params,
+    Usage,
     add_cpu_options,
     bound,
     cpu_from_args,
@@ -177,7 +178,7 @@ class Node:
 class Swarm:
     """One run of `choose` on every node of `p`, blob after blob (module docstring)."""
 
-    def __init__(self, p: Params) -> None:
+    def __init__(self, p: Params, trace: float = 0.0) -> None:
         self.p = p
         self.blobs = p.layout()
         self.counts = [piece_count(size, piece) for size, piece in self.blobs]
@@ -191,6 +192,7 @@ class Swarm:
         # events and flows are handled with the two swapped (`_as`)
         self.ahead: list[Node | None] = [None] * p.nodes
         self.store_bytes = 0.0
+        self.usage = Usage(self.net, trace) if trace else None  # `--trace`
         self.dead = set(self.rng.sample(range(p.nodes), p.dead))
         for i, node in enumerate(self.nodes):
             others = [j for j in range(p.nodes) if j != i]
@@ -203,7 +205,10 @@ class Swarm:
         net, nodes = self.net, self.nodes
         horizon = 4 * peers_off(self.p).last + self.p.jitter + 10 * self.p.refresh
         while net.events and net.now <= horizon:  # a stalled node is reported as never ready
-            net.now, _, kind, obj, ver = heapq.heappop(net.events)
+            when, _, kind, obj, ver = heapq.heappop(net.events)
+            if self.usage is not None:
+                self.usage.until(when)
+            net.now = when
             if kind == END and isinstance(obj, Flow) and obj.ver == ver and obj.active:
                 with self._as(obj.dst, self._owner(obj)):
                     self._arrived(obj)
@@ -497,12 +502,14 @@ class Swarm:
             self._decide(f.dst)
 
 
-def run(p: Params, seeds: int = 1) -> dict[str, object]:
+def run(p: Params, seeds: int = 1, trace: float = 0.0) -> dict[str, object]:
     """The swarm and its comparisons for one setting, as a table row's worth of numbers:
     with `seeds` > 1, the median of runs with seeds `p.seed` onwards (the last node's, the
-    p50's and the store's, each on its own)."""
+    p50's and the store's, each on its own); with `trace`, the links' use over time in the
+    first run (`Usage`: bins of `trace` seconds)."""
     began = time.perf_counter()
-    runs = [Swarm(replace(p, seed=p.seed + k)).run() for k in range(seeds)]
+    swarms = [Swarm(replace(p, seed=p.seed + k), trace if k == 0 else 0.0) for k in range(seeds)]
+    runs = [s.run() for s in swarms]
     swarm = sorted(runs, key=lambda o: o.last)[len(runs) // 2]
     swarm = replace(swarm, p50=statistics.median(o.p50 for o in runs),
                     store_copies=statistics.median(o.store_copies for o in runs))  # fmt: skip
@@ -516,6 +523,7 @@ def run(p: Params, seeds: int = 1) -> dict[str, object]:
         "line": line(p),
         "bound": bound(p),
         "sim_seconds": cpu,
+        "trace": swarms[0].usage.rows() if swarms[0].usage else [],
     }
 
 
@@ -564,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-origin", default=Limits.per_origin, type=int)
     ap.add_argument("--claims", default=Limits.claims, type=int)
     ap.add_argument("--total", default=Limits.total, type=int)
+    ap.add_argument("--endgame", default=Limits.endgame, type=int)
     ap.add_argument("--seed", default=1, type=int)
     ap.add_argument("--seeds", default=1, type=int, help="runs per setting (seed onwards), medians")
     ap.add_argument("--pipeline", default=str(Params.pipeline),
@@ -573,9 +582,13 @@ def main(argv: list[str] | None = None) -> int:
                     "files, this many bytes in all (its JSON's model_bytes)")  # fmt: skip
     ap.add_argument("--calibration", type=Path, help="the CPU model from swarmcal.py --json")
     ap.add_argument("--json", type=Path, help="write every run's numbers here")
+    ap.add_argument("--trace", type=float, default=0.0, metavar="SECONDS",
+                    help="also print how full the links were, in bins of this many seconds "
+                    "(the first seed of each setting)")  # fmt: skip
     add_cpu_options(ap)
     a = ap.parse_args(argv)
-    limits = Limits(per_peer=a.per_peer, per_origin=a.per_origin, claims=a.claims, total=a.total)
+    limits = Limits(per_peer=a.per_peer, per_origin=a.per_origin, claims=a.claims, total=a.total,
+                    endgame=a.endgame)  # fmt: skip
     cpu = cpu_from_args(a)
     if a.calibration:
         cpu = Cpu(**json.loads(a.calibration.read_text())["cpu"])
@@ -593,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                     a.startup, a.view, a.efficiency, a.seed, limits, cpu, blobs, depth,
                     dead=a.dead,
                 )  # fmt: skip
-                results.append(run(p, a.seeds))
+                results.append(run(p, a.seeds, a.trace))
                 print(f"N={n} store {fmt_bits(store)} pipeline {depth}: done", file=sys.stderr,
                       flush=True)  # fmt: skip
     print(f"size {a.size}, piece {a.piece}, link {fmt_bits(a.link)}, rtt {a.rtt} s, refresh "
@@ -601,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
           f"dead {a.dead}, efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "
           f"{cpu.describe() if cpu.on else 'not modelled'}\n")  # fmt: skip
     print(ms.md_table(HEADERS, [row(r) for r in results]))
+    for r, values in ((r, row(r)) for r in results if r["trace"]):
+        print(f"\nN = {values[0]}, store {values[1]}, seed {a.seed}: the links' use\n")
+        print(ms.md_table(("from s", "nodes' downlinks", "store's egress"), r["trace"]))
     if a.json:
         ms.write_json(a.json, {"argv": sys.argv, "runs": results})
     return 0

@@ -57,6 +57,19 @@ def test_one_node_alone_runs_at_its_link() -> None:
     assert out.last == pytest.approx(64 * MiB / 10e6, rel=0.02)
 
 
+def test_the_trace_shows_the_links_idle_before_the_start_and_full_while_one_node_fetches() -> None:
+    # one node, the blob in one piece: one flow from the store, from 3.15 s (two RTTs more)
+    # to ~9.9 s; bins of 0.3 s, so that the view rounds (every 0.5 s) end slices inside bins
+    swarm = sim.Swarm(replace(params(1, 1.0, startup=3.15), piece=64 * MiB), trace=0.3)
+    out = swarm.run()
+    assert swarm.usage is not None
+    rows = [[float(x) for x in r] for r in swarm.usage.rows()]
+    assert [r[0] for r in rows[:3]] == [0.0, 0.0, 1.0]  # the bins' starts, to whole seconds
+    assert all(r[1:] == [0.0, 0.0] for r in rows[:10])  # not started
+    assert rows[10][1:] == pytest.approx([0.5, 0.5], abs=0.02)  # 3.0-3.3 s: half
+    assert all(r[1:] == [1.0, 1.0] for r in rows[11 : int(out.last / 0.3)])
+
+
 def test_the_daemons_start_up_counts_in_the_ready_time() -> None:
     alone = 64 * MiB / 10e6
     out = sim.Swarm(params(1, 1.0, startup=3.0)).run()
