@@ -295,6 +295,16 @@ def test_endgame_asks_a_second_peer_never_the_same_source_nor_the_store() -> Non
     assert next(r for r in got if r.piece == 13).source == "b"
 
 
+def test_endgame_asks_only_an_idle_holder() -> None:
+    # 13 is in flight from a; b and c hold it but upload to others: a second copy from them
+    # would take their uplink from first copies; d is idle
+    peers = [peer("a", range(N), load=3), peer("b", range(N), load=1), peer("c", range(N), load=2)]
+    me = local(range(13), {13: {"a"}, 14: {"a"}, 15: {"a"}})
+    assert pick(me, peers) == []
+    got = pick(me, [*peers, peer("d", range(14), load=0)])
+    assert got == [Request(13, "d")]  # d does not hold 14 or 15
+
+
 def test_no_endgame_while_pieces_remain_or_too_many_are_missing() -> None:
     peers = [peer("a", range(N)), peer("b", range(N))]
     inflight = {k: {"a"} for k in range(4, N)}
@@ -375,13 +385,14 @@ def test_never_a_held_piece_and_each_piece_once(situations: list[Situation]) -> 
 def test_in_flight_pieces_only_in_the_endgame_from_a_second_peer(
     situations: list[Situation],
 ) -> None:
-    for me, _, _, limits, got in situations:
+    for me, peers, _, limits, got in situations:
         missing = me.have.count - len(me.have)
         for r in got:
             if r.piece in me.inflight:
                 assert missing <= limits.endgame
                 assert len(me.inflight[r.piece]) == 1 and r.source not in me.inflight[r.piece]
                 assert r.source != ORIGIN
+                assert next(p for p in peers if p.url == r.source).load == 0
                 wanted = set(range(me.have.count)) - set(me.have) - set(me.inflight)
                 assert not wanted - {q.piece for q in got}, "endgame while pieces were unasked"
 

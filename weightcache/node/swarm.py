@@ -44,10 +44,14 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
    nodes, view 32). So a node with requests in flight leaves such pieces to its peers, and
    an idle one asks the store for one at a time.
 4. **Endgame.** When every missing piece is already in flight and at most `Limits.endgame`
-   are missing, each is also asked of a second peer holding it (never of more than two
-   sources), so that the last pieces do not wait on the slowest sender. Not of the store: a
-   second copy from it is what rule 1 avoids, and with few pieces per node that tail alone
-   would cost a noticeable share of a copy (8 nodes x 1 piece of 64 = 1/8).
+   are missing, each is also asked of a second peer holding it that is idle (advertises no
+   upload: `PeerView.load` 0; never of more than two sources), so that the last pieces do
+   not wait on a slow sender. Only an idle one: a second copy from a busy holder takes a
+   share of its uplink from the first copies other nodes wait for, and the copy that loses
+   is thrown away (benchmarks/RESULTS.md: 8-18 MB of each node's 269 MB at N = 8, and the
+   swarm 5-10% slower with the store at one link). Not of the store: a second copy from it
+   is what rule 1 avoids, and with few pieces per node that tail alone would cost a
+   noticeable share of a copy (8 nodes x 1 piece of 64 = 1/8).
 
 Bounds (`Limits`): requests in flight per peer, to the store (the window, at most
 `Limits.per_origin`), and in total. A piece this
@@ -366,7 +370,7 @@ class _Plan:
             self._add(_pick(_rarest(self.wanted & within, self.holders), rng), ORIGIN)
 
     def endgame(self, rng: random.Random) -> None:
-        """Rule 4: a second source for the last pieces in flight (one each, at most)."""
+        """Rule 4: a second source, an idle peer, for the last pieces in flight (one each)."""
         missing = self.local.have.count - len(self.local.have)
         if self.wanted or not 0 < missing <= self.limits.endgame:
             return
@@ -374,13 +378,16 @@ class _Plan:
         for piece, sources in sorted(self.local.inflight.items()):
             if len(sources) != 1 or piece in planned:
                 continue
-            holders = [
+            idle = [
                 p
                 for p in self.peers
-                if p.have.bits >> piece & 1 and p.url not in sources and self._free(p.url)
+                if p.have.bits >> piece & 1
+                and p.url not in sources
+                and p.load == 0
+                and self._free(p.url)
             ]
-            if holders:
-                self._add(piece, min(holders, key=lambda p: self._load(p, rng)).url)
+            if idle:
+                self._add(piece, min(idle, key=lambda p: self._load(p, rng)).url)
 
 
 # -- bit arithmetic ----------------------------------------------------------------------------
