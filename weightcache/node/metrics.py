@@ -110,8 +110,9 @@ class Metrics:
         )
         self.bytes = Counter(
             "weightcache_bytes",
-            "Bytes made ready by where they came from: origin (object store), peer "
-            "(another node), local (already on this node: hits and linked blobs).",
+            "Bytes by where they came from: origin (received from the object store), peer "
+            "(received from another node), local (already on this node: hits and linked "
+            "blobs). Received bytes include any a retry or a losing second copy threw away.",
             ["source"],
             registry=r,
         )
