@@ -48,8 +48,8 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
    upload: `PeerView.load` 0; never of more than two sources), so that the last pieces do
    not wait on a slow sender. Only an idle one: a second copy from a busy holder takes a
    share of its uplink from the first copies other nodes wait for, and the copy that loses
-   is thrown away (benchmarks/RESULTS.md: 8-18 MB of each node's 269 MB at N = 8, and the
-   swarm 5-10% slower with the store at one link). Not of the store: a second copy from it
+   is thrown away (benchmarks/RESULTS.md: 8-18 MB of each node's 269 MB at N = 8, the last
+   node ready 3-5% later than with idle peers only). Not of the store: a second copy from it
    is what rule 1 avoids, and with few pieces per node that tail alone would cost a
    noticeable share of a copy (8 nodes x 1 piece of 64 = 1/8).
 
