@@ -29,6 +29,8 @@ back to back in their namespaces. Measured from outside the daemons:
   daemon is not asked until its marker is there (`Poller`);
 - *store sent*: the bytes tc's tbf on the store's uplink sent during the run (wire bytes),
   divided by the overhead measured in the sanity check, in model sizes. Not self-reported;
+- *received*: what each daemon counted as received from the store and from peers, over the
+  model (the median node): above 1, pieces received twice and thrown away;
 - the daemons' own counters (origin, peer bytes) and CPU, and the host's CPU busy share, in
   the JSON, to tell a CPU-bound run from a link-bound one.
 
@@ -111,6 +113,15 @@ def summarize(ready_s: list[float | None], line_s: float, store_payload: float,
     p50 = ms.median(done) if len(done) * 2 >= len(ready_s) else float("nan")
     return Summary(len(done), last, p50, last / line_s, p50 / line_s,
                    store_payload / model_bytes, store_wire / model_bytes)  # fmt: skip
+
+
+def received_x_model(run: Run, model_bytes: int) -> float:
+    """The bytes a node received (its daemon's `weightcache_bytes_total` from the store and
+    from peers) over the model, the median over the nodes: above 1, copies of pieces that
+    lost a race and were thrown away. NaN without counters."""
+    got = [c["origin_bytes"] + c["peer_bytes"] for c in run.daemon_counters]
+    got = [g for g in got if g == g]
+    return ms.median(got) / model_bytes if got else float("nan")
 
 
 # --------------------------------------------------------------------------- the sanity check
@@ -304,7 +315,11 @@ def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
                               r.store_wire_bytes) for r in mine]  # fmt: skip
 
             def med(values: list[float]) -> float:
-                return ms.median([v for v in values if v == v]) if values else float("nan")
+                kept = [v for v in values if v == v]
+                return ms.median(kept) if kept else float("nan")
+
+            def times(value: float, digits: int = 2) -> str:
+                return ms.fmt_num(value, digits) + ("x" if value == value else "")
 
             last_up = med([max((u for u in r.up_s if u is not None), default=float("nan"))
                            for r in mine])  # fmt: skip
@@ -312,20 +327,21 @@ def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
                 str(n), "peers on" if mode == "p2p" else "peers off",
                 f"{sum(s.nodes_ready for s in sums)}/{n * len(mine)}",
                 ms.fmt_num(med([s.last_s for s in sums]), 1),
-                ms.fmt_num(med([s.last_x_line for s in sums]), 1) + "x",
+                times(med([s.last_x_line for s in sums])),
                 ms.fmt_num(med([s.p50_s for s in sums]), 1),
-                ms.fmt_num(med([s.p50_x_line for s in sums]), 1) + "x",
-                ms.fmt_num(med([s.store_x_model for s in sums])) + "x",
-                ms.fmt_num(med([s.wire_x_model for s in sums])) + "x",
+                times(med([s.p50_x_line for s in sums])),
+                times(med([s.store_x_model for s in sums])),
+                times(med([s.wire_x_model for s in sums])),
+                times(med([received_x_model(r, model_bytes) for r in mine])),
                 ms.fmt_num(last_up, 1),
                 ms.fmt_num(med([r.daemon_cpu_s for r in mine]), 0),
                 ms.fmt_num(100 * med([r.host_cpu_busy for r in mine]), 0) + "%",
             ])  # fmt: skip
-        rows.append([str(n), "line rate", "-", ms.fmt_num(line_s, 1), "1.0x",
-                     ms.fmt_num(line_s, 1), "1.0x", *["n/a"] * 5])  # fmt: skip
+        rows.append([str(n), "line rate", "-", ms.fmt_num(line_s, 1), "1.00x",
+                     ms.fmt_num(line_s, 1), "1.00x", *["n/a"] * 6])  # fmt: skip
     headers = ["N", "mode", "ready", "last ready s", "last / line", "p50 ready s",
-               "p50 / line", "store sent / model", "wire / model", "last up s", "daemon CPU s",
-               "host CPU busy"]  # fmt: skip
+               "p50 / line", "store sent / model", "wire / model", "received / model",
+               "last up s", "daemon CPU s", "host CPU busy"]  # fmt: skip
     return ms.md_table(headers, rows)
 
 

@@ -66,6 +66,24 @@ def test_summarize_in_line_rates_and_model_copies() -> None:
     assert s.nodes_ready == 2 and math.isnan(s.last_s) and s.p50_s == 7.5
 
 
+def test_the_table_shows_what_each_node_received_over_the_model() -> None:
+    # two nodes received 110 and 130 of a 100-byte model (store and peers): duplicates;
+    # a run without counters (an older JSON) shows none, not a made-up 0
+    counters = [{"origin_bytes": 10.0, "peer_bytes": 100.0},
+                {"origin_bytes": 30.0, "peer_bytes": 100.0}]  # fmt: skip
+    run = swarm.Run(1, 2, "p2p", 1, [4.0, 6.6], [0.5, 0.5], 105, 100.0, 3.0, 0.5,
+                    daemon_counters=counters)  # fmt: skip
+    assert swarm.received_x_model(run, 100) == pytest.approx(1.2)
+    bare = replace(run, daemon_counters=[])
+    assert math.isnan(swarm.received_x_model(bare, 100))
+    for r, want in ((run, "1.20x"), (bare, "n/a")):
+        table = swarm.report([r], 1, [2], line_s=3.0, model_bytes=100)
+        rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()]
+        head, on = rows[0], rows[2]
+        assert on[head.index("received / model")] == want
+        assert on[head.index("p50 / line")] == "1.77x"  # two digits: the target is 1.2x
+
+
 def test_line_rate_is_the_model_over_one_link() -> None:
     assert swarm.line_rate_s(256 << 20, 400_000_000) == pytest.approx(5.37, abs=0.01)
 
