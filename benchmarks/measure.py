@@ -207,6 +207,11 @@ def fmt_num(x: float, digits: int = 2) -> str:
     return "n/a" if x != x else f"{x:.{digits}f}"  # x != x: NaN
 
 
+def fmt_times(x: float, digits: int = 2) -> str:
+    """A ratio as "1.23x"; "n/a" for NaN."""
+    return "n/a" if x != x else f"{x:.{digits}f}x"
+
+
 def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A GitHub markdown table; numbers right-aligned."""
     cells = [[str(c) for c in row] for row in rows]

@@ -315,11 +315,7 @@ def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
                               r.store_wire_bytes) for r in mine]  # fmt: skip
 
             def med(values: list[float]) -> float:
-                kept = [v for v in values if v == v]
-                return ms.median(kept) if kept else float("nan")
-
-            def times(value: float, digits: int = 2) -> str:
-                return ms.fmt_num(value, digits) + ("x" if value == value else "")
+                return ms.median([v for v in values if v == v])  # NaN if none
 
             last_up = med([max((u for u in r.up_s if u is not None), default=float("nan"))
                            for r in mine])  # fmt: skip
@@ -327,12 +323,12 @@ def report(runs: list[Run], regime: int, n_values: list[int], line_s: float,
                 str(n), "peers on" if mode == "p2p" else "peers off",
                 f"{sum(s.nodes_ready for s in sums)}/{n * len(mine)}",
                 ms.fmt_num(med([s.last_s for s in sums]), 1),
-                times(med([s.last_x_line for s in sums])),
+                ms.fmt_times(med([s.last_x_line for s in sums])),
                 ms.fmt_num(med([s.p50_s for s in sums]), 1),
-                times(med([s.p50_x_line for s in sums])),
-                times(med([s.store_x_model for s in sums])),
-                times(med([s.wire_x_model for s in sums])),
-                times(med([received_x_model(r, model_bytes) for r in mine])),
+                ms.fmt_times(med([s.p50_x_line for s in sums])),
+                ms.fmt_times(med([s.store_x_model for s in sums])),
+                ms.fmt_times(med([s.wire_x_model for s in sums])),
+                ms.fmt_times(med([received_x_model(r, model_bytes) for r in mine])),
                 ms.fmt_num(last_up, 1),
                 ms.fmt_num(med([r.daemon_cpu_s for r in mine]), 0),
                 ms.fmt_num(100 * med([r.host_cpu_busy for r in mine]), 0) + "%",

@@ -142,7 +142,7 @@ def agreement(output: dict[str, Any], runs: list[RunLike],
     for (regime, n), sims in sorted(predicted.items()):
         for mode, outcome in sims.items():
             got = _measured(runs, (regime, n, mode), "last")
-            ratio = ms.fmt_num(got / outcome.last) + "x" if got == got else "n/a"
+            ratio = ms.fmt_times(got / outcome.last)
             cpu = [r.daemon_cpu_s for r in runs if (r.regime, r.n, r.mode) == (regime, n, mode)]
             rows.append([f"{regime}x", n, "peers on" if mode == "p2p" else "peers off",
                          ms.fmt_num(got, 1), ms.fmt_num(outcome.last, 1), ratio,
