@@ -383,7 +383,7 @@ class RangedDownloader:
             pos = reached
 
     def _copy_range(
-        self, f: _File, index: int, start: int, end: int, tail: bool = False
+        self, f: _File, index: int, start: int, end: int, tail: bool
     ) -> tuple[int, RetryRange | None]:
         """Copy [start, end) of part `index` from the source into the partial file; the
         part's own reader records each write in the part state and stops early where a
