@@ -120,8 +120,7 @@ def received_x_model(run: Run, model_bytes: int) -> float:
     from peers) over the model, the median over the nodes: above 1, copies of pieces that
     lost a race and were thrown away. NaN without counters."""
     got = [c["origin_bytes"] + c["peer_bytes"] for c in run.daemon_counters]
-    got = [g for g in got if g == g]
-    return ms.median(got) / model_bytes if got else float("nan")
+    return ms.median([g for g in got if g == g]) / model_bytes  # NaN if none
 
 
 # --------------------------------------------------------------------------- the sanity check
