@@ -4,12 +4,15 @@ its process holds its lock, and carries its GETs in flight."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from weightcache.cache import alone
 from weightcache.cache.layout import Layout
@@ -75,3 +78,25 @@ def test_records_without_a_held_lock_or_unreadable_count_as_nothing(tmp_path: Pa
         assert alone.live(layout) == []  # malformed: nothing, but not a ghost
         assert list(layout.fetching.glob("*.json")) == [own]
     assert list(layout.fetching.iterdir()) == []
+
+
+@pytest.mark.timeout(10)
+def test_records_and_locks_planted_as_fifos_or_symlinks_count_as_nothing_at_once(
+    tmp_path: Path,
+) -> None:
+    """A FIFO at a lock's or a record's path must not hang the daemon's scrape."""
+    layout = Layout.open(tmp_path / "cache")
+    layout.fetching.mkdir()
+    record = json.dumps({"name": "m", "revision": "r1", "gets": 3})
+    os.mkfifo(layout.fetching / "1-aa.lock")  # opening it to read would wait for a writer
+    (layout.fetching / "1-aa.json").write_text(record)
+    assert alone.live(layout) == []  # not held: a ghost, removed
+    assert list(layout.fetching.iterdir()) == []
+    with alone.registered(layout, "x", "y", lambda: 1):
+        [own] = layout.fetching.glob("*.json")
+        own.unlink()
+        os.mkfifo(own)  # a held lock, its record a FIFO
+        assert alone.live(layout) == []
+        own.unlink()
+        own.symlink_to("/dev/zero")
+        assert alone.live(layout) == []

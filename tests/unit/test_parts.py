@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from weightcache.transfer.parts import PartState, plan_parts
+from weightcache.transfer.parts import MAX_STATE_BYTES, PartState, plan_parts
 
 
 @pytest.mark.parametrize(
@@ -254,3 +255,19 @@ def test_load_geometry_given_as_booleans_is_fresh(tmp_path: Path) -> None:
     path = tmp_path / "x.part.json"
     path.write_text('{"version": 2, "size": true, "part_size": true, "written": [1]}')
     assert PartState.load(path, 1, 1).done == [False]
+
+
+@pytest.mark.timeout(10)
+def test_load_a_state_planted_as_no_regular_file_or_too_large_is_fresh(tmp_path: Path) -> None:
+    path = tmp_path / "x.part.json"
+    os.mkfifo(path)
+    assert PartState.load(path, 10, 4).done == [False, False, False]
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    assert PartState.load(path, 10, 4).done == [False, False, False]
+    path.unlink()
+    complete = '{"version": 2, "size": 10, "part_size": 4, "written": [4, 4, 2]}'
+    path.write_text(complete)
+    assert PartState.load(path, 10, 4).done == [True, True, True]
+    path.write_text(complete + " " * MAX_STATE_BYTES)  # well formed, but not from save()
+    assert PartState.load(path, 10, 4).done == [False, False, False]

@@ -4,6 +4,7 @@ and the served prefix of a partial, with literal values and a fake clock (no net
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -277,6 +278,13 @@ def test_partial_pieces_are_the_done_parts(tmp_path: Path) -> None:
     assert p.held == (False, True, False, False, False, False, True)
     assert p.covers(16384, 2 * 16384) and p.covers(6 * 16384, 100_000)
     assert not p.covers(0, 1)
+
+
+@pytest.mark.timeout(10)
+def test_partial_pieces_of_a_state_planted_as_a_fifo_are_none(tmp_path: Path) -> None:
+    state = tmp_path / f"{HEX}.part.json"
+    os.mkfifo(state)  # a peer's HEAD must not hang the peer server's thread on it
+    assert partial_pieces(state, 100_000).held == (False,)
 
 
 # -- choosing sources -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
 from weightcache.cache.marker import Marker
-from weightcache.cache.store import Cache
+from weightcache.cache.store import MARKER_MAX_BYTES, Cache
 
 PutBlob = Callable[[bytes], str]
 
@@ -252,6 +252,27 @@ def test_ready_none_for_an_unreadable_marker(store: Cache, layout: Layout, conte
     assert store.ready("m", "r") is None
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("planted", ["fifo", "symlink to /dev/zero", "too large"])
+def test_ready_none_for_a_marker_planted_as_no_regular_file(
+    store: Cache, layout: Layout, planted: str
+) -> None:
+    """Anyone who can write the cache can plant these: a FIFO would hang every reader of
+    markers (the daemon, `ls`) and /dev/zero fill its memory."""
+    marker = layout.root / "m" / "r" / MARKER
+    marker.parent.mkdir(parents=True)
+    if planted == "fifo":
+        os.mkfifo(marker)
+    elif planted == "too large":
+        with open(marker, "wb") as fh:
+            fh.truncate(MARKER_MAX_BYTES + 1)  # sparse: no disk, only its size
+    else:
+        marker.symlink_to("/dev/zero")
+    assert store.read_marker("m", "r") is None
+    with pytest.raises(ValueError, match=r"regular file|symbolic link|more than"):
+        store.load_marker("m", "r")
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -414,6 +435,25 @@ def test_orphans_spare_the_blobs_a_running_fetch_noted_in_its_lock(
     running.release()  # the fetch ended without linking it: now it is an orphan
     assert store.collect_orphans() == len(b"about to be linked")
     assert store.ready("m", "r") == marker
+
+
+@pytest.mark.timeout(10)
+def test_a_held_revision_lock_planted_as_a_fifo_is_ignored_not_waited_on(
+    store: Cache, layout: Layout, put_blob: PutBlob
+) -> None:
+    wanted = put_blob(b"about to be linked")
+    running = FileLock(layout.revision_lock("m", "r"), "m@r")
+    assert running.try_acquire()
+    running.note(f"{wanted}\n")
+    planted = layout.locks / "rev-evil@r.lock"
+    os.mkfifo(planted)
+    holder = FileLock(planted, "evil")  # held, and open for writing: a read would block
+    try:
+        assert holder.try_acquire()
+        assert store.wanted_by_running_fetches() == {wanted}
+    finally:
+        holder.release()
+        running.release()
 
 
 def test_retire_revision_renames_it_away_for_the_caller_to_delete(

@@ -28,12 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.cache.layout import Layout
+from weightcache.smallfile import read_small
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two rewrites of a record's GET count (only when it changed): the
 #: daemon reads at each scrape, so finer would only cost writes.
 UPDATE_INTERVAL = 0.5
+#: A record is a name, a revision (one path segment each) and a count: well under this.
+RECORD_MAX_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -137,8 +140,8 @@ def _read_live(record: Path, remove_ghost: bool) -> AloneFetch | None:
     """The record's fetch if its holder still holds the lock, else None (removing the
     ghost's files if asked). A record unreadable or malformed counts as nothing."""
     lock = record.with_suffix(".lock")
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # not blocking on a FIFO planted there, nor following a symlink
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         fd = None
     except OSError:
@@ -168,7 +171,7 @@ def _held(fd: int) -> bool:
 
 def _parse(record: Path) -> AloneFetch | None:
     try:
-        data = json.loads(record.read_text())
+        data = json.loads(read_small(record, RECORD_MAX_BYTES))
         return AloneFetch(str(data["name"]), str(data["revision"]), max(0, int(data["gets"])))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -21,12 +21,17 @@ from typing import TYPE_CHECKING
 from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
+from weightcache.smallfile import read_small
 
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
 
 log = logging.getLogger(__name__)
 _HEX_LINE = r"(?m)^[0-9a-f]{64}$"  # compiled on use, not by every fetch
+#: The most a marker (or a revision lock's list of blobs) is read of: a revision of a
+#: million files is ~100 MiB of SHA256SUMS, so 256 MiB is more than any real one holds,
+#: and less than a file planted in the cache could make the reader allocate.
+MARKER_MAX_BYTES = 256 << 20
 
 
 class FileOps:
@@ -78,10 +83,11 @@ class Cache:
     # -- reading -------------------------------------------------------------------------------
 
     def load_marker(self, name: str, revision: str) -> Marker | None:
-        """The revision's marker, None if it has none; ValueError if it is unreadable or
-        lists an unsafe path (see Marker.from_json)."""
+        """The revision's marker, None if it has none; ValueError if it is unreadable,
+        not a regular file or over MARKER_MAX_BYTES, or lists an unsafe path (see
+        Marker.from_json)."""
         try:
-            text = self.layout.marker(name, revision).read_text()
+            text = read_small(self.layout.marker(name, revision), MARKER_MAX_BYTES).decode()
         except (FileNotFoundError, NotADirectoryError):
             return None
         # Imported once there is one to read: a cold fetch's first GET need not wait for it.
@@ -244,9 +250,13 @@ class Cache:
                 if lock.try_acquire():
                     lock.release()
                     continue
-                wanted.update(re.findall(_HEX_LINE, path.read_text(errors="replace")))
+                listed = read_small(path, MARKER_MAX_BYTES).decode(errors="replace")
             except FileNotFoundError:
                 continue
+            except ValueError as e:  # planted: no fetch of ours wrote it
+                log.warning("ignoring %s", e)
+                continue
+            wanted.update(re.findall(_HEX_LINE, listed))
         return wanted
 
     def usage(self) -> int:

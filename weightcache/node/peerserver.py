@@ -47,8 +47,9 @@ from weightcache.node.peers import (
 )  # fmt: skip
 from weightcache.node.serve import HttpServer, Limits
 from weightcache.node.swarm import Bitmap
+from weightcache.smallfile import read_small
 from weightcache.transfer.pacing import TokenBucket
-from weightcache.transfer.parts import PartState
+from weightcache.transfer.parts import MAX_STATE_BYTES, PartState
 from weightcache.transfer.sources import READ_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def partial_pieces(state_path: Path, size: int) -> Pieces:
     part state (weightcache/transfer/parts.py), a part held once done. The one place that
     reads a part state here."""
     try:
-        part_size = int(json.loads(state_path.read_text())["part_size"])
+        part_size = int(json.loads(read_small(state_path, MAX_STATE_BYTES))["part_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return Pieces(size, max(size, 1), (False,))
     if part_size < 4096:  # not what the downloader writes; never plan millions of parts
