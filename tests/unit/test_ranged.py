@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import random
 import threading
@@ -192,6 +193,37 @@ def test_a_new_partial_saves_its_state_with_its_first_bytes_and_a_stale_one_at_o
     os.truncate(path, PART)  # the file lost its preallocation: its state's claim is void
     PartialFile.open(path, "b", len(data), PART).close()
     assert PartState.load(state_path(path), len(data), PART).bytes_done() == 0
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "directory"])
+def test_what_is_planted_at_a_partial_name_is_replaced_never_written_through(
+    tmp_path: Path, planted: str
+) -> None:
+    """Whoever can write the cache can put a symlink to any file where a partial will be:
+    the download's bytes must not land in that file (nor its mode change), nor wait on a
+    FIFO, nor fail on a directory."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    path = tmp_path / "b.part"
+    if planted == "symlink":
+        path.symlink_to(victim)
+    elif planted == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+        (path / "inside").write_bytes(b"x")
+    state_path(path).write_text(json.dumps({"version": 2, "size": 2 * PART,
+                                            "part_size": PART, "written": [PART, 0]}))  # fmt: skip
+    partial = PartialFile.open(path, "b", 2 * PART, PART)
+    try:
+        assert partial.state.bytes_done() == 0  # what the state claimed was not this file's
+        partial.write(memoryview(b"y" * PART), 0)
+    finally:
+        partial.close()
+    assert not path.is_symlink() and path.is_file() and path.stat().st_size == 2 * PART
+    assert victim.read_bytes() == b"precious" and victim.stat().st_mode & 0o777 == 0o600
 
 
 def test_a_download_stopped_short_resumes_after_the_parts_it_finished(

@@ -16,6 +16,7 @@ from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
 from weightcache.cache.marker import Marker
 from weightcache.cache.store import MARKER_MAX_BYTES, Cache
+from weightcache.errors import IntegrityError
 
 PutBlob = Callable[[bytes], str]
 
@@ -376,6 +377,23 @@ def test_publish_blob(store: Cache, layout: Layout) -> None:
     assert blob.read_bytes() == data
     assert blob.stat().st_mode & 0o777 == 0o444
     assert list(layout.tmp.iterdir()) == []
+
+
+def test_publish_blob_refuses_a_partial_replaced_by_a_symlink_and_changes_nothing(
+    store: Cache, layout: Layout, tmp_path: Path
+) -> None:
+    """A symlink put in place of a verified partial (by whoever can write the cache) is
+    neither published nor followed: its target keeps its mode."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"published")
+    victim.chmod(0o600)
+    digest = hashlib.sha256(b"published").hexdigest()
+    partial = layout.partial(digest)
+    partial.symlink_to(victim)
+    with pytest.raises(IntegrityError, match="not a regular file"):
+        store.publish_blob(partial, digest)
+    assert not layout.blob(digest).exists()
+    assert victim.stat().st_mode & 0o777 == 0o600
 
 
 # -- FileLock ----------------------------------------------------------------------------------

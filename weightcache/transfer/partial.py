@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import stat
 import threading
 import time
@@ -75,8 +76,7 @@ class PartialFile:
         bytes its saved state records (and rehashing them: both digests start at byte 0).
         Raises NoSpaceError when the disk cannot hold it."""
         state = PartState.load(state_path(path), size, part_size)
-        _make_writable(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_partial(path)
         try:
             if not state.bytes_done() or os.fstat(fd).st_size != size:
                 # A state that claimed bytes is replaced now; where none did (a new
@@ -283,16 +283,51 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
+#: Opening a partial: never through a symlink, never waiting on a FIFO.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: no-op on a file
+
+
+def _open_partial(partial: Path) -> int:
+    """`partial` opened for writing (created if absent), a regular file of tmp/ and
+    nothing else. Anything else at its name (a symlink, a FIFO, a directory: planted by
+    whoever can write the cache) is removed first, so that no byte of a download is ever
+    written through it to a file outside the cache."""
+    try:
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644)
+    except PermissionError:
+        _make_writable(partial)
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644)
+    except OSError as e:  # ELOOP: a symlink; EISDIR; ENXIO: a socket
+        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        fd = -1
+    if fd >= 0 and stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    if fd >= 0:
+        os.close(fd)
+    log.warning("removing %s: not a regular file", partial)
+    if partial.is_dir() and not partial.is_symlink():
+        shutil.rmtree(partial)
+    else:
+        partial.unlink()
+    return os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644)
+
+
 def _make_writable(partial: Path) -> None:
     """A kill between publishing's chmod 0444 of a verified partial and its rename leaves
-    it read-only: as the non-root uid that wrote it, O_RDWR would fail with EACCES until
-    tmp/ is cleaned a day later. It is ours to write again."""
+    it read-only: as the non-root uid that wrote it, O_RDWR fails with EACCES until tmp/
+    is cleaned a day later. It is ours to write again (changed through its own fd: a
+    symlink put in its place meanwhile is not followed)."""
     try:
-        mode = partial.stat().st_mode
+        fd = os.open(partial, os.O_RDONLY | _OPEN_FLAGS)
     except FileNotFoundError:
-        return
-    if not mode & stat.S_IWUSR:
-        os.chmod(partial, mode | stat.S_IWUSR)
+        return  # none to make writable: the EACCES was creating it (tmp/ not writable)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            os.fchmod(fd, stat.S_IMODE(mode) | stat.S_IWUSR)
+    finally:
+        os.close(fd)
 
 
 def _preallocate(fd: int, size: int, label: str) -> None:
