@@ -100,3 +100,7 @@ def test_records_and_locks_planted_as_fifos_or_symlinks_count_as_nothing_at_once
         own.unlink()
         own.symlink_to("/dev/zero")
         assert alone.live(layout) == []
+        own.unlink()
+        for content in ('{"name": "x", "revision": "y", "gets": 1e400}', "[" * 4000):
+            own.write_text(content)  # OverflowError, RecursionError: nothing, no ghost
+            assert alone.live(layout) == [] and own.exists()

@@ -155,6 +155,9 @@ def test_a_large_file_keeps_every_entry(tmp_path: Path) -> None:
         pytest.param(
             f"{{source: {SRC}, pinned: true}}", r"unknown key\(s\) \['pinned'\]", id="unknown-key"
         ),
+        pytest.param(  # keys of two types: sorting them must not raise TypeError
+            f"{{source: {SRC}, 1: x, b: y}}", r"unknown key\(s\) \['1', 'b'\]", id="mixed-keys"
+        ),
         pytest.param(
             f"{{source: {SRC}, pin: 'true'}}", "'pin' must be true or false", id="pin-string"
         ),

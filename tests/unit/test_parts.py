@@ -136,6 +136,7 @@ def test_load_mismatched_geometry_is_fresh(tmp_path: Path, size: int, part_size:
     [
         b"",
         b"not json",
+        pytest.param(b"[" * 100_000, id="nested"),  # RecursionError in json.loads
         b'{"size": 10, "part_size": 4, "done": [0, 1',  # torn write
         b"\xff\xfe\x00garbage",
         b"[]",

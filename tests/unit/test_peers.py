@@ -285,6 +285,15 @@ def test_partial_pieces_of_a_state_planted_as_a_fifo_are_none(tmp_path: Path) ->
     state = tmp_path / f"{HEX}.part.json"
     os.mkfifo(state)  # a peer's HEAD must not hang the peer server's thread on it
     assert partial_pieces(state, 100_000).held == (False,)
+    for content in ('{"part_size": 1e400}', "[" * 100_000):  # OverflowError, RecursionError
+        state.unlink()
+        state.write_text(content)
+        assert partial_pieces(state, 100_000).held == (False,)
+
+
+def test_a_token_with_bytes_outside_ascii_is_refused_as_a_bad_token() -> None:
+    assert refusal("Bearer s\udcffcret", "secret") == "bad_token"
+    assert refusal("Bearer secret", "secret") is None
 
 
 # -- choosing sources -------------------------------------------------------------------------

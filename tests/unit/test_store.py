@@ -244,6 +244,12 @@ def test_ready_none_when_the_marker_names_another_revision(
         '{"version": 2, "files": {}}',
         '{"version": 1, "name": "m", "revision": "r", "source": "", '
         '"manifest_sha256": "", "created": 0, "files": {"a.bin": {"size": "x"}}}',
+        pytest.param(
+            '{"version": 1, "name": "m", "revision": "r", "source": "", "manifest_sha256": "", '
+            f'"created": 0, "files": {{"a.bin": {{"sha256": "{"0" * 64}", "size": 1e400}}}}}}',
+            id="size-inf",  # OverflowError in int()
+        ),
+        pytest.param("[" * 100_000, id="nested"),  # RecursionError in json.loads
     ],
 )
 def test_ready_none_for_an_unreadable_marker(store: Cache, layout: Layout, content: str) -> None:

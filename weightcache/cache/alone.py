@@ -173,5 +173,5 @@ def _parse(record: Path) -> AloneFetch | None:
     try:
         data = json.loads(read_small(record, RECORD_MAX_BYTES))
         return AloneFetch(str(data["name"]), str(data["revision"]), max(0, int(data["gets"])))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None

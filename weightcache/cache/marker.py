@@ -91,7 +91,7 @@ class Marker:
                 float(d["created"]),
                 {p: how for p, how in verified.items() if how != BY_MANIFEST},
             )  # fmt: skip
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
             raise ValueError(f"malformed marker ({type(e).__name__}: {e})") from e
 
 

@@ -169,7 +169,10 @@ def _read_event(reader: Any) -> dict[str, Any]:
     line = reader.readline(65536)
     if not line:
         raise ValueError("connection closed")
-    msg = json.loads(line)
+    try:
+        msg = json.loads(line)
+    except RecursionError:
+        raise ValueError(f"not an event: {line[:80]!r}") from None
     if not isinstance(msg, dict):
         raise ValueError(f"not an event: {line[:80]!r}")
     return msg

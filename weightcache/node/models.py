@@ -109,7 +109,7 @@ def parse_entry(raw: Any) -> ModelSpec:
         raise UsageError("each entry needs at least 'source: s3://bucket/prefix/<name>/<rev>'")
     unknown = set(raw) - _KEYS
     if unknown:
-        raise UsageError(f"unknown key(s) {sorted(unknown)}; allowed: {sorted(_KEYS)}")
+        raise UsageError(f"unknown key(s) {sorted(map(str, unknown))}; allowed: {sorted(_KEYS)}")
     pin = raw.get("pin", False)
     if not isinstance(pin, bool):
         raise UsageError(f"'pin' must be true or false, not {pin!r}")

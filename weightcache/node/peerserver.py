@@ -97,7 +97,10 @@ def refusal(authorization: str | None, token: str) -> str | None:
     if not authorization:
         return "no_token"
     scheme, _, given = authorization.strip().partition(" ")
-    ok = hmac.compare_digest(given.strip().encode(), token.encode())
+    try:
+        ok = hmac.compare_digest(given.strip().encode(), token.encode())
+    except UnicodeEncodeError:  # a byte aiohttp could not decode: not our token
+        return "bad_token"
     return None if scheme.lower() == "bearer" and ok else "bad_token"
 
 
@@ -158,7 +161,7 @@ def partial_pieces(state_path: Path, size: int) -> Pieces:
     reads a part state here."""
     try:
         part_size = int(json.loads(read_small(state_path, MAX_STATE_BYTES))["part_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return Pieces(size, max(size, 1), (False,))
     if part_size < 4096:  # not what the downloader writes; never plan millions of parts
         return Pieces(size, max(size, 1), (False,))

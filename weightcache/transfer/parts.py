@@ -122,7 +122,7 @@ class PartState:
         state = cls(size, part_size)
         try:
             data = json.loads(read_small(path, MAX_STATE_BYTES))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply
             return state
         if not isinstance(data, dict) or not _matches(data, size, part_size):
             return state
