@@ -211,6 +211,30 @@ def test_a_request_with_an_empty_revision_is_an_error_not_the_url_s(
     assert "empty" in sent[0]["message"] and fake.calls == []
 
 
+@pytest.mark.parametrize("op", ["fetch", "hit"])
+def test_a_name_that_is_no_path_segment_is_an_error_and_leases_nothing(
+    coordinator: Coordinator, cache: Cache, fake: FakeFetch, op: str
+) -> None:
+    sent: list[dict[str, Any]] = []
+    for name in ("n" * 60_000, "a/b", ".."):
+        request = {"op": op, "source": SOURCE.url, "name": name, "pod_uid": POD}
+        handler(coordinator).handle_line(json.dumps(request).encode(), sent.append)
+    assert events(sent) == ["error"] * 3 and {e["exit_code"] for e in sent} == {2}, sent
+    assert for_cache(cache.layout).lease_holders() == set() and fake.calls == []
+
+
+def test_hits_on_revisions_the_cache_never_had_lease_nothing(
+    coordinator: Coordinator, cache: Cache
+) -> None:
+    """A Pod that sends hits for made-up revisions must not grow the index."""
+    for i in range(20):
+        coordinator.record_hit(Source.parse(f"s3://models/m/made-up-{i}"), POD)
+    assert for_cache(cache.layout).lease_holders() == set()
+    add_revision(cache, "m", "r1", 10)
+    coordinator.record_hit(SOURCE, POD)
+    assert for_cache(cache.layout).lease_holders() == {POD}
+
+
 def test_a_stopping_daemon_answers_no_error(coordinator: Coordinator) -> None:
     coordinator.stopping.set()
     sent: list[dict[str, Any]] = []

@@ -18,6 +18,7 @@ from typing import Any
 
 from weightcache.cache import alone
 from weightcache.cache.index import Index
+from weightcache.cache.layout import check_revision
 from weightcache.cache.store import Cache
 from weightcache.errors import NoSpaceError, UsageError, WeightcacheError
 from weightcache.fetch import FetchResult
@@ -135,8 +136,9 @@ class Coordinator:
         the cache (initcontainer/, design §5) cannot write its lease itself, and
         without one its revision could be evicted under the running engine. The lease is
         committed before the marker is read (as in `submit`); a revision that is gone by
-        then keeps a lease that ends with the Pod, as any lease does."""
-        if pod_uid:
+        then keeps a lease that ends with the Pod, as any lease does. A revision this cache
+        never had gets none: a Pod's hits on made-up names would only grow the index."""
+        if pod_uid and self.cache.layout.revision_dir(source.name, source.revision).is_dir():
             self.index.lease(source.name, source.revision, pod_uid)
         marker = self.cache.read_marker(source.name, source.revision)
         self.metrics.fetches.labels("hit").inc()
@@ -236,6 +238,7 @@ class FetchSocketHandler:
     def handle_fetch(self, msg: dict[str, Any], send: Send) -> None:
         """Serve one Pod's fetch over the socket: refuse, or accept, heartbeat, answer."""
         source = Source.parse(msg["source"], msg.get("name"), msg.get("revision"))
+        check_revision(source.name, source.revision)  # before either op writes a lease
         pod_uid = msg.get("pod_uid")
         if msg.get("op") == "hit":
             self.coordinator.record_hit(source, pod_uid)
