@@ -682,3 +682,27 @@ def test_a_client_leaving_mid_sendfile_does_not_stop_the_server(served: Served) 
     status, body, headers = peer_get(served.port, f"/blobs/sha256/{sha256}",
                                      headers={"Range": f"bytes={MiB}-"})  # fmt: skip
     assert (status, body == data[MiB:], headers[PIECES]) == (206, True, "all")
+
+
+def test_a_receiver_that_stops_reading_has_its_response_cut(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that asks for a blob and then reads nothing must not keep its upload slot
+    (and the file) for good: the chunk it does not take in time ends the response."""
+    monkeypatch.setattr(peerserver, "SEND_GRACE", 1.0)
+    monkeypatch.setattr(peerserver, "SEND_MIN_RATE", 1 << 40)  # the grace alone
+    size = 64 << 20  # far more than the socket buffers hold
+    data = random.Random(7).randbytes(1 << 20) * 64
+    sha256 = "6f" * 32
+    served.layout.blob(sha256).write_bytes(data)
+    sock = socket.create_connection(("127.0.0.1", served.port), timeout=10)
+    try:
+        sock.sendall(f"GET /blobs/sha256/{sha256} HTTP/1.1\r\nHost: x\r\n"
+                     f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())  # fmt: skip
+        time.sleep(4)  # reading nothing, past the grace
+        got = 0
+        while chunk := sock.recv(1 << 20):  # what was buffered, then the server's close
+            got += len(chunk)
+    finally:
+        sock.close()
+    assert 0 < got < size, f"{got} bytes: the response was not cut"

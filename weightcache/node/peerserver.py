@@ -26,9 +26,10 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -53,6 +54,7 @@ from weightcache.transfer.parts import MAX_STATE_BYTES, PartState
 from weightcache.transfer.sources import READ_TIMEOUT
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHUNK = 256 << 10  # bytes per read and per token-bucket debit when uploading a partial
 #: Bytes per sendfile(2) call for a complete blob: large enough that the loop's per-call
@@ -64,6 +66,10 @@ SENDFILE_CHUNK = 16 << 20
 #: cut body (and moves on to the next source) rather than a timeout of its own.
 PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
+#: A chunk of a response must leave within SEND_GRACE seconds plus its size at
+#: SEND_MIN_RATE bytes/s, or the response is cut: a receiver that stops reading would
+#: otherwise hold one of the MAX_REQUESTS slots, and a file, for good (16 MiB: 94 s).
+SEND_GRACE, SEND_MIN_RATE = READ_TIMEOUT, 256 << 10
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -326,7 +332,7 @@ class PeerServer:
                     await asyncio.sleep(self.limiter.reserve(n))
                 if self.stopping.is_set() or transport.is_closing():
                     raise _Abort()  # (asyncio's sendfile raises RuntimeError on a closing one)
-                sent = await loop.sendfile(transport, f, pos, n)
+                sent = await _in_time(loop.sendfile(transport, f, pos, n), n)
                 self.observer.peer_uploaded(sent)
                 if sent != n:  # the file is shorter than it was: never pad
                     raise _Abort()
@@ -353,7 +359,7 @@ class PeerServer:
                 continue
             if self.limiter is not None:
                 await asyncio.sleep(self.limiter.reserve(len(data)))
-            await resp.write(data)
+            await _in_time(resp.write(data), len(data))
             self.observer.peer_uploaded(len(data))
             pos += len(data)
             idle_since = time.monotonic()
@@ -370,6 +376,16 @@ class PeerServer:
         if close:
             resp.force_close()
         return resp
+
+
+async def _in_time(sending: Awaitable[T], nbytes: int) -> T:
+    """`sending` (nbytes to the receiver), or _Abort if the receiver does not take them
+    within SEND_GRACE + nbytes / SEND_MIN_RATE seconds."""
+    try:
+        return await asyncio.wait_for(sending, SEND_GRACE + nbytes / SEND_MIN_RATE)
+    except TimeoutError:
+        log.info("cut a response: the receiver took less than %d bytes/s", SEND_MIN_RATE)
+        raise _Abort() from None
 
 
 def _advertise(pieces: Pieces) -> dict[str, str]:
