@@ -112,11 +112,19 @@ class Capacity:
             raise UsageError(f"{e}, or a percentage of the cache filesystem such as 85%") from e
         if size < 0 or (size == 0 and not zero_ok):
             raise UsageError(f"invalid {what} {text!r}: it must be more than zero")
+        if text.isdigit() and 0 < size <= 100:  # `--capacity 85`: surely not 85 bytes
+            raise UsageError(
+                f"invalid {what} {text!r}: for a percentage of the cache filesystem write "
+                f"{text}%; for a size, give its unit ({text}G, or {text}B for bytes)"
+            )
         return cls(bytes=size)
 
     def __str__(self) -> str:
-        """As `parse` reads it back: `85%` or `500GiB`."""
-        return f"{self.percent:g}%" if self.percent is not None else format_size(self.bytes or 0)
+        """As `parse` reads it back: `85%`, `500GiB`, `85B`."""
+        if self.percent is not None:
+            return f"{self.percent:g}%"
+        text = format_size(self.bytes or 0)
+        return f"{text}B" if text.isdigit() else text
 
     def resolve(self, filesystem_bytes: int) -> int:
         """The bound in bytes, given the size of the cache filesystem."""

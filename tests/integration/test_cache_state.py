@@ -198,7 +198,7 @@ def test_ls_and_gc_on_a_corrupt_state_db(
     assert kept, "the corrupt state.db was not kept aside"
 
     corrupt(cache_dir, how)
-    gc = wc.run("gc", "--capacity", "1", "--cache-dir", cache_dir)
+    gc = wc.run("gc", "--capacity", "1B", "--cache-dir", cache_dir)
     assert gc.returncode == 0, describe(gc)
     assert "Traceback" not in gc.stderr and len(corrupt_warnings(gc.stderr)) == 1, describe(gc)
     assert ls_json(wc, cache_dir) == {}, "gc did not evict from a rebuilt index"

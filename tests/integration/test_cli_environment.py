@@ -70,7 +70,7 @@ def test_a_read_only_cache_serves_hits_lists_and_refuses_misses_in_one_line(
 
     verify = wc.run("verify", "here/r1", "--cache-dir", ro)
     assert verify.returncode == 0, describe(verify)
-    gc = assert_fails(wc.run("gc", "--cache-dir", ro, "--capacity", "1"), 2)
+    gc = assert_fails(wc.run("gc", "--cache-dir", ro, "--capacity", "1B"), 2)
     assert "read-only" in gc, gc
     assert_revision_ok(cache_dir, here.name, here.rev, here.model)
 
@@ -84,7 +84,7 @@ def test_a_cache_dir_through_a_file_is_exit_2_naming_it(
     bad = tmp_path / "afile" / "cache"
     message = assert_fails(wc.fetch(pub.source, bad, "--no-daemon"), 2)
     assert str(tmp_path / "afile") in message, message
-    for args in (["ls"], ["verify", "m/r1"], ["gc", "--capacity", "1"]):
+    for args in (["ls"], ["verify", "m/r1"], ["gc", "--capacity", "1B"]):
         message = assert_fails(wc.run(*args, "--cache-dir", bad), 2)
         assert str(bad) in message, (args, message)
 
@@ -94,8 +94,8 @@ def test_read_only_commands_never_create_a_cache_at_a_mistyped_path(
     wc: CLI, tmp_path: Path
 ) -> None:
     typo = tmp_path / "cahce"
-    for args in (["ls"], ["verify", "m/r1"], ["gc", "--capacity", "1"], ["gc", "--dry-run",
-                 "--capacity", "1"]):  # fmt: skip
+    for args in (["ls"], ["verify", "m/r1"], ["gc", "--capacity", "1B"], ["gc", "--dry-run",
+                 "--capacity", "1B"]):  # fmt: skip
         message = assert_fails(wc.run(*args, "--cache-dir", typo), 2)
         assert str(typo) in message, (args, message)
         assert not typo.exists(), f"{args} created {typo}"

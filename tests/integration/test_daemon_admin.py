@@ -47,7 +47,7 @@ def test_gc_racing_fetch_never_leaves_a_marker_on_bad_data(
         warm = is_marked(cache_dir, pub)
         gc_first = rng.random() < 0.5
         delay = rng.uniform(0.0, 0.4)
-        gc_args = ("gc", "--capacity", "1", "--cache-dir", cache_dir)
+        gc_args = ("gc", "--capacity", "1B", "--cache-dir", cache_dir)
         fetch_args = ("--part-size", "1M")
         if gc_first:
             gc = wc.popen(*gc_args)
@@ -135,7 +135,7 @@ def test_gc_dry_run_prints_the_plan_and_changes_nothing(
 
     before_tree, before_ls = tree(), ls_json(wc, cache_dir)
 
-    dry = wc.run("gc", "--dry-run", "--capacity", "1", "--cache-dir", cache_dir)
+    dry = wc.run("gc", "--dry-run", "--capacity", "1B", "--cache-dir", cache_dir)
     assert dry.returncode == 0, describe(dry)
     assert "old/r1" in dry.stdout and "new/r1" in dry.stdout, describe(dry)
     assert tree() == before_tree
@@ -149,7 +149,7 @@ def test_gc_dry_run_prints_the_plan_and_changes_nothing(
     assert "old/r1" not in roomy.stdout and "new/r1" not in roomy.stdout, describe(roomy)
 
     # The same plan for real does what the dry run said.
-    real = wc.run("gc", "--capacity", "1", "--cache-dir", cache_dir)
+    real = wc.run("gc", "--capacity", "1B", "--cache-dir", cache_dir)
     assert real.returncode == 0, describe(real)
     assert markers(cache_dir) == []
 
@@ -230,7 +230,7 @@ def test_gc_racing_leased_fetches_never_removes_a_printed_path(
 
     def gc_loop() -> None:
         while not stop.is_set():
-            g = wc.run("gc", "--capacity", "1", "--cache-dir", cache_dir)
+            g = wc.run("gc", "--capacity", "1B", "--cache-dir", cache_dir)
             assert g.returncode == 0, describe(g)
             gc_runs.append(1)
 

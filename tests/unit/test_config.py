@@ -163,6 +163,22 @@ def test_capacity_invalid(text: str) -> None:
         Capacity.parse(text)
 
 
+@pytest.mark.parametrize("text", ["85", "1", "100"])
+def test_a_small_number_without_a_unit_is_refused_as_a_forgotten_percent_sign(
+    text: str,
+) -> None:
+    """`--capacity 85` would be 85 bytes: every unpinned revision evicted."""
+    with pytest.raises(UsageError, match=rf"write {text}%.* {text}B for bytes"):
+        Capacity.parse(text)
+    assert Capacity.parse(f"{text}B") == Capacity(bytes=int(text))
+    assert Capacity.parse("101") == Capacity(bytes=101)  # a byte count, as before
+
+
+@pytest.mark.parametrize("cap", [Capacity(bytes=85), Capacity(bytes=3 << 20), Capacity(bytes=101)])
+def test_a_capacity_reads_back_as_it_prints(cap: Capacity) -> None:
+    assert Capacity.parse(str(cap)) == cap
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("0", Capacity(bytes=0)), ("0%", Capacity(percent=0.0)), ("20%", Capacity(percent=20.0))],
