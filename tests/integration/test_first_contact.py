@@ -83,6 +83,28 @@ def test_publish_writes_nothing_into_the_model_dir(wc: CLI, uniq: str, tmp_path:
     ).read_bytes()
 
 
+def test_publish_never_overwrites_a_published_revision_without_force(
+    wc: CLI, uniq: str, tmp_path: Path
+) -> None:
+    """Nodes that cached a revision keep serving it as a hit: publishing other content
+    under its name would leave them with other bytes than new nodes get."""
+    dest = f"s3://models/{uniq}/m/r1"
+    first, second = tmp_path / "first", tmp_path / "second"
+    for model, data in ((first, b"one"), (second, b"two")):
+        model.mkdir()
+        (model / "w.bin").write_bytes(data)
+    assert wc.run("publish", first, dest).returncode == 0
+    again = wc.run("publish", first, dest)  # the same content: left as it is
+    assert again.returncode == 0 and "nothing uploaded" in again.stderr, again.stderr
+    refused = assert_fails(wc.run("publish", second, dest), 2)
+    assert "already published" in refused and "--force" in refused, refused
+    fetched = wc.fetch(dest, tmp_path / "cache")
+    assert (Path(fetched.stdout.strip()) / "w.bin").read_bytes() == b"one"
+    assert wc.run("publish", second, dest, "--force").returncode == 0
+    fetched = wc.fetch(dest, tmp_path / "cache2")
+    assert (Path(fetched.stdout.strip()) / "w.bin").read_bytes() == b"two"
+
+
 def test_publish_of_empty_files_does_not_stall_the_next_upload(
     wc: CLI, uniq: str, tmp_path: Path
 ) -> None:

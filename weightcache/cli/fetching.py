@@ -201,18 +201,21 @@ def _read_only_miss(layout: Any, src: Source, use_daemon: bool) -> UsageError:
 @click.command()
 @click.argument("local_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dest")
+@option("--force", is_flag=True,
+        help="Replace a revision already published with other content (nodes that cached "
+        "it keep serving its old bytes: publish to a new revision instead).")  # fmt: skip
 @store_options
 @reports_errors
-def publish(local_dir: Path, dest: str, **store: Any) -> None:
+def publish(local_dir: Path, dest: str, force: bool, **store: Any) -> None:
     """Hash LOCAL_DIR and upload it with its SHA256SUMS to DEST (s3://bucket/prefix/name/rev).
 
     LOCAL_DIR is only read. A Hugging Face snapshot folder (.../snapshots/<commit>) works:
-    its links into the repo's blobs/ are followed.
+    its links into the repo's blobs/ are followed. DEST already published with this
+    content is left as it is; with other content it is refused without --force.
     """
     from weightcache.ops.publish import publish as do_publish
 
-    manifest = do_publish(local_dir, Source.parse(dest), origin_settings(store))
-    log.info("published %d files to %s", manifest.count(b"\n"), dest)
+    do_publish(local_dir, Source.parse(dest), origin_settings(store), force)
     click.echo(dest.rstrip("/"))
 
 

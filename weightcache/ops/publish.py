@@ -8,12 +8,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from weightcache.cache.manifest import MANIFEST_NAME, check_path, render
 from weightcache.config import OriginSettings
 from weightcache.errors import AccessDenied, SourceError, UsageError
 from weightcache.sourceurl import Source
+
+if TYPE_CHECKING:
+    from weightcache.transfer.s3 import Origin
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +68,13 @@ def model_files(root: Path) -> list[str]:
     return files
 
 
-def publish(local_dir: Path, dest: Source, settings: OriginSettings) -> bytes:
+def publish(local_dir: Path, dest: Source, settings: OriginSettings, force: bool = False) -> bytes:
     """Upload the files of LOCAL_DIR, then their SHA256SUMS; return the manifest.
 
     Nothing is written into LOCAL_DIR, so read-only model directories (a mounted volume,
-    a shared Hugging Face cache) publish as they are.
+    a shared Hugging Face cache) publish as they are. A revision already published with
+    other content is refused (UsageError) unless `force`: the nodes that cached it would
+    go on serving its old bytes. One published with this content is left as it is.
     """
     from weightcache.transfer.s3 import Origin
 
@@ -80,13 +85,42 @@ def publish(local_dir: Path, dest: Source, settings: OriginSettings) -> bytes:
         )
     files = model_files(local_dir)
     manifest = render([(sha256_file(local_dir / rel), rel) for rel in files])
+    sizes = {rel: (local_dir / rel).stat().st_size for rel in files}
     store = Origin(settings)
+    if _already_published(store, dest, manifest, sizes, force):
+        log.info("%s already holds these files with these hashes; nothing uploaded", dest.url)
+        return manifest
     for rel in files:
         log.info("uploading %s to %s/%s", rel, dest.url, rel)
         store.upload_file(local_dir / rel, dest.bucket, dest.key(rel))
     store.put_bytes(manifest, dest.bucket, dest.key(MANIFEST_NAME))
-    check_landed(store, dest, {rel: (local_dir / rel).stat().st_size for rel in files})
+    check_landed(store, dest, sizes)
+    log.info("published %d file(s) to %s", len(files), dest.url)
     return manifest
+
+
+def _already_published(
+    store: Origin, dest: Source, manifest: bytes, sizes: dict[str, int], force: bool
+) -> bool:
+    """True if DEST holds this very manifest and every file at its size (nothing to do);
+    raises UsageError if it holds another manifest and not `force`. Credentials that may
+    upload but not list cannot tell: False, with a warning."""
+    try:
+        listed = store.list_sizes(dest.bucket, dest.prefix)
+    except AccessDenied as e:
+        log.warning("not checked whether %s is already published: listing is refused (%s)",
+                    dest.url, e)  # fmt: skip
+        return False
+    if MANIFEST_NAME not in listed:
+        return False
+    old = store.get_bytes(dest.bucket, dest.key(MANIFEST_NAME))
+    if old != manifest and not force:
+        raise UsageError(
+            f"{dest.url} is already published with other files or hashes (its "
+            f"{MANIFEST_NAME} differs); nodes that cached it would keep serving the old "
+            "bytes. Publish to a new revision, or add --force to replace it anyway"
+        )
+    return old == manifest and all(listed.get(rel) == size for rel, size in sizes.items())
 
 
 class _Lister(Protocol):
