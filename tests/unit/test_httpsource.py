@@ -10,9 +10,15 @@ from typing import cast
 
 import pytest
 
-from weightcache.errors import IntegrityError, SourceError
+from weightcache.errors import IntegrityError, SourceError, UsageError
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.httpsource import HttpBlob, check_http_status, manifest_paths
+from weightcache.transfer.httpsource import (
+    TOKEN_ENV,
+    HttpBlob,
+    auth_headers,
+    check_http_status,
+    manifest_paths,
+)
 from weightcache.transfer.sources import FileBlob, RetryRange, part_size_for
 
 URL = "http://h/m/v1/model.bin"
@@ -75,6 +81,17 @@ def test_refusals_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
         check(404)
     with pytest.raises(SourceError, match="to https://x/y; redirects are not followed"):
         check(301, Location="https://x/y")
+
+
+@pytest.mark.parametrize("token", ["abc\ndef", "abc def", "abc\u00e9"])
+def test_a_token_no_header_can_carry_is_a_usage_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, token: str
+) -> None:
+    monkeypatch.setenv(TOKEN_ENV, token)
+    with pytest.raises(UsageError, match=TOKEN_ENV):
+        auth_headers()
+    monkeypatch.setenv(TOKEN_ENV, "  abc.def_1~+/=\n")  # a Secret's trailing newline
+    assert auth_headers() == {"Authorization": "Bearer abc.def_1~+/="}
 
 
 def test_manifest_paths_are_the_named_files_in_order() -> None:

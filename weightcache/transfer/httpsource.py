@@ -34,7 +34,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
-from weightcache.errors import IntegrityError, SourceError, TransientError
+from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
@@ -54,8 +54,15 @@ _NO_HEAD = (405, 501)
 
 
 def auth_headers() -> dict[str, str]:
-    """The headers every request of an http(s) source carries: the bearer token, if set."""
+    """The headers every request of an http(s) source carries: the bearer token, if set.
+    Raises UsageError for a token no header can carry (a line break or space inside: two
+    lines of a Secret; a character outside ASCII)."""
     token = os.environ.get(TOKEN_ENV, "").strip()
+    if token and not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise UsageError(
+            f"{TOKEN_ENV} holds a space, a line break or a character outside ASCII inside "
+            "the token; set it to the token alone, on one line"
+        )
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
