@@ -235,6 +235,32 @@ def test_hits_on_revisions_the_cache_never_had_lease_nothing(
     assert for_cache(cache.layout).lease_holders() == {POD}
 
 
+def test_a_fetch_failing_with_an_os_error_is_logged_and_the_pod_falls_back(
+    cache: Cache, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An OSError of the fetch itself (EIO, a FIFO planted in tmp/) is not the connection
+    going away: said in the daemon's log, no verdict (the Pod fetches alone)."""
+
+    def failing(source: Source, pod_uid: str | None) -> FetchResult:
+        raise OSError(5, "Input/output error")
+
+    c = Coordinator(failing, cache, for_cache(cache.layout), Metrics(), threading.Event())
+    try:
+        sent: list[dict[str, Any]] = []
+        with caplog.at_level("ERROR"):
+            handler(c).handle_line(line(SOURCE.url), sent.append)  # does not raise
+        assert events(sent) == ["accepted"]
+        assert "Input/output error" in caplog.text and "fetches alone" in caplog.text
+
+        def gone(event: dict[str, Any]) -> None:
+            raise ConnectionResetError("the Pod went away")
+
+        with pytest.raises(ConnectionResetError):  # the connection's: up to the server
+            handler(c).handle_line(line(SOURCE.url), gone)
+    finally:
+        c.shutdown()
+
+
 def test_a_stopping_daemon_answers_no_error(coordinator: Coordinator) -> None:
     coordinator.stopping.set()
     sent: list[dict[str, Any]] = []

@@ -202,12 +202,26 @@ class FetchSocketHandler:
             log.warning("bad request on the fetch socket: %s", e)
             self._answer_error(send, UsageError(f"bad request: {e}"))
             return
+        gone = threading.Event()
+
+        def sending(event: dict[str, Any]) -> None:
+            try:
+                send(event)
+            except OSError:
+                gone.set()
+                raise
+
         try:
-            self.handle_fetch(msg, send)
+            self.handle_fetch(msg, sending)
         except WeightcacheError as e:
             self._answer_error(send, e)
-        except OSError:
-            raise  # the connection is gone: nothing to answer
+        except OSError as e:
+            if gone.is_set():
+                raise  # the connection is gone: nothing to answer
+            # The fetch's own (a disk's EIO, a file planted in the cache): no verdict, so
+            # the Pod falls back to fetching alone; said here, where the operator looks.
+            log.error("fetching %s for a Pod failed: %r; the Pod fetches alone",
+                      msg.get("source"), e)  # fmt: skip
         except Exception as e:  # a bug must not end the socket; the Pod falls back
             log.error("internal error serving a fetch of %s: %r", msg.get("source"), e)
 
