@@ -85,3 +85,21 @@ def test_formats_are_short() -> None:
     assert (format_duration(300.0), format_duration(2.0)) == ("5m", "2s")
     assert (str(Capacity(percent=20.0)), str(Capacity(bytes=500 << 30))) == ("20%", "500GiB")
     assert Capacity.parse(str(Capacity(percent=12.5))) == Capacity(percent=12.5)
+
+
+def test_every_option_of_every_command_but_the_demo_reads_its_environment_variable() -> None:
+    """The documented rule (design §2): `--dry-run` is also WEIGHTCACHE_DRY_RUN; an option
+    declared without it (gc --dry-run was) silently ignores the variable."""
+    import click
+
+    ctx = click.Context(cli.main)
+    missing = [
+        (name, p.opts[0])
+        for name in cli.main.list_commands(ctx)
+        if name != "demo"
+        for p in getattr(cli.main.get_command(ctx, name), "params", [])
+        if isinstance(p, click.Option) and p.name != "help"
+        and f"WEIGHTCACHE_{p.opts[0].lstrip('-').upper().replace('-', '_')}"
+        not in ([p.envvar] if isinstance(p.envvar, str) else p.envvar or [])
+    ]  # fmt: skip
+    assert missing == []

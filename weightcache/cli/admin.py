@@ -22,9 +22,7 @@ from weightcache.options import (
 
 @click.command("ls")
 @cache_dir_option
-@click.option(
-    "--json", "as_json", is_flag=True, help="One JSON object per line, even on a terminal."
-)
+@option("--json", "as_json", is_flag=True, help="One JSON object per line, even on a terminal.")
 @reports_errors
 def ls_(cache_dir: Path, as_json: bool) -> None:
     """List cache entries: model, revision, size, last use, pinned, leases, ready.
@@ -63,7 +61,7 @@ def verify(target: str, cache_dir: Path) -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="Also protect the revisions this models file pins.",
 )
-@click.option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
+@option("--dry-run", is_flag=True, help="Print the plan, change nothing.")
 @min_free_option
 @reports_errors
 def gc(
