@@ -287,7 +287,7 @@ def test_gc_collects_fresh_orphans(
     assert dry.returncode == 0 and f"{2 * MiB} bytes of orphaned blobs" in dry.stdout, describe(dry)
     gc = wc.run("gc", "--capacity", "1G", "--cache-dir", cache_dir)
     assert gc.returncode == 0, describe(gc)
-    assert f"{2 * MiB} bytes of orphaned blobs removed" in gc.stdout, describe(gc)
+    assert f"{2 * MiB} bytes of orphaned blobs freed" in gc.stdout, describe(gc)
     assert set(os.listdir(blobs_dir(cache_dir))) == set(pub.model.hashes.values())
     assert_revision_ok(cache_dir, pub.name, pub.rev, pub.model)
 

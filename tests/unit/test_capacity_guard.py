@@ -112,3 +112,32 @@ def test_orphan_blobs_are_collected_first(cache: Cache, layout: Layout) -> None:
     assert not orphan.exists()
     assert present(cache) == {"old", "mid", "new"}
     assert g.metrics.registry.get_sample_value("weightcache_cache_bytes") == 300
+
+
+def test_an_eviction_the_index_cannot_record_still_frees_its_space(
+    cache: Cache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk, SQLite may fail to commit the removal of an entry after the
+    revision was moved out of place: the eviction completes (its trash and blobs go), or
+    the space it was for stays taken by a revision no one can use."""
+    import sqlite3
+
+    from weightcache.cache import eviction
+
+    marker = add_revision(cache, "m", "r1", 1000)
+    index = for_cache(cache.layout)
+    revisions, sizes, usage = eviction.survey(cache, index, frozenset())
+    plan = eviction.plan_eviction(revisions, sizes, usage, 0)
+    real = Index.remove_unless_protected
+
+    def full(self: Index, name: str, revision: str, remove: object) -> bool:
+        real(self, name, revision, lambda: None)  # the lease check, as on a full disk
+        remove()  # type: ignore[operator]
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Index, "remove_unless_protected", full)
+    assert eviction.execute(plan, cache, index) == plan.freed_bytes == usage  # the fixture's too
+    assert not any(cache.layout.revision_dir(*key).exists() for key in plan.evict)
+    assert list(cache.layout.tmp.iterdir()) == []  # no trash left behind
+    [(digest, _)] = marker.files.values()
+    assert not cache.layout.blob(digest).exists()

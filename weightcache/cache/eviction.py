@@ -186,9 +186,16 @@ def _evict(name: str, revision: str, cache: Cache, index: Index) -> set[str]:
             name, revision, lambda: trash.append(cache.retire_revision(name, revision))
         )
     except (sqlite3.Error, UsageError) as e:
-        log.error("not evicting %s/%s: cannot read its leases in %s: %s", name, revision,
-                  index.path, e)  # fmt: skip
-        return set()
+        if not trash:
+            log.error("not evicting %s/%s: cannot read its leases in %s: %s", name, revision,
+                      index.path, e)  # fmt: skip
+            return set()
+        # Unleased and unpinned, found in the write transaction, and already out of its
+        # place: only forgetting its entry failed (a full disk). Finish, or the trash and
+        # its blobs would hold the space that the eviction was for.
+        log.warning("evicted %s/%s, but %s could not record it (%s); its entry goes at the "
+                    "next eviction", name, revision, index.path, e)  # fmt: skip
+        removed = True
     finally:
         lock.release()
     if not removed:

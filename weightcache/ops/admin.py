@@ -184,6 +184,9 @@ def gc(
     )  # fmt: skip
     if dry_run:
         return f"would remove {orphans} bytes of orphaned blobs; would {plan.describe()}{unmet}"
-    eviction.execute(plan, cache, index)
+    freed = eviction.execute(plan, cache, index)
     cache.clean_tmp()
-    return f"{plan.describe()}; {orphans} bytes of orphaned blobs removed{unmet}"
+    return (
+        f"{plan.describe()}; {freed} bytes of evicted revisions and {orphans} bytes of "
+        f"orphaned blobs freed{unmet}"
+    )
