@@ -145,6 +145,7 @@ def test_load_mismatched_geometry_is_fresh(tmp_path: Path, size: int, part_size:
         b"{}",
         b'{"size": 10, "part_size": 4}',
         b'{"size": 10, "part_size": 4, "done": [0, 99]}',  # out of range, after a valid one
+        b'{"size": 10, "part_size": 4, "done": [0, 3]}',  # just past the last of 3 parts
         b'{"size": 10, "part_size": 4, "done": [0, "x"]}',
         b'{"size": 10, "part_size": 4, "done": [0, null]}',
         b'{"size": 10, "part_size": 4, "done": 3}',
