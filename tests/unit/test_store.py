@@ -74,6 +74,22 @@ def test_marker_unknown_version(version: object) -> None:
         Marker.from_json(json.dumps(d))
 
 
+def _marker_without(key: str) -> str:
+    d = json.loads(Marker("m", "r", "s", "d" * 64, {"ok.bin": ("1" * 64, 1)}, 0.0).to_json())
+    del d[key]
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["[]", "null", '{"version": 1}', _marker_without("files"), _marker_without("created")],
+)
+def test_a_malformed_marker_raises_value_error_saying_so(content: str) -> None:
+    """Not None: `verify` then reports a marker it cannot trust, not a missing one."""
+    with pytest.raises(ValueError, match="malformed marker"):
+        Marker.from_json(content)
+
+
 @pytest.mark.parametrize(
     ("path", "sha256", "size"),
     [
