@@ -6,10 +6,13 @@ stall clock. Sources are local files (`FileBlob`) and small wrappers around them
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +29,7 @@ from weightcache.errors import (
     TransientError,
 )
 from weightcache.node.peerserver import PARTIAL_WAIT
+from weightcache.transfer import partial as partial_module
 from weightcache.transfer import ranged
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile, state_path
@@ -191,8 +195,179 @@ def test_a_new_partial_saves_its_state_with_its_first_bytes_and_a_stale_one_at_o
     finally:
         partial.close()
     os.truncate(path, PART)  # the file lost its preallocation: its state's claim is void
-    PartialFile.open(path, "b", len(data), PART).close()
+    reopened = PartialFile.open(path, "b", len(data), PART)
+    try:  # at once: a kill before the first write must not leave the claim on disk
+        assert PartState.load(state_path(path), len(data), PART).bytes_done() == 0
+    finally:
+        reopened.close()
     assert PartState.load(state_path(path), len(data), PART).bytes_done() == 0
+
+
+def test_a_partial_longer_than_its_blob_is_cut_to_the_blob_size(tmp_path: Path) -> None:
+    """The digest covers only the blob's bytes: any beyond them would go into the cache."""
+    path = tmp_path / "b.part"
+    path.write_bytes(b"x" * (3 * PART))
+    partial = PartialFile.open(path, "b", 2 * PART, PART)
+    try:
+        assert os.fstat(partial.fd).st_size == 2 * PART
+    finally:
+        partial.close()
+
+
+def test_a_partial_is_writable_by_its_owner_even_when_a_kill_left_it_read_only(
+    tmp_path: Path,
+) -> None:
+    """Publishing chmods a verified partial 0444 before its rename; killed in between, a
+    non-root fetch could not open it for writing again. Root ignores modes: as root, the
+    opens run in a child process as another uid (as the image's 65532 would)."""
+    root = os.geteuid() == 0
+    # Directly under /tmp: the other uid cannot pass pytest's 0700 directories.
+    tmp = Path(tempfile.mkdtemp()) if root else tmp_path
+    path = tmp / "b.part"
+    if root:
+        os.chown(tmp, 65534, 65534)
+
+    def open_it() -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: no threads, nothing but the open
+            try:
+                if root:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                PartialFile.open(path, "b", PART, PART).close()
+            except BaseException:
+                os._exit(1)
+            os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the open failed"
+
+    try:
+        open_it()
+        assert path.stat().st_mode & 0o600 == 0o600
+        path.chmod(0o444)
+        open_it()
+        assert path.stat().st_mode & 0o200
+    finally:
+        if root:
+            shutil.rmtree(tmp)
+
+
+def test_a_disk_too_full_to_preallocate_fails_the_open_and_closes_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    opened: list[int] = []
+    closed: list[int] = []
+    os_open, os_close = os.open, os.close
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "open", lambda *a: opened.append(os_open(*a)) or opened[-1])
+    monkeypatch.setattr(os, "close", lambda fd: (closed.append(fd), os_close(fd))[1])
+    with pytest.raises(NoSpaceError):
+        PartialFile.open(tmp_path / "b.part", "b", PART, PART)
+    assert len(opened) == 1
+    assert closed == opened
+
+
+def test_close_closes_the_file(tmp_path: Path) -> None:
+    partial = PartialFile.open(tmp_path / "b.part", "b", PART, PART)
+    partial.close()
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(partial.fd)
+
+
+def test_a_short_write_is_continued_at_the_offset_it_reached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pwrite may write fewer bytes than asked (a signal, some filesystems)."""
+    data = random.Random(5).randbytes(PART)
+    pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, b, off: pwrite(fd, b[:1000], off))
+    partial = PartialFile.open(tmp_path / "b.part", "b", 2 * PART, PART)
+    try:
+        partial.write(memoryview(data), PART)
+    finally:
+        partial.close()
+    assert (tmp_path / "b.part").read_bytes()[PART:] == data
+
+
+@pytest.mark.parametrize(("errno_", "raised"), [(errno.ENOSPC, NoSpaceError), (errno.EIO, OSError)])
+def test_a_failed_write_raises_no_space_error_only_for_a_full_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int, raised: type[Exception]
+) -> None:
+    def failing(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(errno_, os.strerror(errno_))
+
+    partial = PartialFile.open(tmp_path / "b.part", "b", PART, PART)
+    monkeypatch.setattr(os, "pwrite", failing)
+    try:
+        with pytest.raises(raised) as e:
+            partial.write(memoryview(b"x" * 10), 0)
+        assert isinstance(e.value, NoSpaceError) == (errno_ == errno.ENOSPC)
+    finally:
+        partial.close()
+
+
+def test_a_finished_part_is_saved_when_the_save_interval_has_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(partial_module, "SAVE_INTERVAL", 0.0)
+    path = tmp_path / "b.part"
+    partial = PartialFile.open(path, "b", 2 * PART, PART)
+    try:
+        partial.mark_done(1)
+        assert PartState.load(state_path(path), 2 * PART, PART).done == [False, True]
+    finally:
+        partial.close()
+
+
+def test_the_source_checksum_covers_bytes_hashed_as_they_land_and_read_back(
+    tmp_path: Path,
+) -> None:
+    data = random.Random(4).randbytes(2 * PART)
+    view = memoryview(data)
+    partial = PartialFile.open(tmp_path / "b.part", "b", len(data), PART, check="md5")
+    try:
+        partial.write(view[PART:], PART)  # not at the frontier: read back later
+        partial.wrote(1, 2 * PART)
+        partial.mark_done(1)
+        partial.write(view[:PART], 0)
+        partial.wrote(0, PART)
+        partial.hash_landed(view[:PART], 0)
+        partial.mark_done(0)
+        assert partial.finish(bytearray(PART)) == hashlib.sha256(data).hexdigest()
+        assert partial.check_digest == hashlib.md5(data).hexdigest()
+    finally:
+        partial.close()
+
+
+def test_the_digest_is_set_only_once_every_byte_is_hashed_and_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swarm download waits for `digest`: set early, it would name a prefix."""
+    data = random.Random(6).randbytes(2 * PART)
+    view = memoryview(data)
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    partial = PartialFile.open(tmp_path / "b.part", "b", len(data), PART)
+    try:
+        partial.advance_hash(bytearray(PART))
+        assert partial.digest is None  # nothing written
+        partial.write(view[PART:], PART)
+        partial.wrote(1, 2 * PART)
+        partial.mark_done(1)
+        partial.advance_hash(bytearray(PART))
+        assert partial.digest is None  # part 0 missing
+        assert synced == []
+        partial.write(view[:PART], 0)
+        partial.wrote(0, PART)
+        partial.mark_done(0)
+        partial.advance_hash(bytearray(PART))
+        assert partial.digest == hashlib.sha256(data).hexdigest()
+        assert synced == [partial.fd]
+    finally:
+        partial.close()
 
 
 @pytest.mark.timeout(10)
