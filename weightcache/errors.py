@@ -71,5 +71,6 @@ def no_space(e: OSError, what: str = "") -> NoSpaceError | None:
         return None
     for_what = f" for {what}" if what else f" ({e})"
     return NoSpaceError(
-        f"no space left on the cache disk{for_what}; free space or lower --capacity"
+        f"no space left on the cache disk{for_what}; free space on it (`weightcache gc "
+        "--capacity ...` evicts revisions no Pod uses)"
     )

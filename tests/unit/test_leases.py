@@ -39,6 +39,24 @@ def test_without_a_pods_directory_a_lease_ends_after_max_age(index: Index, tmp_p
     assert index.lease_holders() == {LIVE}
 
 
+def test_a_missing_pods_directory_is_said_once_at_start(
+    index: Index, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo in --kubelet-pods-dir (or a forgotten mount) keeps every lease a day."""
+    with caplog.at_level("WARNING"):
+        reaper = LeaseReaper(index, tmp_path / "typo", 86400)
+        reaper.reap()
+        reaper.reap()
+    said = [r.getMessage() for r in caplog.records if "no directory" in r.getMessage()]
+    assert said == [
+        f"{tmp_path / 'typo'} is no directory: a lease ends 24h after it was taken, not when "
+        "its Pod goes; mount the kubelet's pods directory there (--kubelet-pods-dir) on a node"
+    ]
+    caplog.clear()
+    LeaseReaper(index, tmp_path, 86400)
+    assert caplog.records == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
 def test_a_pods_directory_it_cannot_search_keeps_every_pod_lease(
     index: Index, tmp_path: Path

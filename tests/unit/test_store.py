@@ -66,6 +66,15 @@ def test_marker_json_round_trip() -> None:
     assert marker.size == 20
 
 
+@pytest.mark.parametrize("key", ["name", "revision", "source", "manifest_sha256"])
+def test_a_marker_whose_strings_are_not_strings_is_refused(key: str) -> None:
+    """Shown by `ls` and in log lines: {"a": 1} as a source is no source."""
+    d = json.loads(Marker("m", "r", "s3://b/m/r", "0" * 64, {}, 0.0).to_json())
+    d[key] = {"a": 1}
+    with pytest.raises(ValueError, match=f"the marker's {key} is"):
+        Marker.from_json(json.dumps(d))
+
+
 @pytest.mark.parametrize("version", [None, 0, 2, "1"])
 def test_marker_unknown_version(version: object) -> None:
     d = json.loads(Marker("m", "r", "s", "d", {}, 0.0).to_json())
@@ -117,6 +126,17 @@ def test_read_marker_ignores_an_unsafe_marker_and_load_marker_says_why(
     assert store.read_marker("m", "r") is None
     with pytest.raises(ValueError, match="unsafe path"):
         store.load_marker("m", "r")
+
+
+def test_an_unreadable_marker_is_warned_about_once_not_at_every_read(
+    store: Cache, layout: Layout, caplog: pytest.LogCaptureFixture
+) -> None:
+    (layout.root / "m" / "r").mkdir(parents=True)
+    (layout.root / "m" / "r" / MARKER).write_text("{junk")
+    with caplog.at_level("WARNING"):
+        for _ in range(5):
+            assert store.read_marker("m", "r") is None
+    assert len(caplog.records) == 1 and "m/r" in caplog.text
 
 
 # -- assemble / ready --------------------------------------------------------------------------

@@ -84,6 +84,9 @@ class Marker:
             d = json.loads(text)
             if d.get("version") != MARKER_VERSION:
                 raise ValueError(f"unknown marker version {d.get('version')!r}")
+            for key in ("name", "revision", "source", "manifest_sha256"):
+                if not isinstance(d[key], str):
+                    raise ValueError(f"the marker's {key} is {d[key]!r}, not a string")
             files = {_checked_path(p): _checked_file(p, f) for p, f in d["files"].items()}
             verified = {p: _checked_verified(p, f) for p, f in d["files"].items()}
             return cls(

@@ -98,6 +98,7 @@ class Cache:
     def __init__(self, layout: Layout, ops: FileOps | None = None) -> None:
         self.layout = layout
         self.ops = ops or FileOps()
+        self._warned: set[tuple[str, str, str]] = set()  # unreadable markers, said once
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -119,7 +120,10 @@ class Cache:
         try:
             return self.load_marker(name, revision)
         except ValueError as e:
-            log.warning("ignoring unreadable marker of %s/%s: %s", name, revision, e)
+            seen = (name, revision, str(e))  # the daemon reads markers every few seconds
+            log.log(logging.DEBUG if seen in self._warned else logging.WARNING,
+                    "ignoring unreadable marker of %s/%s: %s", name, revision, e)  # fmt: skip
+            self._warned.add(seen)
             return None
 
     def ready(self, name: str, revision: str) -> Marker | None:

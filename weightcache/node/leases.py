@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from weightcache.cache.index import Index
-from weightcache.config import parse_pod_uid
+from weightcache.config import format_duration, parse_pod_uid
 from weightcache.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,11 @@ class LeaseReaper:
         self.index = index
         self.pods_dir = kubelet_pods_dir
         self.max_age = max_age
+        if not kubelet_pods_dir.is_dir():  # a typo or a forgotten mount: say so once
+            log.warning(
+                "%s is no directory: a lease ends %s after it was taken, not when its Pod "
+                "goes; mount the kubelet's pods directory there (--kubelet-pods-dir) on a "
+                "node", kubelet_pods_dir, format_duration(max_age))  # fmt: skip
 
     def reap(self) -> None:
         """End the leases of Pods that are gone (see the class contract)."""
