@@ -71,7 +71,8 @@ def prefetch(cache_dir: Path, **kw: Any) -> None:
     "allow_sources",
     multiple=True,
     parse=parse_allow_sources,
-    help="Fetch for Pods only sources under this s3://bucket[/prefix] (repeatable; the "
+    help="Fetch for Pods only sources under this prefix: s3://bucket[/prefix], gs://, az://, "
+    "https://host/path, file:///dir or hf://org[/repo] (repeatable; the "
     "variable takes several, space-separated). Default: the parent of each source of the "
     "models file. Other Pods fetch alone, with their own credentials.",
 )
