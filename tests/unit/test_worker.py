@@ -89,3 +89,23 @@ def test_a_stopped_worker_is_not_a_problem() -> None:
     stopping.set()
     worker.join(10)
     assert worker.problem() is None
+
+
+def test_a_step_running_past_stuck_after_is_a_health_problem_until_it_returns() -> None:
+    """A read blocked on a sick disk raises nothing: without this /healthz stayed ok while
+    the lease-and-capacity step hung on a FIFO planted as a marker."""
+    stopping, release = threading.Event(), threading.Event()
+    worker = Worker("housekeeping", lambda: release.wait(10), interval=0.01,
+                    stopping=stopping, stuck_after=0.2)  # fmt: skip
+    worker.start()
+    try:
+        assert worker.problem() is None
+        wait_until("the step to be stuck", lambda: worker.problem() is not None)
+        problem = worker.problem() or ""
+        assert "housekeeping" in problem and "stuck" in problem, problem
+        release.set()
+        wait_until("the step to return", lambda: worker.problem() is None)
+    finally:
+        stopping.set()
+        release.set()
+        worker.join(10)

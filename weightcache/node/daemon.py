@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 #: request line, which `fetch` sends as soon as it connects (design §5, Bounds).
 SOCKET_LIMITS = serve.Limits(connections=256, idle=5.0, header=5.0)
 REQUEST_LINE_LIMIT = 64 << 10  # bytes; a request is ~300
+#: Seconds the lease-and-capacity step (reap, evict: file renames and deletes) may run
+#: before /healthz says it is stuck. The converge step has none: a download may take an
+#: hour, and the downloader bounds its own stalls.
+HOUSEKEEPING_STUCK_AFTER = 300.0
 #: /metrics, /healthz, /readyz: a scraper and the kubelet's probes.
 HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0)
 TEXT = "text/plain; charset=utf-8"
@@ -185,7 +189,13 @@ class Daemon:
         interval = self.settings.interval
         self._workers = [
             Worker("converge", self.converge_step, interval, self.stopping),
-            Worker("lease and capacity", self.housekeeping_step, interval, self.stopping),
+            Worker(
+                "lease and capacity",
+                self.housekeeping_step,
+                interval,
+                self.stopping,
+                stuck_after=HOUSEKEEPING_STUCK_AFTER,
+            ),
         ]
         for worker in self._workers:
             worker.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,9 @@ class Worker:
     Nothing a step raises ends the loop (a sqlite3.Error or OSError used to end the
     prefetch thread silently): the failure is logged as one line and the step is
     retried after a backoff doubling up to `max_delay`. `problem()` is what /healthz
-    reports: the thread died, or the step failed UNHEALTHY_AFTER times in a row.
+    reports: the thread died, the step failed UNHEALTHY_AFTER times in a row, or one step
+    has run longer than `stuck_after` seconds (a read blocked on a sick disk or mount:
+    nothing raises, and without this the daemon would say it is fine while it is not).
     """
 
     UNHEALTHY_AFTER = 3
@@ -35,12 +38,15 @@ class Worker:
         interval: float,
         stopping: threading.Event,
         max_delay: float = 30.0,
+        stuck_after: float | None = None,
     ) -> None:
         self.name = name
         self.step = step
         self.interval = interval
         self.stopping = stopping
         self.max_delay = max_delay
+        self.stuck_after = stuck_after
+        self._running_since: float | None = None  # monotonic start of the step running
         self.failures = 0  # failed steps in a row
         self.error: str | None = None  # the last one, as `Type: message`
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -53,6 +59,7 @@ class Worker:
 
     def run_once(self) -> None:
         """One step, its failure contained and counted."""
+        self._running_since = time.monotonic()
         try:
             self.step()
         except Exception as e:
@@ -64,6 +71,8 @@ class Worker:
             )  # fmt: skip
             log.debug("the %s step failed", self.name, exc_info=True)
             return
+        finally:
+            self._running_since = None
         if self.failures:
             log.info("the %s step works again after %d failure(s)", self.name, self.failures)
         self.failures = 0
@@ -75,6 +84,13 @@ class Worker:
             return f"the {self.name} worker died ({self.error or 'no error recorded'})"
         if self.failures >= self.UNHEALTHY_AFTER:
             return f"the {self.name} step failed {self.failures} times in a row: {self.error}"
+        since = self._running_since
+        running = 0.0 if since is None else time.monotonic() - since
+        if self.stuck_after is not None and running > self.stuck_after:
+            return (
+                f"the {self.name} step has been running for {running:.0f}s (more than "
+                f"{self.stuck_after:.0f}s): it is stuck, on a disk or mount that does not answer"
+            )
         return None
 
     def _delay(self) -> float:
