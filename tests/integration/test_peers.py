@@ -706,3 +706,17 @@ def test_a_receiver_that_stops_reading_has_its_response_cut(
     finally:
         sock.close()
     assert 0 < got < size, f"{got} bytes: the response was not cut"
+
+
+def test_two_range_headers_are_refused_not_read_as_the_first(served: Served) -> None:
+    sha256 = "7a" * 32
+    served.layout.blob(sha256).write_bytes(b"0123456789")
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+        sock.sendall(f"GET /blobs/sha256/{sha256} HTTP/1.1\r\nHost: x\r\n"
+                     f"Authorization: Bearer {TOKEN}\r\nRange: bytes=0-1\r\n"
+                     "Range: bytes=5-6\r\nConnection: close\r\n\r\n".encode())  # fmt: skip
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 416 "), answer[:200]
+    assert served.counted.refused == ["bad_range"]

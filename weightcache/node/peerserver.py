@@ -259,7 +259,10 @@ class PeerServer:
         path, pieces = where
         size = pieces.size
         try:
-            wanted = parse_range(request.headers.get("Range"), size)
+            ranges = request.headers.getall("Range", [])
+            if len(ranges) > 1:  # which one would it mean? none
+                raise ValueError(f"{len(ranges)} Range headers")
+            wanted = parse_range(ranges[0] if ranges else None, size)
         except ValueError:
             return self._refuse(416, "bad_range", head, {"Content-Range": f"bytes */{size}"})
         start, end = wanted or (0, size)
