@@ -247,3 +247,24 @@ def test_a_corrupt_database_is_moved_aside_and_rebuilt(
     # Another process finding the new file healthy does not move it aside again.
     assert Index(path, rebuild=_rebuilt).entries() == index.entries()
     assert len(list(tmp_path.glob("state.db.corrupt-*"))) == len(aside)
+
+
+def test_leases_it_cannot_record_are_counted_until_one_is(
+    index: Index, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's /healthz reads the count: a state.db that keeps refusing (seen:
+    "database is locked" for good after the file was truncated in place) means leases
+    are not kept, and a Pod's revision could be evicted under it."""
+
+    def locked() -> None:
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(index, "_transaction", locked)
+    for _ in range(3):
+        index.lease("m", "r", "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94")  # never raises
+    assert (index.unrecorded, index.unrecorded_error) == (3, "database is locked")
+    monkeypatch.undo()
+    index.lease("m", "r", "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94")
+    assert index.unrecorded == 0 and index.lease_holders() == {
+        "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
+    }

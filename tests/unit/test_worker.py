@@ -109,3 +109,17 @@ def test_a_step_running_past_stuck_after_is_a_health_problem_until_it_returns() 
         stopping.set()
         release.set()
         worker.join(10)
+
+
+def test_an_index_that_keeps_refusing_leases_is_a_health_problem() -> None:
+    from types import SimpleNamespace
+
+    from weightcache.node.daemon import UNRECORDED_UNHEALTHY, Daemon
+
+    index = SimpleNamespace(unrecorded=UNRECORDED_UNHEALTHY - 1, path="state.db",
+                            unrecorded_error="database is locked")  # fmt: skip
+    daemon = SimpleNamespace(_workers=[], index=index)
+    assert Daemon.health_problem(daemon) is None  # type: ignore[arg-type]
+    index.unrecorded += 1
+    problem = Daemon.health_problem(daemon) or ""  # type: ignore[arg-type]
+    assert "state.db" in problem and "database is locked" in problem, problem

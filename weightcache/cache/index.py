@@ -88,6 +88,10 @@ class Index(StateDb):
     ) -> None:
         super().__init__(path, _SCHEMA, timeout, read_only)
         self._rebuild = rebuild
+        #: Leases and accesses that could not be recorded since the last one that was, and
+        #: the last error: the daemon's /healthz reports an index that keeps refusing.
+        self.unrecorded = 0
+        self.unrecorded_error = ""
 
     def _refill(self) -> None:
         if self._rebuild is None:
@@ -172,6 +176,9 @@ class Index(StateDb):
             self._using(op)
         except (sqlite3.Error, UsageError) as e:
             log.warning("could not record %s in %s: %s", what, self.path, e)
+            self.unrecorded, self.unrecorded_error = self.unrecorded + 1, str(e)
+            return
+        self.unrecorded = 0
 
     def remove_unless_protected(self, name: str, revision: str, remove: Callable[[], None]) -> bool:
         """Call `remove()` and forget the revision, inside one write transaction that

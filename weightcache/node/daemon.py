@@ -72,6 +72,8 @@ REQUEST_LINE_LIMIT = 64 << 10  # bytes; a request is ~300
 #: before /healthz says it is stuck. The converge step has none: a download may take an
 #: hour, and the downloader bounds its own stalls.
 HOUSEKEEPING_STUCK_AFTER = 300.0
+#: Leases or accesses in a row that state.db refused before /healthz says so.
+UNRECORDED_UNHEALTHY = 3
 #: /metrics, /healthz, /readyz: a scraper and the kubelet's probes.
 HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0)
 TEXT = "text/plain; charset=utf-8"
@@ -257,11 +259,19 @@ class Daemon:
 
     def health_problem(self) -> str | None:
         """None while the daemon can do its job, else one line saying what is wrong
-        (the /healthz contract: a 503 with that line): a worker died or keeps failing."""
+        (the /healthz contract: a 503 with that line): a worker died, keeps failing or is
+        stuck, or the index keeps refusing to record leases (without them a running Pod's
+        revision could be evicted)."""
         for worker in self._workers:
             problem = worker.problem()
             if problem is not None:
                 return problem
+        if self.index.unrecorded >= UNRECORDED_UNHEALTHY:
+            return (
+                f"{self.index.path} refused the last {self.index.unrecorded} leases or "
+                f"accesses ({self.index.unrecorded_error}); restart the daemon, or check "
+                "the disk if that does not help"
+            )
         return None
 
     def serving(self) -> bool:
