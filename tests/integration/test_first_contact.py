@@ -292,6 +292,16 @@ def test_a_bad_path_from_the_environment_names_its_variable(wc: CLI, tmp_path: P
                       env={"WEIGHTCACHE_MODELS": str(models)})  # fmt: skip
     message = assert_fails(prefetch, 2)
     assert str(models) in message and "WEIGHTCACHE_MODELS" in message, message
+    # A message that names the variable already does not name it twice.
+    ls = wc.run("ls", env={"WEIGHTCACHE_CACHE_DIR": str(tmp_path / "none")})
+    assert assert_fails(ls, 2).count("WEIGHTCACHE_CACHE_DIR") == 1
+
+
+def test_a_bad_flag_value_from_the_environment_lists_the_values_without_an_empty_one(
+    wc: CLI, tmp_path: Path
+) -> None:
+    message = assert_fails(wc.run("ls", "--cache-dir", tmp_path, env={"WEIGHTCACHE_JSON": "x"}), 2)
+    assert "Recognized values: 0, 1," in message and "WEIGHTCACHE_JSON" in message, message
 
 
 def test_an_empty_cache_dir_is_refused_not_the_working_directory(wc: CLI, tmp_path: Path) -> None:

@@ -87,7 +87,7 @@ def _named_sources(message: str) -> str:
         if os.fspath(value) not in message or not isinstance(param, click.Option):
             continue
         if ctx.get_parameter_source(param.name or "") is ParameterSource.ENVIRONMENT:
-            names += [n for n in [_variable(param)] if n]
+            names += [n for n in [_variable(param)] if n and n not in message]
     return "".join(f"; it came from the environment variable {n}" for n in names)
 
 
@@ -117,6 +117,8 @@ class Group(click.Group):
             hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
             source = _environment_source(e, sys.argv[1:])
             message = e.format_message().rstrip(".") if source else e.format_message()
+            # click lists "" (an empty variable) first among a flag's values: ", 0, 1, ..."
+            message = message.replace("Recognized values: , ", "Recognized values: ")
             click.echo(f"weightcache: error: {message}{source}{hint}", err=True)
             sys.exit(e.exit_code)
         except click.Abort:
