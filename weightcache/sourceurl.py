@@ -67,6 +67,20 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
     return "file", "", text
 
 
+def _what_is_wrong(url: str, split: tuple[str, str, str] | None, segments: list[str]) -> str:
+    """What makes `url` no source, in words (Source.parse refused it)."""
+    if split is None:
+        scheme = url.partition("://")[0] if "://" in url else ""
+        if scheme in ("s3", "gs", "az", "abfs"):
+            bucket = url.partition("://")[2].partition("/")[0]
+            return (f"{bucket!r} is no valid {scheme}:// bucket or container name (at least "
+                    "3 characters: lowercase letters, digits, dots, hyphens)")  # fmt: skip
+        return f"unknown scheme {scheme!r}" if scheme else "no scheme and not an absolute path"
+    if _bad_segment(segments) and segments != [""]:
+        return "an empty, '.' or '..' path segment"
+    return "it does not end in <name>/<revision>"
+
+
 def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
     return any(s in ("", ".", "..") or "\0" in s for s in segments)
 
@@ -103,7 +117,8 @@ class Source:
             return cls._parse_hub(url, split[2][1:], name, revision)
         segments = split[2][1:].rstrip("/").split("/") if split else []
         if split is None or len(segments) < 2 or _bad_segment(segments):
-            raise UsageError(f"invalid source {url!r}: expected {_SOURCE_FORMS}")
+            why = _what_is_wrong(url, split, segments)
+            raise UsageError(f"invalid source {url!r}: {why}; expected {_SOURCE_FORMS}")
         return cls(
             bucket=split[1],
             prefix="/".join(segments),

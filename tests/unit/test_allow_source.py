@@ -4,6 +4,8 @@ WEIGHTCACHE_ALLOW_SOURCE (several prefixes, space-separated)."""
 
 from __future__ import annotations
 
+import re
+
 import click
 import pytest
 
@@ -106,3 +108,20 @@ def test_a_bad_prefix_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WEIGHTCACHE_ALLOW_SOURCE", raising=False)
     with pytest.raises(click.BadParameter, match="s3://bucket or s3://bucket/prefix"):
         _daemon_params(["--allow-source", "models/team"])
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("s3://x/m/r1", "'x' is no valid s3:// bucket"),
+        ("s3://My_Bucket/m/r1", "'My_Bucket' is no valid s3:// bucket"),
+        ("s3://models/m1", "it does not end in <name>/<revision>"),
+        ("/m1", "it does not end in <name>/<revision>"),
+        ("s3://models/a//r1", "an empty, '.' or '..' path segment"),
+        ("ftp://models/m/r1", "unknown scheme 'ftp'"),
+        ("models/m/r1", "no scheme and not an absolute path"),
+    ],
+)
+def test_an_invalid_source_says_what_is_wrong_before_the_forms(url: str, why: str) -> None:
+    with pytest.raises(UsageError, match=rf"invalid source '{re.escape(url)}': {re.escape(why)}"):
+        Source.parse(url)
