@@ -202,3 +202,39 @@ def test_kill9_near_completion_never_marks_bad_data(
         assert _check_invariants(cache_dir, pub)
     # The test only means something if some kills landed before the marker.
     assert "killed-before-marker" in outcomes, outcomes
+
+
+def test_sigterm_stops_the_fetch_saying_so_and_the_next_run_resumes(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    """The kubelet deleting a Pod sends SIGTERM: the fetch stops after its current reads,
+    saves where each part got to, and says so in one line with exit 143; nothing marked."""
+    import json
+    import signal
+
+    pub = publish([16 * MiB], name="sigterm", rev="r1")
+    proxy.configure(rate_limit=4 * MiB)
+    running = wc.fetch_popen(pub.source, cache_dir, "--part-size", "8M", endpoint=proxy.url)
+    t0 = time.monotonic()
+    while proxy.stats(settle=0).body_bytes < 4 * MiB:
+        assert running.poll() is None and time.monotonic() - t0 < 60
+        time.sleep(0.01)
+    running.proc.send_signal(signal.SIGTERM)
+    done = running.finish(timeout=60)
+    assert done.returncode == 143, done.stderr
+    assert "weightcache: error: download interrupted; partial files are kept for resume" in (
+        done.stderr
+    ), done.stderr
+    assert "Traceback" not in done.stderr
+    got = proxy.stats().body_bytes
+    states = [json.loads(p.read_text()) for p in (cache_dir / ".weightcache" / "tmp").glob(
+        "*.part.json")]  # fmt: skip
+    shard = max(states, key=lambda state: state["size"])
+    assert shard["size"] == 16 * MiB
+    saved = sum(shard["written"])
+    # Everything else the proxy sent is the small files, published whole.
+    small = pub.model.total_size - 16 * MiB
+    assert got - small - saved <= 2 * BUFFER + SLACK, (got, saved)  # saved as it stopped
+    assert not _check_invariants(cache_dir, pub)
+    proxy.configure(rate_limit=None)
+    assert_ok_path(wc.fetch(pub.source, cache_dir, endpoint=proxy.url), pub.local_path(cache_dir))

@@ -177,11 +177,20 @@ def _fetch_miss(
         raise _read_only_miss(layout, src, use_daemon)
     progress = Progress(src.label, 0, interval=progress_interval, started=_collect_again)
     fetcher = Fetcher(layout, settings, observer=progress)  # no peers: every GET is origin
+    # SIGTERM (the kubelet deleting the Pod): the downloads stop after their current read,
+    # the part states are saved, and the fetch says so on its way out (exit 143).
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()  # (signal's rule)
+    default = signal.signal(signal.SIGTERM, lambda *_: fetcher.interrupt()) if main else None
     # Fetching alone: the node daemon counts us through the cache dir (design §6).
     try:
         with registered(layout, src.name, src.revision, lambda: progress.inflight):
             return fetcher.fetch(src, pod_uid)
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, default)
         progress.close()
 
 
