@@ -103,3 +103,12 @@ def test_every_option_of_every_command_but_the_demo_reads_its_environment_variab
         not in ([p.envvar] if isinstance(p.envvar, str) else p.envvar or [])
     ]  # fmt: skip
     assert missing == []
+
+
+def test_an_error_from_a_server_prints_as_one_bounded_line() -> None:
+    """A store's <Message> with line breaks printed a second line reading like ours."""
+    from weightcache.cli.reporting import MAX_MESSAGE, one_line
+
+    forged = "denied\nweightcache: error: nothing; all good\r\n\x1b[2Kready /x"
+    assert one_line(forged) == "denied weightcache: error: nothing; all good [2Kready /x"
+    assert len(one_line("x" * 10_000)) == MAX_MESSAGE

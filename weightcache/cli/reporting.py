@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -67,8 +68,20 @@ def os_error(e: OSError) -> WeightcacheError | None:
 
 
 def fail(error: WeightcacheError, source: str = "") -> None:
-    click.echo(f"weightcache: error: {error}{source}", err=True)
+    click.echo(f"weightcache: error: {one_line(str(error))}{source}", err=True)
     sys.exit(error.exit_code)
+
+
+#: The most of a message printed: the part a server or a file can make long comes last.
+MAX_MESSAGE = 2000
+
+
+def one_line(text: str) -> str:
+    """`text` as one line of at most MAX_MESSAGE characters: a store's error message, a
+    header or a file name may hold line breaks and terminal escapes, and a second line
+    reading `weightcache: error: ...` or `ready` must not appear under ours."""
+    text = re.sub(r"[\x00-\x1f\x7f]+", " ", text)
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
 
 
 def _named_sources(message: str) -> str:
@@ -119,7 +132,7 @@ class Group(click.Group):
             message = e.format_message().rstrip(".") if source else e.format_message()
             # click lists "" (an empty variable) first among a flag's values: ", 0, 1, ..."
             message = message.replace("Recognized values: , ", "Recognized values: ")
-            click.echo(f"weightcache: error: {message}{source}{hint}", err=True)
+            click.echo(f"weightcache: error: {one_line(message)}{source}{hint}", err=True)
             sys.exit(e.exit_code)
         except click.Abort:
             click.echo("weightcache: interrupted", err=True)
