@@ -40,6 +40,12 @@ _DURATIONS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
 _NUMBER = r"\s*(\d+(?:\.\d+)?)\s*"
 
 
+def is_digits(text: str) -> bool:
+    """Only ASCII digits: what int() takes back. str.isdigit() also says yes to `²`, which
+    int() refuses (a server's header holding one ended a fetch in a traceback)."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_size(text: str, what: str = "size") -> int:
     """`2G`, `500MiB`, `1.5GB`, `4096` -> bytes. Raises UsageError."""
     m = re.fullmatch(_NUMBER + r"([a-zA-Z]*)\s*", str(text))
@@ -231,7 +237,7 @@ def parse_hostport(text: str, what: str, listen: bool = False) -> tuple[str, int
         host, _, port = text.rpartition(":")
         ok = ":" not in host
     low = 0 if listen else 1
-    if not (ok and port.isdigit() and low <= int(port) <= 65535 and (host or listen)):
+    if not (ok and is_digits(port) and low <= int(port) <= 65535 and (host or listen)):
         raise UsageError(
             f"invalid {what} {text!r}: use HOST:PORT, such as 10.0.0.7:9401 or [fd00::7]:9401"
         )

@@ -11,7 +11,7 @@ from typing import cast
 import pytest
 
 from weightcache.errors import IntegrityError, SourceError, UsageError
-from weightcache.transfer.httprange import HttpRanges
+from weightcache.transfer.httprange import HttpRanges, check_status
 from weightcache.transfer.httpsource import (
     TOKEN_ENV,
     HttpBlob,
@@ -51,6 +51,32 @@ def test_a_206_must_be_exactly_the_range_asked_for() -> None:
         check(206, 10, 20, Content_Range="bytes 0-19/100")
     with pytest.raises(SourceError, match="Content-Range ''"):
         check(206, 10, 20)
+
+
+def test_sizes_in_other_digits_than_ascii_are_no_sizes_not_a_traceback() -> None:
+    """str.isdigit() says yes to `²`, which int() refuses: a hostile server's header."""
+    with pytest.raises(SourceError, match="Content-Range 'bytes 10-19/²'"):
+        check(206, 10, 20, Content_Range="bytes 10-19/²")
+    assert check(200, 40, 60, Content_Length="²") == 40  # no size said: the hash decides
+    for header in ("²", "1²"):
+        answer = cast(http.client.HTTPResponse, _Answer(206, Content_Range=f"bytes 0-9/{header}"))
+        with pytest.raises(RetryRange, match="got Content-Range"):
+            check_status(answer, 0, 10, 100, URL)
+
+
+def test_the_store_s_206_must_be_the_range_asked_for_or_it_is_read_again() -> None:
+    """An S3 store's (or a peer's) 206 of other bytes would land at the offset asked for."""
+
+    def store(**headers: str) -> int:
+        return check_status(cast(http.client.HTTPResponse, _Answer(206, **headers)), 10, 20,
+                            100, URL)  # fmt: skip
+
+    assert store(Content_Range="bytes 10-19/100") == 0
+    for got in ("bytes 11-20/100", "bytes 10-29/100", ""):
+        with pytest.raises(RetryRange, match=f"got Content-Range '{got}'"):
+            store(Content_Range=got) if got else store()
+    with pytest.raises(IntegrityError, match="is 99 bytes now"):
+        store(Content_Range="bytes 10-19/99")
 
 
 def test_a_200_is_the_whole_file_whose_prefix_is_skipped() -> None:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from weightcache.config import is_digits
 from weightcache.errors import (
     IntegrityError,
     SourceError,
@@ -194,7 +195,7 @@ async def _get(blob_client: Any, offset: int, length: int | None) -> tuple[bytes
 
     def note_total(response: Any) -> None:
         total = response.http_response.headers.get("Content-Range", "").rpartition("/")[2]
-        totals.append(int(total) if total.isdigit() else -1)
+        totals.append(int(total) if is_digits(total) else -1)
 
     stream = await blob_client.download_blob(
         offset=offset, length=length, max_concurrency=1, retry_total=0,

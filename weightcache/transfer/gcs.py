@@ -29,6 +29,7 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from weightcache.config import is_digits
 from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.transfer.sources import RangeReader, RetryRange
 
@@ -253,7 +254,7 @@ class GcsBlob:
         status = resp.status
         if status == 206:
             total = resp.headers.get("Content-Range", "").rpartition("/")[2]
-            if total.isdigit() and int(total) != size:
+            if is_digits(total) and int(total) != size:
                 raise IntegrityError(
                     f"{self.where} is {total} bytes now but was {size} when listed; the "
                     "object changed during the fetch, run it again"

@@ -21,6 +21,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from weightcache.config import is_digits
 from weightcache.errors import IntegrityError, SourceError, UsageError
 from weightcache.transfer.checksums import Vouch, composite_parts, s3_vouched
 from weightcache.transfer.sources import RangeReader, RetryRange
@@ -274,12 +275,15 @@ def check_status(
     RetryRange for what a retry may fix (throttle=True for 429/503 SlowDown), IntegrityError
     for an object whose size changed, SourceError for the rest."""
     if resp.status == 206:
-        total = resp.getheader("Content-Range", "").rpartition("/")[2]
-        if total.isdigit() and int(total) != size:
+        got = resp.getheader("Content-Range", "")
+        total = got.rpartition("/")[2]
+        if is_digits(total) and int(total) != size:
             raise IntegrityError(
                 f"{where} is {total} bytes now but was {size} when listed; the object changed "
                 "during the fetch, run it again"
             )
+        if got != f"bytes {start}-{end - 1}/{size}":  # its bytes would land elsewhere
+            raise RetryRange(f"asked for bytes {start}-{end - 1}, got Content-Range {got!r}")
         return 0
     if resp.status == 200 and start == 0 and end == size:
         return 0  # a server that ignores Range for a whole-object read

@@ -34,6 +34,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
+from weightcache.config import is_digits
 from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.pacing import Backoff
@@ -101,7 +102,7 @@ def check_http_status(
         if got == f"bytes {start}-{end - 1}/{size}":
             return 0
         total = got.rpartition("/")[2]
-        if total.isdigit() and int(total) != size:
+        if is_digits(total) and int(total) != size:
             raise _changed(where, int(total), size)
         raise SourceError(
             f"GET {where}: asked for bytes {start}-{end - 1}, the server answered "
@@ -109,7 +110,7 @@ def check_http_status(
         )
     if resp.status == 200:
         length = resp.getheader("Content-Length", "")
-        if length.isdigit() and int(length) != size:
+        if is_digits(length) and int(length) != size:
             raise _changed(where, int(length), size)
         return start
     if resp.status == 416:
@@ -240,7 +241,7 @@ class HttpRevision:
         if resp.status in _NO_HEAD:
             return self._size_by_get(relpath)
         length = resp.getheader("Content-Length", "")
-        if not length.isdigit():
+        if not is_digits(length):
             raise SourceError(
                 f"HEAD {self.file_url(relpath)} gave no Content-Length; serve the files as "
                 "static files"
@@ -265,7 +266,7 @@ class HttpRevision:
             size = resp.getheader("Content-Length", "")
         else:
             size = resp.getheader("Content-Range", "").rpartition("/")[2]
-        if not size.isdigit():
+        if not is_digits(size):
             raise SourceError(
                 f"GET {location} (the server refuses HEAD) gave no size: no "
                 f"{'Content-Length' if resp.status == 200 else 'Content-Range total'}; serve "
