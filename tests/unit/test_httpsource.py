@@ -11,6 +11,7 @@ from typing import cast
 import pytest
 
 from weightcache.errors import IntegrityError, SourceError, UsageError
+from weightcache.transfer import httprange
 from weightcache.transfer.httprange import HttpRanges, check_status
 from weightcache.transfer.httpsource import (
     TOKEN_ENV,
@@ -77,6 +78,41 @@ def test_the_store_s_206_must_be_the_range_asked_for_or_it_is_read_again() -> No
             store(Content_Range=got) if got else store()
     with pytest.raises(IntegrityError, match="is 99 bytes now"):
         store(Content_Range="bytes 10-19/99")
+
+
+class _Endless(_Answer):
+    """A body that never ends (or one that says it is huge), read in what is asked."""
+
+    def __init__(self, **headers: str) -> None:
+        super().__init__(200, **headers)
+        self.asked: list[int] = []
+
+    def read(self, n: int = -1) -> bytes:
+        assert n >= 0, "an unbounded read of an endless body"
+        self.asked.append(n)
+        return b"x" * n
+
+    def close(self) -> None: ...
+
+
+def test_a_small_answer_over_its_bound_is_refused_not_read_to_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SHA256SUMS (or a listing page) that never ends grew a fetch to 12 GB."""
+    monkeypatch.setattr(httprange, "SMALL_BODY_MAX", 1000)
+    endless = _Endless()
+    with pytest.raises(SourceError, match="GET x: the answer is over"):
+        httprange.read_small_body(cast(http.client.HTTPResponse, endless), "GET x")
+    assert endless.asked == [1001]
+    huge = _Endless(Content_Length=str(50 << 30))
+    with pytest.raises(SourceError, match="GET x: the answer is over"):
+        httprange.read_small_body(cast(http.client.HTTPResponse, huge), "GET x")
+    assert huge.asked == []  # refused by its length, unread
+    small = _Endless(Content_Length="10")
+    small.read = lambda n=-1: b"0123456789"  # type: ignore[method-assign]
+    assert httprange.read_small_body(cast(http.client.HTTPResponse, small), "GET x") == (
+        b"0123456789"
+    )
 
 
 def test_a_200_is_the_whole_file_whose_prefix_is_skipped() -> None:

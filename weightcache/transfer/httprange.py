@@ -224,7 +224,7 @@ class HttpRanges:
             conn.request(method, url.path, headers=headers)
             resp = conn.getresponse()
             if body:
-                return resp, resp.read()
+                return resp, read_small_body(resp, f"{method} {location}")
             self._drop_connection()
             return resp, b""
         except (OSError, http.client.HTTPException) as e:
@@ -265,6 +265,27 @@ class HttpRanges:
         conn = self._conns().pop(key, None) if key is not None else None
         if conn is not None:
             conn.close()
+
+
+#: The most of a small answer read into memory (a SHA256SUMS, a listing page, an error):
+#: a SHA256SUMS of 500,000 files is ~50 MiB. A larger one (or an endless body) from a
+#: broken or hostile server is refused, not read until the process is killed.
+SMALL_BODY_MAX = 64 << 20
+
+
+def read_small_body(resp: http.client.HTTPResponse, what: str) -> bytes:
+    """The response's whole body, at most SMALL_BODY_MAX bytes of it; SourceError (exit 3)
+    for a longer one, refused by its Content-Length before it is read when it says so."""
+    said = resp.getheader("Content-Length", "")
+    too_long = is_digits(said) and int(said) > SMALL_BODY_MAX
+    data = b"" if too_long else resp.read(SMALL_BODY_MAX + 1)
+    if too_long or len(data) > SMALL_BODY_MAX:
+        resp.close()
+        raise SourceError(
+            f"{what}: the answer is over {SMALL_BODY_MAX >> 20} MiB, more than a SHA256SUMS, a "
+            "listing page or an error ever is; check the source (the URL, the endpoint)"
+        )
+    return data
 
 
 def check_status(

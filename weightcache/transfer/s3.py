@@ -31,7 +31,12 @@ from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
 from weightcache.errors import SourceError, TransientError
-from weightcache.transfer.httprange import ca_file, new_connection
+from weightcache.transfer.httprange import (
+    SMALL_BODY_MAX,
+    ca_file,
+    new_connection,
+    read_small_body,
+)
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, static_signer
@@ -147,7 +152,12 @@ class Origin:
         def get() -> bytes:
             if self._signer is not None:
                 return self._signed_get(bucket, key, {})
-            body: bytes = self._client.get_object(Bucket=bucket, Key=key)["Body"].read()
+            answer = self._client.get_object(Bucket=bucket, Key=key)
+            body: bytes = answer["Body"].read(SMALL_BODY_MAX + 1)
+            if answer.get("ContentLength", 0) > SMALL_BODY_MAX or len(body) > SMALL_BODY_MAX:
+                answer["Body"].close()
+                raise SourceError(f"GET {url}: over {SMALL_BODY_MAX >> 20} MiB, more than a "
+                                  "SHA256SUMS ever is; check the source")  # fmt: skip
             return body
 
         return self.call(f"GET {url}", get)
@@ -301,7 +311,7 @@ class Origin:
         try:
             conn.request("GET", f"{url.path}?{url.query}")
             resp = conn.getresponse()
-            return resp.status, resp.read()
+            return resp.status, read_small_body(resp, f"GET {url.scheme}://{url.netloc}{url.path}")
         except BaseException:
             self._local.conn = None
             conn.close()
