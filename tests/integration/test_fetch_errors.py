@@ -4,6 +4,7 @@ directory (design §2.2 exit codes 2 and 3, §2.1 manifest, §3 invariant 5)."""
 from __future__ import annotations
 
 import http.server
+import itertools
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -212,9 +213,19 @@ def hostile_store() -> Iterator[Callable[[bytes], str]]:
         (b"<html><body>It works!</body></html", "is not ListObjectsV2 XML"),
         (b"<html><body>It works!</body></html>", "is not ListObjectsV2 XML"),
         (b"<R><Contents><Key>m/r/a</Key><Size>big</Size></Contents></R>", "not ListObjectsV2"),
-        (ENDLESS_PAGE, "same continuation token twice"),
+        (ENDLESS_PAGE, "its listing is broken"),
+        (
+            b"<ListBucketResult><IsTruncated>false</IsTruncated><Contents><Key>m/r2/a</Key>"
+            b"<Size>1</Size></Contents></ListBucketResult>",
+            "outside the prefix",
+        ),
+        (
+            b"<ListBucketResult><IsTruncated>false</IsTruncated>" + b"<Contents><Key>m/r/a</Key>"
+            b"<Size>1</Size></Contents>" * 2 + b"</ListBucketResult>",
+            "'m/r/a' twice",
+        ),
     ],
-    ids=["not-xml", "html", "size-not-a-number", "endless"],
+    ids=["not-xml", "html", "size-not-a-number", "endless", "outside", "twice"],
 )
 def test_a_listing_that_is_not_one_is_a_source_error(
     wc: CLI, cache_dir: Path, guarded: dict[str, str], hostile_store: Callable[[bytes], str],
@@ -228,6 +239,39 @@ def test_a_listing_that_is_not_one_is_a_source_error(
     )
     assert said in message and endpoint in message, message
     assert markers(cache_dir) == []
+
+
+def test_a_listing_of_empty_pages_each_with_a_new_token_ends(
+    wc: CLI, cache_dir: Path, guarded: dict[str, str]
+) -> None:
+    """A store that hands out a new continuation token with every empty page paged 663
+    times in 30 s and never ended."""
+    pages = itertools.count()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = (b"<ListBucketResult><IsTruncated>true</IsTruncated><NextContinuationToken>"
+                    b"%d</NextContinuationToken></ListBucketResult>" % next(pages))  # fmt: skip
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        message = assert_fails(
+            wc.fetch("s3://models/m/r", cache_dir, endpoint=endpoint, env=guarded), 3
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "pages without a key" in message, message
+    assert next(pages) <= 20
 
 
 def test_a_web_page_at_the_endpoint_is_a_source_error_through_boto3_too(

@@ -65,6 +65,9 @@ def _drop_expect_header(request: Any, **_: Any) -> None:
 
 #: Fields every ListObjectsV2 answer has (a page without any of them was not one).
 _LISTING_FIELDS = frozenset({"Name", "IsTruncated", "KeyCount", "Contents"})
+#: Truncated listing pages without a key, in a row, before the listing is called endless
+#: (a store handing out a new token on every empty page paged 663 times in 30 s).
+MAX_EMPTY_PAGES = 10
 
 
 class Origin:
@@ -175,7 +178,7 @@ class Origin:
                 if not page.keys() & _LISTING_FIELDS:  # botocore reads a web page as {}
                     raise self._not_a_listing(bucket, prefix, "no ListBucketResult fields")
                 for obj in page.get("Contents", []):
-                    sizes[obj["Key"][len(prefix) :]] = int(obj["Size"])
+                    self._listed(sizes, obj["Key"], int(obj["Size"]), bucket, prefix)
             return sizes
 
         return self.call(f"LIST s3://{bucket}/{prefix}", list_all)
@@ -322,23 +325,39 @@ class Origin:
         sizes: dict[str, int] = {}
         query = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
         tokens: set[str] = set()
+        empty = 0  # truncated pages without a key, in a row
         while True:
             objects, fields = self._page(bucket, query)
             encoded = fields.get("EncodingType") == "url"
             for key, size in objects:
                 key = urllib.parse.unquote_plus(key) if encoded else key
-                sizes[key[len(prefix) :]] = size
+                self._listed(sizes, key, size, bucket, prefix)
             token = fields.get("NextContinuationToken")
             if fields.get("IsTruncated") != "true" or not token:
                 return sizes
-            if token in tokens:  # a broken store's endless listing
+            empty = 0 if objects else empty + 1
+            if token in tokens or empty > MAX_EMPTY_PAGES:  # a broken store's endless listing
                 raise SourceError(
-                    f"{self._store()} sent the same continuation token twice listing "
-                    f"s3://{bucket}/{prefix}; its listing is broken: check the server "
-                    "behind --endpoint-url"
+                    f"{self._store()} sent the same continuation token twice, or "
+                    f"{MAX_EMPTY_PAGES} pages without a key that said more follow, listing "
+                    f"s3://{bucket}/{prefix}; its listing is broken: check the server behind "
+                    "--endpoint-url"
                 )
             tokens.add(token)
             query = {**query, "continuation-token": token}
+
+    def _listed(self, sizes: dict[str, int], key: str, size: int, bucket: str, prefix: str) -> None:
+        """Add a listed object to `sizes` by its path under `prefix`; SourceError for a key
+        outside the prefix (a store that ignored it) or listed twice: its path would take
+        another object's place."""
+        path = key[len(prefix) :]
+        if not key.startswith(prefix) or path in sizes:
+            why = "outside the prefix" if not key.startswith(prefix) else "twice"
+            raise SourceError(
+                f"{self._store()} listed {key[:200]!r} {why} listing s3://{bucket}/{prefix}; "
+                "its listing is broken: check the server behind --endpoint-url"
+            )
+        sizes[path] = size
 
     def _page(
         self, bucket: str, query: dict[str, str]
