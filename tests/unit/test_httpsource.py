@@ -160,6 +160,8 @@ def test_manifest_paths_are_the_named_files_in_order() -> None:
     h = "ab" * 32
     data = f"{h}  b.bin\n{h} *./sub/a b.json\r\nnot a line\n{h}  ../escape\n\n{h}  c".encode()
     assert manifest_paths(data) == ["b.bin", "sub/a b.json", "c"]
+    # Never asked of the server (the fetch refuses the manifest for them, exit 3).
+    assert manifest_paths(f"{h}  a\x00b\n{h}  tab\there\n".encode()) == []
 
 
 def test_a_blob_sent_only_whole_is_read_in_one_part() -> None:
@@ -171,3 +173,26 @@ def test_a_blob_sent_only_whole_is_read_in_one_part() -> None:
     assert part_size_for(blob, 100 << 20, 16 << 20) == 100 << 20
     assert part_size_for(blob, 0, 16 << 20) == 1
     assert part_size_for(FileBlob(Path("/nowhere")), 100, 16) == 16
+
+
+def test_a_missing_file_ends_the_listing_within_a_few_windows_of_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A manifest of a million lines whose first file is missing sent 71,042 HEADs (every
+    one queued at once) before it failed."""
+    from weightcache.transfer.httpsource import HEADS_IN_FLIGHT, HttpRevision
+
+    revision = HttpRevision(cast(HttpRanges, None), "http://127.0.0.1:1/m/r")
+    h = "ab" * 32
+    manifest = "".join(f"{h}  f{i}\n" for i in range(10_000)).encode()
+    monkeypatch.setattr(revision, "_read_manifest", lambda: manifest)
+    asked: list[str] = []
+
+    def head(relpath: str) -> int:
+        asked.append(relpath)
+        raise SourceError(f"HEAD {relpath}: HTTP 404, no such file on the server")
+
+    monkeypatch.setattr(revision, "_head", head)
+    with pytest.raises(SourceError, match="HTTP 404"):
+        revision.list_sizes()
+    assert len(asked) <= 4 * HEADS_IN_FLIGHT, len(asked)

@@ -135,7 +135,7 @@ def manifest_paths(data: bytes) -> list[str]:
         m = _LINE.fullmatch(line.removesuffix("\r"))
         if m is not None:
             path = m.group(1).removeprefix("./")
-            if not any(s in ("", ".", "..") for s in path.split("/")):
+            if path.isprintable() and not any(s in ("", ".", "..") for s in path.split("/")):
                 paths.append(path)
     return paths
 
@@ -214,8 +214,14 @@ class HttpRevision:
         file it names is missing."""
         data = self._read_manifest()
         paths = manifest_paths(data)
+        sizes: dict[str, int] = {}
         with cf.ThreadPoolExecutor(min(HEADS_IN_FLIGHT, max(1, len(paths)))) as pool:
-            sizes = dict(zip(paths, pool.map(self._head, paths), strict=True))
+            # A few windows' worth at a time: a missing file ends the listing there, not
+            # after a HEAD of every one of a million lines.
+            window = 4 * HEADS_IN_FLIGHT
+            for i in range(0, len(paths), window):
+                chunk = paths[i : i + window]
+                sizes.update(zip(chunk, pool.map(self._head, chunk), strict=True))
         self._probe_ranges(sizes)
         return {MANIFEST: len(data), **sizes}
 
