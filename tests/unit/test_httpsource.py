@@ -87,7 +87,7 @@ class _Endless(_Answer):
         super().__init__(200, **headers)
         self.asked: list[int] = []
 
-    def read(self, n: int = -1) -> bytes:
+    def read1(self, n: int = -1) -> bytes:
         assert n >= 0, "an unbounded read of an endless body"
         self.asked.append(n)
         return b"x" * n
@@ -108,11 +108,25 @@ def test_a_small_answer_over_its_bound_is_refused_not_read_to_its_end(
     with pytest.raises(SourceError, match="GET x: the answer is over"):
         httprange.read_small_body(cast(http.client.HTTPResponse, huge), "GET x")
     assert huge.asked == []  # refused by its length, unread
+    parts = [b"01234", b"56789", b""]
     small = _Endless(Content_Length="10")
-    small.read = lambda n=-1: b"0123456789"  # type: ignore[method-assign]
+    small.read1 = lambda n=-1: parts.pop(0)  # type: ignore[method-assign]
     assert httprange.read_small_body(cast(http.client.HTTPResponse, small), "GET x") == (
         b"0123456789"
     )
+
+
+def test_a_small_answer_that_trickles_is_cut_as_a_stall() -> None:
+    """A SHA256SUMS sent a byte a second never ended: each read beat the socket timeout."""
+    trickle = _Endless()
+    trickle.read1 = lambda n=-1: b"x"  # type: ignore[method-assign]
+    with pytest.raises(RetryRange, match="a trickle"):
+        httprange.read_small_body(cast(http.client.HTTPResponse, trickle), "GET x", stall=0.0)
+    steady = [b"y" * 2048] * 3 + [b""]
+    flowing = _Endless()
+    flowing.read1 = lambda n=-1: steady.pop(0)  # type: ignore[method-assign]
+    body = httprange.read_small_body(cast(http.client.HTTPResponse, flowing), "GET x", stall=0.0)
+    assert body == b"y" * 6144
 
 
 def test_a_200_is_the_whole_file_whose_prefix_is_skipped() -> None:

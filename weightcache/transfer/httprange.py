@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from weightcache.config import is_digits
 from weightcache.errors import IntegrityError, SourceError, UsageError
 from weightcache.transfer.checksums import Vouch, composite_parts, s3_vouched
-from weightcache.transfer.sources import RangeReader, RetryRange
+from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -271,21 +271,40 @@ class HttpRanges:
 #: a SHA256SUMS of 500,000 files is ~50 MiB. A larger one (or an endless body) from a
 #: broken or hostile server is refused, not read until the process is killed.
 SMALL_BODY_MAX = 64 << 20
+#: Bytes a small answer must move in READ_TIMEOUT seconds (the downloader's stall rule).
+SMALL_BODY_PROGRESS = 1 << 10
 
 
-def read_small_body(resp: http.client.HTTPResponse, what: str) -> bytes:
+def read_small_body(
+    resp: http.client.HTTPResponse, what: str, stall: float = READ_TIMEOUT
+) -> bytes:
     """The response's whole body, at most SMALL_BODY_MAX bytes of it; SourceError (exit 3)
-    for a longer one, refused by its Content-Length before it is read when it says so."""
+    for a longer one, refused by its Content-Length before it is read when it says so.
+    RetryRange for a trickle: less than SMALL_BODY_PROGRESS bytes in `stall` seconds (each
+    read within the socket's timeout, it would never end)."""
     said = resp.getheader("Content-Length", "")
     too_long = is_digits(said) and int(said) > SMALL_BODY_MAX
-    data = b"" if too_long else resp.read(SMALL_BODY_MAX + 1)
-    if too_long or len(data) > SMALL_BODY_MAX:
+    chunks, got = [], 0
+    since, moved = time.monotonic(), 0  # the stall clock: since when, bytes since then
+    while not too_long and got <= SMALL_BODY_MAX:
+        chunk = resp.read1(min(1 << 20, SMALL_BODY_MAX + 1 - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got, moved = got + len(chunk), moved + len(chunk)
+        if time.monotonic() - since >= stall:
+            if moved < SMALL_BODY_PROGRESS:
+                resp.close()
+                raise RetryRange(f"{what}: less than {SMALL_BODY_PROGRESS} bytes in "
+                                 f"{stall:.0f}s (a trickle)")  # fmt: skip
+            since, moved = time.monotonic(), 0
+    if too_long or got > SMALL_BODY_MAX:
         resp.close()
         raise SourceError(
             f"{what}: the answer is over {SMALL_BODY_MAX >> 20} MiB, more than a SHA256SUMS, a "
             "listing page or an error ever is; check the source (the URL, the endpoint)"
         )
-    return data
+    return b"".join(chunks)
 
 
 def check_status(
