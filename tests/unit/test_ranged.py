@@ -679,8 +679,9 @@ def test_a_trickle_ends_the_download_after_the_timeout(one_part: Path, tmp_path:
     path = one_part
     source = Wrapped(path, on_read=lambda start, read: time.sleep(0.02), chunk=1)
     start = time.monotonic()
-    with pytest.raises(TransientError, match=r"trickle"):
+    with pytest.raises(TransientError, match=r"trickle") as stopped:
         downloader(timeout=1.0, max_concurrency=1).download([job(source, PART, tmp_path)])
+    assert "after 1 attempt(s)" in str(stopped.value)  # not "after 0 attempts"
     # 1 s of --timeout; the margin is for a loaded machine, a hang would be minutes.
     assert time.monotonic() - start < 30
 

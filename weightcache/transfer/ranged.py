@@ -465,9 +465,9 @@ class RangedDownloader:
         stalled = f.run.stalled_for()
         if failures >= attempts or stalled >= self.settings.timeout:
             raise TransientError(
-                f"giving up on {f.job.label} ({source.where}) after {failures} attempts and "
-                f"{stalled:.0f}s without progress, last: {reason}; partial data is kept, run "
-                "the fetch again when the store recovers"
+                f"giving up on {f.job.label} ({source.where}) after {max(failures, 1)} "
+                f"attempt(s) and {stalled:.0f}s without progress, last: {reason}; partial "
+                "data is kept, run the fetch again when the store recovers"
             )
         delay = min(self.backoff.delay(max(failures, 1)), self.settings.timeout - stalled)
         log.warning(
