@@ -94,6 +94,9 @@ class _Endless(_Answer):
 
     def close(self) -> None: ...
 
+    def isclosed(self) -> bool:
+        return True
+
 
 def test_a_small_answer_over_its_bound_is_refused_not_read_to_its_end(
     monkeypatch: pytest.MonkeyPatch,

@@ -638,7 +638,7 @@ def test_a_source_is_given_up_after_its_own_attempts(one_part: Path, tmp_path: P
         raise RetryRange("HTTP 500")
 
     source = Wrapped(path, attempts=2, on_open=always_fail)
-    with pytest.raises(TransientError, match=r"after 2 attempts"):
+    with pytest.raises(TransientError, match=r"after 2 attempt\(s\)"):
         downloader(max_concurrency=1, max_attempts=8).download([job(source, PART, tmp_path)])
     assert len(source.opened) == 2  # the source's 2, not --max-attempts' 8
 

@@ -304,6 +304,8 @@ def read_small_body(
             f"{what}: the answer is over {SMALL_BODY_MAX >> 20} MiB, more than a SHA256SUMS, a "
             "listing page or an error ever is; check the source (the URL, the endpoint)"
         )
+    if not resp.isclosed():  # read1 leaves a Content-Length body open at its end: done
+        resp.read()  # (nothing left to read), so the kept connection takes the next request
     return b"".join(chunks)
 
 
