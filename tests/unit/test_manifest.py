@@ -71,6 +71,13 @@ def test_with_sizes_and_total_size() -> None:
     assert m.total_size == 42
 
 
+@pytest.mark.parametrize("size", [10**30, (1 << 50) + 1, -1])
+def test_a_size_no_object_can_have_is_a_source_error_not_a_full_disk(size: int) -> None:
+    """A listing of 10^30 bytes said "needs 1818989403545856512.0TiB more; free space"."""
+    with pytest.raises(SourceError, match="no object is that large"):
+        _parse(f"{H1}  a.bin\n").with_sizes({"a.bin": size})
+
+
 def test_with_sizes_same_sha256_same_size_is_fine() -> None:
     m = _parse(f"{H1}  a.bin\n{H1}  copy/a.bin\n").with_sizes({"a.bin": 3, "copy/a.bin": 3})
     assert m.total_size == 6

@@ -17,6 +17,10 @@ from weightcache.errors import IntegrityError, SourceError
 MANIFEST_NAME = "SHA256SUMS"
 _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
 
+#: No object of any store is larger (S3's and GCS's limit is 5 TiB): a size above it is a
+#: broken listing or header, not a disk too small (exit 3, not exit 5).
+MAX_OBJECT_SIZE = 1 << 50
+
 
 @dataclass(frozen=True)
 class ManifestEntry:
@@ -46,6 +50,12 @@ class Manifest:
         of either size would never match the other file's marker entry).
         """
         entries = tuple(ManifestEntry(e.path, e.sha256, sizes[e.path]) for e in self.entries)
+        for entry in entries:
+            if not 0 <= entry.size <= MAX_OBJECT_SIZE:  # a broken listing, not a file
+                raise SourceError(
+                    f"the source lists {entry.path} at {entry.size} bytes; no object is that "
+                    "large (or negative): check the store or server"
+                )
         first: dict[str, ManifestEntry] = {}
         for entry in entries:
             other = first.setdefault(entry.sha256, entry)
