@@ -141,3 +141,81 @@ def test_an_eviction_the_index_cannot_record_still_frees_its_space(
     assert list(cache.layout.tmp.iterdir()) == []  # no trash left behind
     [(digest, _)] = marker.files.values()
     assert not cache.layout.blob(digest).exists()
+
+
+def test_survey_counts_the_index_pins_with_the_callers(cache: Cache) -> None:
+    """Pins reach the planner from both places: the daemon's models file (the caller) and
+    the index (`gc` run beside a daemon that pinned them)."""
+    from weightcache.cache import eviction
+
+    index = for_cache(cache.layout)
+    index.set_pins({("mid", "r1")})
+    revisions, _, _ = eviction.survey(cache, index, frozenset({("new", "r1")}))
+    assert {r.name for r in revisions if r.pinned} == {"mid", "new"}
+
+
+def test_survey_skips_a_revision_directory_without_a_marker(cache: Cache) -> None:
+    # "aaa" sorts first: an unmarked directory neither ends the listing nor fails it.
+    from weightcache.cache import eviction
+
+    cache.layout.revision_dir("aaa", "r1").mkdir(parents=True)
+    revisions, _, _ = eviction.survey(cache, for_cache(cache.layout))
+    assert sorted(r.name for r in revisions) == ["mid", "new", "old"]
+
+
+def test_execute_skips_a_revision_whose_lock_a_fetch_holds(cache: Cache) -> None:
+    from weightcache.cache import eviction
+    from weightcache.cache.locks import FileLock
+
+    index = for_cache(cache.layout)
+    plan = eviction.plan_eviction(*eviction.survey(cache, index), 100)
+    assert plan.evict == (("old", "r1"), ("mid", "r1"))
+    fetch = FileLock(cache.layout.revision_lock("old", "r1"), "old/r1")
+    assert fetch.try_acquire()
+    try:
+        assert eviction.execute(plan, cache, index) == 100
+    finally:
+        fetch.release()
+    assert present(cache) == {"old", "new"}
+
+
+def test_execute_releases_the_lock_of_each_revision_it_evicts(cache: Cache) -> None:
+    # A fetch of the same revision later must not wait forever for the evictor's lock.
+    from weightcache.cache import eviction
+    from weightcache.cache.locks import FileLock
+
+    index = for_cache(cache.layout)
+    plan = eviction.plan_eviction(*eviction.survey(cache, index), 200)
+    assert eviction.execute(plan, cache, index) == 100
+    fetch = FileLock(cache.layout.revision_lock("old", "r1"), "old/r1")
+    assert fetch.try_acquire()
+    fetch.release()
+
+
+def test_execute_skips_a_revision_leased_since_the_plan(cache: Cache) -> None:
+    from weightcache.cache import eviction
+
+    index = for_cache(cache.layout)
+    plan = eviction.plan_eviction(*eviction.survey(cache, index), 100)
+    index.lease("old", "r1", POD)
+    assert eviction.execute(plan, cache, index) == 100
+    assert present(cache) == {"old", "new"}
+
+
+def test_execute_keeps_a_revision_whose_leases_cannot_be_read(
+    cache: Cache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index that cannot be read cannot say the revision is unleased: it stays."""
+    import sqlite3
+
+    from weightcache.cache import eviction
+
+    index = for_cache(cache.layout)
+    plan = eviction.plan_eviction(*eviction.survey(cache, index), 200)
+
+    def unreadable(self: Index, name: str, revision: str, remove: object) -> bool:
+        raise sqlite3.DatabaseError("file is not a database")
+
+    monkeypatch.setattr(Index, "remove_unless_protected", unreadable)
+    assert eviction.execute(plan, cache, index) == 0
+    assert present(cache) == {"old", "mid", "new"}

@@ -188,3 +188,11 @@ def test_watermarks_in_range_are_accepted(high: float, low: float) -> None:
 def test_watermarks_out_of_range_say_the_rule(high: float, low: float) -> None:
     with pytest.raises(ValueError, match=r"^watermarks must satisfy 0 < low <= high <= 1$"):
         Watermarks(high, low)
+
+
+def test_a_revision_is_neither_pinned_nor_leased_unless_said() -> None:
+    # The flags default to unprotected: a caller that leaves them out gets an evictable one.
+    r = CachedRevision("m", "1", frozenset({"a"}), 1.0)
+    assert (r.pinned, r.leased) == (False, False)
+    plan = plan_eviction([r], {"a": 1}, 1, 0)
+    assert (plan.evict, plan.protected) == (keys("m/1"), ())
