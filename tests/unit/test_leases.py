@@ -69,3 +69,55 @@ def test_a_pods_directory_it_cannot_search_keeps_every_pod_lease(
     finally:
         pods.chmod(0o755)
     assert index.lease_holders() == {LIVE, GONE}  # only the malformed holder ends
+
+
+def test_a_pods_directory_it_cannot_search_keeps_every_pod_lease_even_as_root(
+    index: Index, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The test above is skipped as root (root searches any directory): EACCES simulated.
+    pods = tmp_path / "pods"
+    pods.mkdir()
+    real = Path.stat
+
+    def denied(self: Path, **kwargs: bool) -> os.stat_result:
+        if self.parent == pods:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", denied)
+    with caplog.at_level("ERROR"):
+        LeaseReaper(index, pods, max_age=HOUR).reap()
+    assert index.lease_holders() == {LIVE, GONE}  # only the malformed holder ends
+    assert "setfacl -m u:" in caplog.text
+
+
+def test_without_a_pods_directory_a_lease_exactly_max_age_old_is_kept(
+    layout: Layout, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "Older than max_age" ends a lease: one taken exactly max_age ago is not yet.
+    index = for_cache(layout)
+    now = 1_000_000.0
+    index.lease("m", "r1", LIVE, now=now - HOUR)
+    index.lease("m", "r1", GONE, now=now - HOUR - 1)
+    monkeypatch.setattr(time, "time", lambda: now)
+    LeaseReaper(index, tmp_path / "absent", max_age=HOUR).reap()
+    assert index.lease_holders() == {LIVE}
+
+
+def test_the_leases_it_ends_are_logged_with_holders_that_are_no_pod_cut_short(
+    index: Index, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder written by hand may be anything: it is shown, cut at 40 characters."""
+    index.lease("m", "r1", "x" * 50)
+    pods = tmp_path / "pods"
+    (pods / LIVE).mkdir(parents=True)
+    reaper = LeaseReaper(index, pods, max_age=24 * HOUR)
+    with caplog.at_level("INFO", logger="weightcache.node.leases"):
+        reaper.reap()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"ending 2 lease(s) not held by a Pod UID: 'by-hand', {'x' * 40!r}",
+            "ending 1 lease(s) of Pods that are gone",
+        ]
+        caplog.clear()
+        reaper.reap()  # nothing left to end: nothing said
+        assert caplog.records == []
