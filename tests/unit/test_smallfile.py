@@ -48,3 +48,47 @@ def test_a_directory_is_refused_and_a_missing_file_is_file_not_found(tmp_path: P
         read_small(tmp_path, 10)
     with pytest.raises(FileNotFoundError):
         read_small(tmp_path / "absent", 10)
+
+
+@pytest.mark.parametrize("most", [None, 1, 3], ids=["whole-reads", "1-byte-reads", "3-byte-reads"])
+def test_a_file_that_grows_past_the_limit_while_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, most: int | None
+) -> None:
+    """The size fstat gave is no bound: the file grows right after it (a writer at work),
+    and reads may return fewer bytes than asked (FUSE, NFS)."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8)  # under the limit when looked at
+    real_fstat, real_read = os.fstat, os.read
+
+    def fstat_then_grow(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        with path.open("ab") as f:
+            f.write(b"y" * 8)
+        return st
+
+    def short_read(fd: int, n: int) -> bytes:
+        return real_read(fd, n if most is None else min(n, most))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fstat", fstat_then_grow)
+        m.setattr(os, "read", short_read)
+        with pytest.raises(ValueError, match="more than 10 bytes"):
+            read_small(path, 10)
+    path.write_bytes(b"x" * 10)  # exactly the limit, in short reads: read whole
+    with monkeypatch.context() as m:
+        m.setattr(os, "read", short_read)
+        assert read_small(path, 10) == b"x" * 10
+
+
+def test_no_descriptor_is_left_open_whatever_the_outcome(tmp_path: Path) -> None:
+    """The daemon reads markers all its life: one leaked descriptor per read exhausts it."""
+    (tmp_path / "ok").write_bytes(b"x")
+    (tmp_path / "big").write_bytes(b"x" * 11)
+    os.mkfifo(tmp_path / "fifo")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        assert read_small(tmp_path / "ok", 10) == b"x"
+        for name in ("big", "fifo"):
+            with pytest.raises(ValueError):
+                read_small(tmp_path / name, 10)
+    assert len(os.listdir("/proc/self/fd")) == before
