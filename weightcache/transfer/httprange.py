@@ -223,6 +223,8 @@ class HttpRanges:
         try:
             conn.request(method, url.path, headers=headers)
             resp = conn.getresponse()
+            if body and method == "HEAD":  # no body, whatever its Content-Length says
+                return resp, resp.read()
             if body:
                 return resp, read_small_body(resp, f"{method} {location}")
             self._drop_connection()
@@ -280,8 +282,9 @@ def read_small_body(
 ) -> bytes:
     """The response's whole body, at most SMALL_BODY_MAX bytes of it; SourceError (exit 3)
     for a longer one, refused by its Content-Length before it is read when it says so.
-    RetryRange for a trickle: less than SMALL_BODY_PROGRESS bytes in `stall` seconds (each
-    read within the socket's timeout, it would never end)."""
+    TimeoutError for a trickle (less than SMALL_BODY_PROGRESS bytes in `stall` seconds: each
+    read within the socket's timeout, it would never end) and IncompleteRead for a body cut
+    short, as the socket would raise them: every caller retries those."""
     said = resp.getheader("Content-Length", "")
     too_long = is_digits(said) and int(said) > SMALL_BODY_MAX
     chunks, got = [], 0
@@ -295,8 +298,8 @@ def read_small_body(
         if time.monotonic() - since >= stall:
             if moved < SMALL_BODY_PROGRESS:
                 resp.close()
-                raise RetryRange(f"{what}: less than {SMALL_BODY_PROGRESS} bytes in "
-                                 f"{stall:.0f}s (a trickle)")  # fmt: skip
+                raise TimeoutError(f"{what}: less than {SMALL_BODY_PROGRESS} bytes in "
+                                   f"{stall:.0f}s (a trickle)")  # fmt: skip
             since, moved = time.monotonic(), 0
     if too_long or got > SMALL_BODY_MAX:
         resp.close()
@@ -304,6 +307,9 @@ def read_small_body(
             f"{what}: the answer is over {SMALL_BODY_MAX >> 20} MiB, more than a SHA256SUMS, a "
             "listing page or an error ever is; check the source (the URL, the endpoint)"
         )
+    if is_digits(said) and got != int(said):  # read1 takes a cut body for its end
+        resp.close()
+        raise http.client.IncompleteRead(b"".join(chunks), int(said) - got)  # as read() did
     if not resp.isclosed():  # read1 leaves a Content-Length body open at its end: done
         resp.read()  # (nothing left to read), so the kept connection takes the next request
     return b"".join(chunks)
