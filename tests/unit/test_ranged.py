@@ -27,6 +27,7 @@ from weightcache.errors import (
     NoSpaceError,
     SourceError,
     TransientError,
+    WeightcacheError,
 )
 from weightcache.node.peerserver import PARTIAL_WAIT
 from weightcache.transfer import partial as partial_module
@@ -710,3 +711,168 @@ def test_reads_block_at_most_the_read_timeout_which_a_serving_peer_undercuts(
     downloader(timeout=timeout).download([job(source, PART, tmp_path)])
     assert source.timeouts == {read}
     assert PARTIAL_WAIT < READ_TIMEOUT  # a peer cuts a stalled partial before we time out
+
+
+def test_a_hash_interrupted_by_stop_raises_and_a_later_one_finishes(tmp_path: Path) -> None:
+    """`stop()` ends the hashing with Interrupted, and leaves the file to be hashed by the
+    next `advance_hash` (another worker, or the resumed download), not claimed forever."""
+    data = random.Random(10).randbytes(2 * PART)
+    partial = PartialFile.open(tmp_path / "b.part", "b", len(data), PART)
+    try:
+        partial.write(memoryview(data), 0)
+        for index in (0, 1):
+            partial.wrote(index, (index + 1) * PART)
+            partial.mark_done(index)
+        with pytest.raises(Interrupted):
+            partial.advance_hash(bytearray(PART), stop=lambda: True)
+        assert partial.digest is None
+        partial.advance_hash(bytearray(PART))
+        assert partial.digest == hashlib.sha256(data).hexdigest()
+    finally:
+        partial.close()
+
+
+@pytest.mark.timeout(10)
+def test_rehash_digests_the_whole_file_as_it_is_now_and_stops_when_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the swarm checks after parts were rewritten in place: every byte, read back in
+    buffer-sized reads after an fsync; Interrupted at stop(); a file cut short is a bug."""
+    data = random.Random(11).randbytes(2 * PART + 100)
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    partial = PartialFile.open(tmp_path / "b.part", "b", len(data), PART)
+    try:
+        partial.write(memoryview(data), 0)
+        assert partial.rehash(bytearray(1000)) == hashlib.sha256(data).hexdigest()
+        assert synced == [partial.fd]
+        with pytest.raises(Interrupted):
+            partial.rehash(bytearray(1000), stop=lambda: True)
+        os.ftruncate(partial.fd, PART)
+        with pytest.raises(WeightcacheError, match=r"internal error: .* is short"):
+            partial.rehash(bytearray(1000))
+    finally:
+        partial.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_partial_cut_short_under_its_hash_frontier_is_an_internal_error(tmp_path: Path) -> None:
+    # Not a read that returns nothing forever: the hashing stops, and says why.
+    partial = PartialFile.open(tmp_path / "b.part", "b", 2 * PART, PART)
+    try:
+        partial.write(memoryview(b"x" * 2 * PART), 0)
+        for index in (0, 1):
+            partial.wrote(index, (index + 1) * PART)
+            partial.mark_done(index)
+        os.ftruncate(partial.fd, PART)
+        with pytest.raises(WeightcacheError, match=r"internal error: .* is short"):
+            partial.advance_hash(bytearray(PART))
+    finally:
+        partial.close()
+
+
+def test_finish_before_every_byte_is_written_is_an_internal_error(tmp_path: Path) -> None:
+    partial = PartialFile.open(tmp_path / "b.part", "b", 2 * PART, PART)
+    try:
+        partial.write(memoryview(b"x" * PART), 0)
+        partial.wrote(0, PART)
+        with pytest.raises(WeightcacheError, match=f"internal error: b hashed {PART} bytes"):
+            partial.finish(bytearray(PART))
+    finally:
+        partial.close()
+
+
+@pytest.mark.parametrize(("errno_", "raised"), [(errno.ENOSPC, NoSpaceError), (errno.EIO, OSError)])
+def test_a_part_state_that_cannot_be_saved_raises_no_space_error_only_for_a_full_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int, raised: type[Exception]
+) -> None:
+    def failing(self: PartState, path: Path, snapshot: list[int] | None = None) -> None:
+        raise OSError(errno_, os.strerror(errno_))
+
+    partial = PartialFile.open(tmp_path / "b.part", "b", PART, PART)
+    monkeypatch.setattr(PartState, "save", failing)
+    try:
+        with pytest.raises(raised) as e:
+            partial.save()
+        assert isinstance(e.value, NoSpaceError) == (errno_ == errno.ENOSPC)
+    finally:
+        partial.close()
+
+
+def test_an_unexpected_error_opening_a_partial_is_raised_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def too_many(*args: object) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(os, "open", too_many)
+    with pytest.raises(OSError) as e:
+        PartialFile.open(tmp_path / "b.part", "b", PART, PART)
+    assert e.value.errno == errno.EMFILE
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("planted", [None, "fifo"])
+def test_a_partial_is_created_0644_and_a_replaced_one_leaves_no_descriptor_open(
+    tmp_path: Path, planted: str | None
+) -> None:
+    path = tmp_path / "b.part"
+    if planted == "fifo":
+        os.mkfifo(path)
+    before = len(os.listdir("/proc/self/fd"))
+    umask = os.umask(0o022)
+    try:
+        PartialFile.open(path, "b", PART, PART).close()
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.timeout(10)
+def test_making_a_partial_writable_changes_only_a_regular_file_never_through_a_symlink(
+    tmp_path: Path,
+) -> None:
+    """Called as root too here (the test above runs it only as another uid, in a child)."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o444)
+    (tmp_path / "link").symlink_to(victim)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "b.part").write_bytes(b"x")
+    (tmp_path / "b.part").chmod(0o444)
+    before = len(os.listdir("/proc/self/fd"))
+    for name in ("b.part", "fifo", "absent"):
+        partial_module._make_writable(tmp_path / name)
+    with pytest.raises(OSError) as e:
+        partial_module._make_writable(tmp_path / "link")
+    assert e.value.errno == errno.ELOOP
+    assert (tmp_path / "b.part").stat().st_mode & 0o777 == 0o644
+    assert victim.stat().st_mode & 0o777 == 0o444
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("size", [0, 1, PART])
+@pytest.mark.parametrize("fallocate", ["supported", errno.EOPNOTSUPP, errno.EINVAL, errno.EIO])
+def test_a_new_partial_has_its_blob_size_even_where_fallocate_is_unsupported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, fallocate: str | int
+) -> None:
+    """Some filesystems cannot preallocate: the file is then sized by ftruncate. Any other
+    failure (EIO) is raised as it is."""
+    if fallocate != "supported":
+
+        def unsupported(fd: int, offset: int, length: int) -> None:
+            raise OSError(fallocate, os.strerror(fallocate))  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    if fallocate == errno.EIO and size:
+        with pytest.raises(OSError) as e:
+            PartialFile.open(tmp_path / "b.part", "b", size, PART)
+        assert e.value.errno == errno.EIO
+        return
+    partial = PartialFile.open(tmp_path / "b.part", "b", size, PART)
+    try:
+        assert os.fstat(partial.fd).st_size == size
+    finally:
+        partial.close()
