@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +22,7 @@ from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
 from weightcache.errors import IntegrityError
-from weightcache.smallfile import read_small
+from weightcache.smallfile import open_regular, read_small
 
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
@@ -63,21 +62,16 @@ class FileOps:
         """chmod the regular file `path` through its own fd, never through a symlink put
         in its place; IntegrityError if it is no regular file (nothing is changed)."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            fd = -1
+            fd = open_regular(path)
+        except ValueError as e:
+            raise IntegrityError(
+                f"{path} is not a regular file: something replaced it in the cache while it "
+                "was downloaded, so it is not published; run the fetch again"
+            ) from e
         try:
-            if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise IntegrityError(
-                    f"{path} is not a regular file: something replaced it in the cache "
-                    "while it was downloaded, so it is not published; run the fetch again"
-                )
             os.fchmod(fd, mode)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
 
     def rename(self, src: Path, dst: Path) -> None:
         os.rename(src, dst)

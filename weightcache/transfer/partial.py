@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from weightcache.errors import Interrupted, WeightcacheError, no_space
+from weightcache.smallfile import open_regular
 from weightcache.transfer.checksums import Hasher, new_hasher
 from weightcache.transfer.parts import PartState
 
@@ -283,49 +284,38 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
-#: Opening a partial: never through a symlink, never waiting on a FIFO.
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # O_NONBLOCK: no-op on a file
-
-
 def _open_partial(partial: Path) -> int:
     """`partial` opened for writing (created if absent), a regular file of tmp/ and
     nothing else. Anything else at its name (a symlink, a FIFO, a directory: planted by
     whoever can write the cache) is removed first, so that no byte of a download is ever
     written through it to a file outside the cache."""
+    flags = os.O_RDWR | os.O_CREAT
     try:
-        fd = os.open(partial, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644)
-    except PermissionError:
-        _make_writable(partial)
-        fd = os.open(partial, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o644)
-    except OSError as e:  # ELOOP: a symlink; EISDIR; ENXIO: a socket
-        if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise
-        fd = -1
-    if fd >= 0 and stat.S_ISREG(os.fstat(fd).st_mode):
-        return fd
-    if fd >= 0:
-        os.close(fd)
-    log.warning("removing %s: not a regular file", partial)
+        try:
+            return open_regular(partial, flags)
+        except PermissionError:
+            _make_writable(partial)
+            return open_regular(partial, flags)
+    except ValueError as e:
+        log.warning("removing %s: %s", partial, e)
     if partial.is_dir() and not partial.is_symlink():
         shutil.rmtree(partial)
     else:
         partial.unlink()
-    return os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o644)
+    return open_regular(partial, flags | os.O_EXCL)
 
 
 def _make_writable(partial: Path) -> None:
     """A kill between publishing's chmod 0444 of a verified partial and its rename leaves
     it read-only: as the non-root uid that wrote it, O_RDWR fails with EACCES until tmp/
     is cleaned a day later. It is ours to write again (changed through its own fd: a
-    symlink put in its place meanwhile is not followed)."""
+    symlink put in its place meanwhile is not followed; the open after this removes it)."""
     try:
-        fd = os.open(partial, os.O_RDONLY | _OPEN_FLAGS)
-    except FileNotFoundError:
-        return  # none to make writable: the EACCES was creating it (tmp/ not writable)
+        fd = open_regular(partial)
+    except (FileNotFoundError, ValueError):
+        return  # none to make writable (the EACCES was creating it), or nothing of ours
     try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISREG(mode):
-            os.fchmod(fd, stat.S_IMODE(mode) | stat.S_IWUSR)
+        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IWUSR)
     finally:
         os.close(fd)
 
