@@ -277,6 +277,14 @@ SMALL_BODY_MAX = 64 << 20
 SMALL_BODY_PROGRESS = 1 << 10
 
 
+def too_large(what: str) -> SourceError:
+    """The error for a small answer over SMALL_BODY_MAX (exit 3)."""
+    return SourceError(
+        f"{what}: the answer is over {SMALL_BODY_MAX >> 20} MiB, more than a SHA256SUMS, a "
+        "listing page or an error ever is; check the source (the URL, the endpoint)"
+    )
+
+
 def read_small_body(
     resp: http.client.HTTPResponse, what: str, stall: float = READ_TIMEOUT
 ) -> bytes:
@@ -303,10 +311,7 @@ def read_small_body(
             since, moved = time.monotonic(), 0
     if too_long or got > SMALL_BODY_MAX:
         resp.close()
-        raise SourceError(
-            f"{what}: the answer is over {SMALL_BODY_MAX >> 20} MiB, more than a SHA256SUMS, a "
-            "listing page or an error ever is; check the source (the URL, the endpoint)"
-        )
+        raise too_large(what)
     if is_digits(said) and got != int(said):  # read1 takes a cut body for its end
         resp.close()
         raise http.client.IncompleteRead(b"".join(chunks), int(said) - got)  # as read() did

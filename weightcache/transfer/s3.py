@@ -36,6 +36,7 @@ from weightcache.transfer.httprange import (
     ca_file,
     new_connection,
     read_small_body,
+    too_large,
 )
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
@@ -159,8 +160,7 @@ class Origin:
             body: bytes = answer["Body"].read(SMALL_BODY_MAX + 1)
             if answer.get("ContentLength", 0) > SMALL_BODY_MAX or len(body) > SMALL_BODY_MAX:
                 answer["Body"].close()
-                raise SourceError(f"GET {url}: over {SMALL_BODY_MAX >> 20} MiB, more than a "
-                                  "SHA256SUMS ever is; check the source")  # fmt: skip
+                raise too_large(f"GET {url}")
             return body
 
         return self.call(f"GET {url}", get)
