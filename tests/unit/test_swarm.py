@@ -140,9 +140,14 @@ EMPTY = Bitmap(N)
 
 
 def peer(
-    url: str, have: Iterable[int] = (), fetching: Iterable[int] = (), load: int = 0
+    url: str,
+    have: Iterable[int] = (),
+    fetching: Iterable[int] = (),
+    load: int = 0,
+    streaming: Iterable[int] | None = None,
 ) -> PeerView:
-    return PeerView(url, Bitmap.of(N, have), Bitmap.of(N, fetching), load)
+    streams = None if streaming is None else Bitmap.of(N, streaming)
+    return PeerView(url, Bitmap.of(N, have), Bitmap.of(N, fetching), load, streams)
 
 
 def local(
@@ -326,6 +331,28 @@ def test_complete_node_asks_nothing() -> None:
 def test_peer_with_another_piece_count_is_refused() -> None:
     with pytest.raises(BitmapError, match="peer x"):
         pick(local(), [PeerView("x", Bitmap(N + 1), Bitmap(N + 1))])
+    with pytest.raises(BitmapError, match="peer x"):
+        pick(local(), [PeerView("x", EMPTY, EMPTY, 0, Bitmap(N + 1))])
+
+
+def test_claims_streamed_by_their_claimants_are_taken_at_the_start() -> None:
+    """Four nodes started together: each claims its stripe's first piece from the store and
+    streams it; every node takes the others' claims from them while they arrive."""
+    peers = [peer(u, fetching=[r * 4], streaming=[r * 4]) for r, u in enumerate("abcd") if r != 1]
+    got = pick(local(rank=1, nodes=4), peers, window=1)
+    assert sorted(got) == [Request(0, "a"), Request(4, ORIGIN), Request(8, "c"), Request(12, "d")]
+
+
+def test_a_piece_in_flight_without_streaming_is_not_asked_of_the_peer() -> None:
+    got = pick(local(rank=1, nodes=4), [peer("a", fetching=[0], streaming=[])], window=1)
+    assert got == [Request(4, ORIGIN)]
+
+
+def test_a_streamed_piece_comes_from_a_holder_when_one_is_free() -> None:
+    peers = [peer("a", fetching=[0], streaming=[0], load=0), peer("b", have=[0], load=3)]
+    assert pick(local(range(1, N)), peers) == [Request(0, "b")]
+    busy = local(range(1, N - 1), inflight={N - 1: {"b"}})
+    assert pick(busy, peers, limits=Limits(per_peer=1)) == [Request(0, "a")]
 
 
 # -- the choice: properties over random situations ------------------------------------------------
@@ -335,16 +362,20 @@ def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreVi
     count = rng.randrange(1, 80)
     nodes = rng.randrange(1, 12)
     sources = [f"http://p{i}" for i in range(nodes - 1)]
-    peers = [
-        PeerView(
-            url,
-            Bitmap(count, rng.getrandbits(count) & rng.getrandbits(count)),
-            Bitmap(count, rng.getrandbits(count) & rng.getrandbits(count) & rng.getrandbits(count)),
-            rng.randrange(5),
-        )
-        for url in sources
-        if rng.random() < 0.9
-    ]
+    peers = []
+    for url in sources:
+        if rng.random() < 0.9:
+            fetching = rng.getrandbits(count) & rng.getrandbits(count) & rng.getrandbits(count)
+            streaming = Bitmap(count, fetching & rng.getrandbits(count))
+            peers.append(
+                PeerView(
+                    url,
+                    Bitmap(count, rng.getrandbits(count) & rng.getrandbits(count) & ~fetching),
+                    Bitmap(count, fetching),
+                    rng.randrange(5),
+                    streaming if rng.random() < 0.7 else None,
+                )
+            )
     have = rng.getrandbits(count) if rng.random() < 0.5 else 0
     inflight: dict[int, frozenset[str]] = {}
     for piece in range(count):
@@ -415,7 +446,23 @@ def test_peers_are_asked_only_for_pieces_they_advertise(situations: list[Situati
         by_url = {p.url: p for p in peers}
         for r in got:
             if r.source != ORIGIN:
-                assert r.piece in by_url[r.source].have
+                source = by_url[r.source]
+                streamed = source.streaming is not None and r.piece in source.streaming
+                assert r.piece in source.have or streamed
+
+
+def test_a_streamer_is_asked_only_when_no_holder_is_free(situations: list[Situation]) -> None:
+    for me, peers, _, limits, got in situations:
+        by_url = {p.url: p for p in peers}
+        busy = Counter(s for sources in me.inflight.values() for s in sources)
+        for k, r in enumerate(got):
+            if r.source == ORIGIN or r.piece in by_url[r.source].have:
+                continue
+            busy_then = busy + Counter(q.source for q in got[:k])
+            free_holders = [
+                p for p in peers if r.piece in p.have and busy_then[p.url] < limits.per_peer
+            ]
+            assert not free_holders, (r, free_holders)
 
 
 def test_the_store_is_asked_for_claimed_pieces_only_with_room_and_need(
@@ -459,7 +506,7 @@ def test_first_peer_request_is_one_of_the_rarest_available(situations: list[Situ
         wanted = set(range(me.have.count)) - set(me.have) - set(me.inflight) - planned_before
         holders = Counter(p for q in peers for p in q.have)
         free = [q for q in peers if busy[q.url] < limits.per_peer]
-        available = {p for q in free for p in q.have if p in wanted}
+        available = {p for q in free for p in Bitmap(q.have.count, q.offers()) if p in wanted}
         assert holders[first.piece] == min(holders[p] for p in available)
 
 

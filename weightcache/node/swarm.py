@@ -25,7 +25,13 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
 2. **Peers, rarest first.** Every other missing piece that a peer with a free slot holds is
    asked of a peer, the pieces held by the fewest peers first (random among equals, so that
    nodes diverge and every piece spreads), each from its least busy holder: rare pieces are
-   the ones whose holders would become the bottleneck (BitTorrent's rule).
+   the ones whose holders would become the bottleneck (BitTorrent's rule). A peer also
+   offers the pieces it is receiving from the store (`PeerView.streaming`), passed on as
+   their bytes arrive (cut-through): held by nobody yet, they are the rarest, so every node
+   takes each claim from its claimant while the store is still sending it, and the store's
+   one copy reaches every node at the store's pace instead of one piece-time per hop. Such
+   a piece is asked of a holder if any has one free, else of its streamer. Only pieces from
+   the store are streamed, so a streamed piece has one hop and no cycle.
 3. **The store when peers cannot keep up.** If the store has shown room (`StoreView.room`)
    and this node's link has room that peers are not filling (`Local.spare`), or the node
    would otherwise have nothing in flight, more pieces are asked of the store: unclaimed ones
@@ -176,6 +182,13 @@ class PeerView:
     have: Bitmap
     fetching: Bitmap  # in flight at the peer, from anyone; from the store = its claims
     load: int = 0  # uploads the peer is serving (to anyone), as it advertised
+    #: In flight at the peer from the store, which it passes on as the bytes arrive
+    #: (cut-through; a subset of `fetching`); None: it advertises none.
+    streaming: Bitmap | None = None
+
+    def offers(self) -> int:
+        """The pieces the peer serves now: held, or streamed from the store as they come."""
+        return self.have.bits | (self.streaming.bits if self.streaming is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -286,7 +299,8 @@ class _Plan:
     ) -> None:
         count = local.have.count
         for peer in peers:
-            if peer.have.count != count or peer.fetching.count != count:
+            streaming = peer.fetching if peer.streaming is None else peer.streaming
+            if {peer.have.count, peer.fetching.count, streaming.count} != {count}:
                 raise BitmapError(f"peer {peer.url} advertises a bitmap of another piece count")
         self.local, self.peers, self.limits, self.store_bound = local, peers, limits, store_bound
         self.requests: list[Request] = []
@@ -347,17 +361,23 @@ class _Plan:
             self._add(piece, ORIGIN)
 
     def peers_rarest_first(self, rng: random.Random) -> None:
-        """Rule 2: the rarest pieces that peers with a free slot hold, from their least busy."""
+        """Rule 2: the rarest pieces that peers with a free slot offer (hold, or stream from
+        the store as it arrives), each from its least busy holder, else from its streamer."""
         while True:
-            free = [p for p in self.peers if self._free(p.url) and p.have.bits & self.wanted]
+            free = [p for p in self.peers if self._free(p.url) and p.offers() & self.wanted]
             available = 0
             for peer in free:
-                available |= peer.have.bits & self.wanted
+                available |= peer.offers() & self.wanted
             if not available:
                 return
             piece = _pick(_rarest(available, self.holders), rng)
-            holders = [p for p in free if p.have.bits >> piece & 1]
-            self._add(piece, min(holders, key=lambda p: self._load(p, rng)).url)
+            offering = [p for p in free if p.offers() >> piece & 1]
+            self._add(piece, min(offering, key=lambda p: self._rank(p, piece, rng)).url)
+
+    def _rank(self, peer: PeerView, piece: int, rng: random.Random) -> tuple[bool, int, int, float]:
+        """A holder before a streamer (whose piece comes no faster than the store sends it
+        to the streamer), then the least busy."""
+        return (not peer.have.bits >> piece & 1, *self._load(peer, rng))
 
     def _load(self, peer: PeerView, rng: random.Random) -> tuple[int, int, float]:
         return self.slots.get(peer.url, 0), peer.load, rng.random()
