@@ -46,6 +46,7 @@ from weightcache.node import peerserver
 from weightcache.node.peers import Peers
 from weightcache.node.peerserver import PeerServer, encode_pieces
 from weightcache.node.serve import Limits, LoopThread
+from weightcache.node.swarm import Bitmap
 from weightcache.ops.devstore import free_port
 from weightcache.transfer.parts import PartState
 
@@ -720,3 +721,100 @@ def test_two_range_headers_are_refused_not_read_as_the_first(served: Served) -> 
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 416 "), answer[:200]
     assert served.counted.refused == ["bad_range"]
+
+
+class Streaming:
+    """A swarm download as the peer server sees it (`peers.Live`): piece 1 of 4 arriving
+    from the store (`arrive` moves its received bytes on), the others not held; `land`
+    writes it to the partial and marks it held, `fail` ends its request unwritten."""
+
+    SIZE, PIECE = 4 * (256 << 10), 256 << 10
+
+    def __init__(self, partial: Path, data: bytes) -> None:
+        self.partial, self.data = partial, data
+        self.received, self.held, self.streaming = 0, Bitmap(4), Bitmap.of(4, [1])
+
+    def pieces(self) -> tuple[int, Bitmap, Bitmap, Bitmap]:
+        return self.PIECE, self.held, self.streaming, self.streaming
+
+    def streamed(self, piece: int, offset: int, limit: int, at_least: int) -> bytes | None:
+        if piece not in self.streaming:
+            return None
+        base = piece * self.PIECE
+        end = min(self.received, offset + limit)
+        return self.data[base + offset : base + end] if end - offset >= at_least else b""
+
+    def joined(self, peer: str) -> None:
+        pass
+
+    def arrive(self, nbytes: int) -> None:
+        self.received = min(self.PIECE, self.received + nbytes)
+
+    def land(self) -> None:
+        with self.partial.open("r+b") as f:
+            f.seek(self.PIECE)
+            f.write(self.data[self.PIECE : 2 * self.PIECE])
+        self.held, self.streaming = Bitmap.of(4, [1]), Bitmap(4)
+
+    def fail(self) -> None:
+        self.streaming = Bitmap(4)
+
+
+def streaming(served: Served) -> tuple[str, Streaming]:
+    data = random.Random(5).randbytes(Streaming.SIZE)
+    sha256 = "5f" * 32
+    partial = served.layout.partial(sha256)
+    partial.write_bytes(bytes(Streaming.SIZE))  # zeros: never to be served as the piece
+    live = Streaming(partial, data)
+    served.peers.claim(sha256, partial, Streaming.SIZE)
+    served.peers.advertise(sha256, live)
+    return sha256, live
+
+
+def open_piece(served: Served, sha256: str, piece: int) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    start, end = piece * Streaming.PIECE, (piece + 1) * Streaming.PIECE - 1
+    headers = {"Authorization": f"Bearer {TOKEN}", "Range": f"bytes={start}-{end}", HELD_ONLY: "1"}
+    conn.request("GET", f"/blobs/sha256/{sha256}", headers=headers)
+    return conn.getresponse()
+
+
+def test_a_piece_coming_from_the_store_is_passed_on_as_it_arrives(served: Served) -> None:
+    """Cut-through (design §8, Swarm): a piece the node is receiving from the store is
+    advertised as streamed and served to a held-only GET while it arrives; its bytes go out
+    before the piece is complete, and the rest, once written, from the file."""
+    sha256, live = streaming(served)
+    status, _, headers = peer_get(served.port, f"/blobs/sha256/{sha256}", method="HEAD")
+    assert (status, headers[peerserver.STREAMING]) == (200, Bitmap.of(4, [1]).encode())
+    live.arrive(100 << 10)
+    resp = open_piece(served, sha256, 1)
+    assert resp.status == 206
+    first = resp.read1(1 << 20)
+    while len(first) < 100 << 10:
+        first += resp.read1(1 << 20)
+    assert first == live.data[Streaming.PIECE : Streaming.PIECE + (100 << 10)]
+    assert live.received < Streaming.PIECE  # sent before the piece was complete
+    live.arrive(100 << 10)
+    time.sleep(0.2)
+    live.land()  # the last 56 KiB come from the file
+    rest = resp.read()
+    assert first + rest == live.data[Streaming.PIECE : 2 * Streaming.PIECE]
+    # the piece not streamed nor held, or a range past the streamed piece: refused at once
+    for piece_range in ("bytes=0-9", f"bytes={Streaming.PIECE}-{2 * Streaming.PIECE}"):
+        live.held, live.streaming = Bitmap(4), Bitmap.of(4, [1])
+        status, _, _ = peer_get(served.port, f"/blobs/sha256/{sha256}",
+                                headers={"Range": piece_range, HELD_ONLY: "1"})  # fmt: skip
+        assert status == 416, piece_range
+
+
+def test_a_streamed_piece_whose_store_request_fails_is_cut_never_padded(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(peerserver, "PARTIAL_WAIT", 1.0)
+    sha256, live = streaming(served)
+    live.arrive(128 << 10)
+    resp = open_piece(served, sha256, 1)
+    live.fail()  # nothing more comes, and the zeros of the file are not the piece
+    with pytest.raises(http.client.IncompleteRead) as cut:
+        resp.read()
+    assert cut.value.partial == live.data[Streaming.PIECE : Streaming.PIECE + (128 << 10)]

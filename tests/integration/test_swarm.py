@@ -2,7 +2,7 @@
 several peers and the store at once, a peer dying mid-piece, a lying peer, a node joining
 mid-swarm, kill -9 resume, and a model's blobs two at once. Each node logs one summary
 line per blob it swarmed:
-`swarm: <file> in N pieces: S from the store, P from K peers, R resumed; ...`.
+`swarm: <file> in N pieces: S from the store, P from K peers (C streamed), R resumed; ...`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from weightcache.node.swarm import Bitmap
 from weightcache.node.swarmfetch import piece_size_for
 
 SUMMARY = re.compile(
-    r"swarm: (\S+) in (\d+) pieces: (\d+) from the store, (\d+) from (\d+) peers, (\d+) resumed"
+    r"swarm: (\S+) in (\d+) pieces: (\d+) from the store, (\d+) from (\d+) peers "
+    r"\((\d+) streamed\), (\d+) resumed"
 )
 
 
@@ -54,9 +55,9 @@ def summary(node: Node, label: str) -> dict[str, int]:
     """The node's last swarm summary for the file `label`."""
     found = [m for m in SUMMARY.finditer(node.d.log()) if m.group(1) == label]
     assert found, f"{node.name} logged no swarm summary for {label}:\n{node.d.log()}"
-    _, pieces, store, peer_pieces, peers, resumed = found[-1].groups()
+    _, pieces, store, peer_pieces, peers, streamed, resumed = found[-1].groups()
     return {"pieces": int(pieces), "store": int(store), "peer_pieces": int(peer_pieces),
-            "peers": int(peers), "resumed": int(resumed)}  # fmt: skip
+            "peers": int(peers), "streamed": int(streamed), "resumed": int(resumed)}  # fmt: skip
 
 
 def one_blob(publish: Callable[..., Published], size: int, name: str) -> Published:
@@ -69,7 +70,8 @@ def test_one_blob_comes_from_several_peers_and_the_store_at_once(
     tmp_path: Path, daemons: Daemons,  # noqa: F811
 ) -> None:  # fmt: skip
     """Three cold nodes, one blob, a slow store: each node takes a share from the store
-    and the rest from both other nodes, piece by piece, while they are still downloading."""
+    and the rest from both other nodes, piece by piece, while they are still downloading,
+    some of them passed on while they arrive from the store (cut-through)."""
     pub = one_blob(publish, 12 * MiB, "several")
     (label,) = [f.relpath for f in pub.model.files]
     nodes = make_nodes(tmp_path, 3)
@@ -83,13 +85,16 @@ def test_one_blob_comes_from_several_peers_and_the_store_at_once(
     origin = proxy.stats().body_bytes
     print(f"several: origin {origin} bytes for a {pub.model.total_size}-byte blob")
     assert origin <= 1.1 * pub.model.total_size
+    streamed = 0
     for n in nodes:
         assert_node_ok(n, pub)
         s = summary(n, label)
         print(n.name, s)
         assert s["store"] >= 1 and s["peers"] == 2, (n.name, s)
+        streamed += s["streamed"]
         m = n.d.metrics()
         assert m[ORIGIN_BYTES] > 0 and m[PEER_BYTES] > 0 and m[UPLOADED] > 0, (n.name, m)
+    assert streamed > 0, "no piece was passed on while it came from the store"
 
 
 @pytest.mark.timeout(150)

@@ -26,6 +26,7 @@ from weightcache.node.peers import (
     LOAD,
     PIECE_SIZE,
     PIECES,
+    STREAMING,
     Discovery,
     Peers,
     parse_view,
@@ -348,8 +349,11 @@ def test_a_peer_naming_itself_is_checked_without_a_lookup(clock: FakeClock) -> N
     joined: list[str] = []
 
     class Download:
-        def pieces(self) -> tuple[int, Bitmap, Bitmap]:
-            return 1 << 20, Bitmap(1), Bitmap(1)
+        def pieces(self) -> tuple[int, Bitmap, Bitmap, Bitmap]:
+            return 1 << 20, Bitmap(1), Bitmap(1), Bitmap(1)
+
+        def streamed(self, piece: int, offset: int, limit: int, at_least: int) -> bytes | None:
+            return None
 
         def joined(self, peer: str) -> None:
             joined.append(peer)
@@ -445,11 +449,17 @@ def test_a_view_in_another_piece_size_counts_only_whole_pieces() -> None:
 
 
 def test_parse_view_reads_held_fetching_and_load() -> None:
-    held, fetching = Bitmap.of(10, [1, 2]), Bitmap.of(10, [5])
+    held, fetching = Bitmap.of(10, [1, 2]), Bitmap.of(10, [5, 6])
     headers = {PIECES: held.encode(), PIECE_SIZE: "4096", FETCHING: fetching.encode(),
                LOAD: "3"}  # fmt: skip
     view = parse_view("http://a", headers, 10 * 4096 - 1, 4096)
-    assert (view.have, view.fetching, view.load) == (held, fetching, 3)
+    assert (view.have, view.fetching, view.load, view.streaming) == (held, fetching, 3, None)
+    streamed = {**headers, STREAMING: Bitmap.of(10, [6]).encode()}
+    assert (
+        parse_view("http://a", streamed, 10 * 4096 - 1, 4096).offers() == 0b1000110
+    )  # 1, 2 held; 6 streamed
+    # in another piece size, what is streamed is not offered (nor what is in flight)
+    assert parse_view("http://a", streamed, 10 * 4096 - 1, 8192).streaming is None
     complete = parse_view("http://a", {PIECES: "all"}, 10 * 4096, 4096)
     assert complete.have.complete and not complete.fetching
     assert not parse_view("http://a", {}, 10 * 4096, 4096).have  # a 404 advertises nothing
@@ -458,7 +468,8 @@ def test_parse_view_reads_held_fetching_and_load() -> None:
 
 
 @pytest.mark.parametrize("bad", [{LOAD: "-1"}, {LOAD: "x"}, {LOAD: "9" * 5000},
-                                 {PIECE_SIZE: "1"}, {PIECE_SIZE: "4k"}])  # fmt: skip
+                                 {PIECE_SIZE: "1"}, {PIECE_SIZE: "4k"}, {STREAMING: "AQ"},
+                                 {STREAMING: Bitmap.of(11, [10]).encode()}])  # fmt: skip
 def test_parse_view_refuses_a_hostile_advertisement(bad: dict[str, str]) -> None:
     """Every field of a peer's advertisement is checked: a negative or absurd load, a
     piece size that is not a number or too small is a bad answer (ValueError), never a

@@ -51,10 +51,12 @@ HEAD_TIMEOUT = 1.0  # a peer that cannot answer a HEAD in a second is not worth 
 BAD_PEER_SECONDS = 600.0  # a peer that served wrong bytes is not asked again for this long
 DOWN_PEER_SECONDS = 10.0  # nor one that refused our token, for this long
 #: Response headers advertising the pieces held (`all`, or a `swarm.Bitmap` with the piece
-#: size), those in flight (same piece size), the uploads being served; the request header
-#: asking for held pieces only (design §8, Peers: requests).
+#: size), those in flight and those of them streamed from the store as they arrive (same
+#: piece size), the uploads being served; the request header asking for held (or streamed)
+#: pieces only (design §8, Peers: requests).
 PIECES, PIECE_SIZE, FETCHING, LOAD = ("X-Weightcache-Pieces", "X-Weightcache-Piece-Size",
                                       "X-Weightcache-Fetching", "X-Weightcache-Load")  # fmt: skip
+STREAMING = "X-Weightcache-Streaming"
 HELD_ONLY = "X-Weightcache-Held-Only"
 DNS_REFRESH = 5.0  # seconds between lookups of the Service name
 _WILDCARDS = ("", "0.0.0.0", "::")
@@ -100,10 +102,12 @@ def parse_view(url: str, headers: Mapping[str, str], size: int, piece_size: int)
     if theirs < 4096:
         raise BitmapError(f"piece size {theirs} from {url}")
     have = regrid(Bitmap.decode(piece_count(size, theirs), pieces), theirs, piece_size, size)
-    fetching = empty
+    fetching, streaming = empty, None
     if FETCHING in headers and theirs == piece_size:
         fetching = Bitmap.decode(count, headers[FETCHING])
-    return PeerView(url, have, fetching, load)
+    if STREAMING in headers and theirs == piece_size:
+        streaming = Bitmap.decode(count, headers[STREAMING])
+    return PeerView(url, have, fetching, load, streaming)
 
 
 def peer_url(host: str, port: int) -> str:
@@ -123,8 +127,13 @@ class Live(Protocol):
     """A running swarm download (weightcache/node/swarmfetch.py), as its node's peer
     server sees it."""
 
-    def pieces(self) -> tuple[int, Bitmap, Bitmap]:
-        """(piece size, pieces written, pieces in flight)."""
+    def pieces(self) -> tuple[int, Bitmap, Bitmap, Bitmap]:
+        """(piece size, pieces written, pieces in flight, those of them streamed)."""
+
+    def streamed(self, piece: int, offset: int, limit: int, at_least: int) -> bytes | None:
+        """Up to `limit` bytes of `piece` from `offset` (in the piece) as they arrived from
+        the store so far; b"" while fewer than `at_least` have; None once the piece is not
+        streamed (written, or its request ended)."""
 
     def joined(self, peer: str) -> None:
         """A peer asked about the blob: count it in the membership now."""

@@ -44,6 +44,7 @@ from weightcache.node.peers import (
     LOAD,
     PIECE_SIZE,
     PIECES,
+    STREAMING,
     Peers,
 )  # fmt: skip
 from weightcache.node.serve import HttpServer, Limits
@@ -65,6 +66,9 @@ SENDFILE_CHUNK = 16 << 20
 #: response is cut: shorter than the receiver's read timeout, so that the receiver sees a
 #: cut body (and moves on to the next source) rather than a timeout of its own.
 PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
+#: A piece streamed from the store goes out at least this much at a time (its tail, less),
+#: looked at every STREAM_POLL seconds: fewer, larger writes for the loop.
+STREAM_CHUNK, STREAM_POLL = 64 << 10, 0.02
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 #: A chunk of a response must leave within SEND_GRACE seconds plus its size at
 #: SEND_MIN_RATE bytes/s, or the response is cut: a receiver that stops reading would
@@ -137,6 +141,15 @@ class Pieces:
     piece_size: int = 0
     held: tuple[bool, ...] | None = None
     fetching: Bitmap | None = None  # in flight, when a running swarm download says
+    streaming: Bitmap | None = None  # of those, the ones it passes on as they arrive
+
+    def streamed_piece(self, start: int, end: int) -> int | None:
+        """The piece that [start, end) lies in, if that piece is streamed (not held)."""
+        if self.streaming is None or not self.piece_size or end <= start:
+            return None
+        piece = start // self.piece_size
+        last = (end - 1) // self.piece_size
+        return piece if piece == last and piece in self.streaming else None
 
     def header(self) -> str:
         return ALL if self.held is None else encode_pieces(list(self.held))
@@ -267,7 +280,9 @@ class PeerServer:
             return self._refuse(416, "bad_range", head, {"Content-Range": f"bytes */{size}"})
         start, end = wanted or (0, size)
         advertised = _advertise(pieces)
-        if request.headers.get(HELD_ONLY) == "1" and not pieces.covers(start, end):
+        covered = pieces.covers(start, end)
+        streamed = None if covered else pieces.streamed_piece(start, end)
+        if request.headers.get(HELD_ONLY) == "1" and not covered and streamed is None:
             return self._refuse(416, "not_held", head,
                                 {"Content-Range": f"bytes */{size}", **advertised})  # fmt: skip
         headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
@@ -280,8 +295,10 @@ class PeerServer:
         await resp.prepare(request)
         if not head:
             try:
-                if pieces.covers(start, end):  # final bytes on disk: no copy through Python
+                if covered:  # final bytes on disk: no copy through Python
                     await self._sendfile(request, path, start, end)
+                elif streamed is not None:
+                    await self._stream(resp, sha256, streamed, pieces.piece_size, start, end)
                 else:
                     await self._send(resp, sha256, start, end)
                 await resp.write_eof()
@@ -310,9 +327,9 @@ class PeerServer:
         live = self.peers.live(sha256)
         if live is None:
             return d.partial, partial_pieces(Layout.part_state(d.partial), d.size)
-        piece_size, held, fetching = live.pieces()
-        pieces = Pieces(d.size, piece_size, tuple(i in held for i in range(held.count)), fetching)
-        return d.partial, pieces
+        piece_size, held, fetching, streaming = live.pieces()
+        held_list = tuple(i in held for i in range(held.count))
+        return d.partial, Pieces(d.size, piece_size, held_list, fetching, streaming)
 
     def _sendfile_chunk(self) -> int:
         if self.limiter is None:
@@ -367,6 +384,37 @@ class PeerServer:
             pos += len(data)
             idle_since = time.monotonic()
 
+    async def _stream(
+        self, resp: web.StreamResponse, sha256: str, piece: int, piece_size: int, start: int,
+        end: int,
+    ) -> None:  # fmt: skip
+        """Send [start, end) of a piece this node is receiving from the store as its bytes
+        arrive (cut-through: design §8, Swarm), at least STREAM_CHUNK at a time; once the
+        piece is not streamed any more (written, or its request failed) the rest as from
+        any partial (`_send`: from the file, or waited for). Raises _Abort."""
+        pos, base = start, piece * piece_size
+        idle_since = time.monotonic()
+        while pos < end:
+            live = self.peers.live(sha256)
+            want = min(CHUNK, end - pos)
+            data = None
+            if live is not None:
+                data = live.streamed(piece, pos - base, want, min(STREAM_CHUNK, want))
+            if data is None:
+                await self._send(resp, sha256, pos, end)
+                return
+            if not data:
+                if time.monotonic() - idle_since > PARTIAL_WAIT or self.stopping.is_set():
+                    raise _Abort()
+                await asyncio.sleep(STREAM_POLL)
+                continue
+            if self.limiter is not None:
+                await asyncio.sleep(self.limiter.reserve(len(data)))
+            await _in_time(resp.write(data), len(data))
+            self.observer.peer_uploaded(len(data))
+            pos += len(data)
+            idle_since = time.monotonic()
+
     def _refuse(
         self, code: int, reason: str, head: bool, headers: dict[str, str] | None = None,
         close: bool = False,
@@ -398,6 +446,8 @@ def _advertise(pieces: Pieces) -> dict[str, str]:
     headers = {PIECES: pieces.header(), PIECE_SIZE: str(pieces.piece_size)}
     if pieces.fetching is not None:
         headers[FETCHING] = pieces.fetching.encode()
+    if pieces.streaming is not None:
+        headers[STREAMING] = pieces.streaming.encode()
     return headers
 
 

@@ -123,6 +123,15 @@ class Rates:
         return rate
 
 
+@dataclass
+class _Stream:
+    """A piece coming from the store, passed on to peers as it arrives (cut-through): its
+    buffer, of which the first `received` bytes are final (the reader only appends)."""
+
+    data: bytearray
+    received: int = 0
+
+
 class _Dropped(Exception):
     """A request no longer needed: its piece landed from another source, or we stop."""
 
@@ -160,7 +169,9 @@ class SwarmDownload:
         self.land_lock = threading.Lock()  # one piece written at a time: first source wins
         self.lock = threading.Lock()  # the fields below, from the loop and the workers
         self.inflight: dict[int, set[str]] = {}
+        self.streams: dict[int, _Stream] = {}  # pieces coming from the store, for peers
         self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
+        self.cut_through = 0  # pieces from peers that streamed them from the store
         self.views = PeerViews(peers, sha256, size, self.piece_size, members)
         self.store = StoreGate(self.limits, downloader, origin.where, label)
         self.idle_since = time.monotonic()
@@ -226,7 +237,7 @@ class SwarmDownload:
         """Set `endgame` once every missing piece is in flight (none left to request)."""
         if self.endgame is None or self.endgame.is_set():
             return
-        _, held, fetching = self.pieces()
+        _, held, fetching, _ = self.pieces()
         if held.bits | fetching.bits == (1 << self.count) - 1:
             self.endgame.set()
 
@@ -237,10 +248,10 @@ class SwarmDownload:
             senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
         store = self.store.view()
         watched, listed = self.views.watching()
-        log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers, %d resumed; "
-                 "store window %d, room %s; watching %d of %d peers", self.label, self.count,
-                 by[ORIGIN], by["peer"], len(senders), by["resumed"], store.window, store.room,
-                 watched, listed)  # fmt: skip
+        log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers (%d streamed), "
+                 "%d resumed; store window %d, room %s; watching %d of %d peers", self.label,
+                 self.count, by[ORIGIN], by["peer"], len(senders), self.cut_through,
+                 by["resumed"], store.window, store.room, watched, listed)  # fmt: skip
 
     def _check(self) -> None:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
@@ -291,11 +302,21 @@ class SwarmDownload:
         with self.file.lock:
             return Bitmap.of(self.count, (i for i, d in enumerate(self.file.state.done) if d))
 
-    def pieces(self) -> tuple[int, Bitmap, Bitmap]:
-        """(piece size, held, in flight) for this node's peer server (`peers.Live`)."""
+    def pieces(self) -> tuple[int, Bitmap, Bitmap, Bitmap]:
+        """(piece size, held, in flight, streamed) for this node's peer server (`peers.Live`)."""
         with self.lock:
             fetching = Bitmap.of(self.count, self.inflight)
-        return self.piece_size, self._held(), fetching
+            streaming = Bitmap.of(self.count, self.streams)
+        return self.piece_size, self._held(), fetching, streaming
+
+    def streamed(self, piece: int, offset: int, limit: int, at_least: int) -> bytes | None:
+        """What of a piece from the store has arrived, for the peer server (`peers.Live`)."""
+        with self.lock:
+            stream = self.streams.get(piece)
+        if stream is None:
+            return None
+        end = min(stream.received, offset + limit)
+        return bytes(stream.data[offset:end]) if end - offset >= at_least else b""
 
     def joined(self, peer: str) -> None:
         """A peer asked about the blob (`peers.Live`): see `PeerViews.joined`."""
@@ -321,6 +342,8 @@ class SwarmDownload:
         piece, source = request.piece, request.source
         self.local.status = 0
         kind = "origin" if source == ORIGIN else "peer"
+        # a piece the peer streams (not holds) comes at the store's pace: not a peer's rate
+        streamed = source != ORIGIN and not self.views.holds(source, piece)
         started = time.monotonic()
         try:
             data = self._read_or_fail(piece, source, kind)
@@ -328,8 +351,12 @@ class SwarmDownload:
                 self._land(piece, source, data)
                 if source != ORIGIN:
                     self.views.served(source)
-                rate = len(data) / max(1e-3, time.monotonic() - started)
-                self.store.measured(kind, rate, self.views.alone())
+                    if streamed:
+                        with self.lock:
+                            self.cut_through += 1
+                if not streamed:
+                    rate = len(data) / max(1e-3, time.monotonic() - started)
+                    self.store.measured(kind, rate, self.views.alone())
         except BaseException as e:
             self.errors.append(e)
         finally:
@@ -338,6 +365,8 @@ class SwarmDownload:
                 sources.discard(source)
                 if not sources:
                     self.inflight.pop(piece, None)
+                if source == ORIGIN:  # written, or failed: peers read it from the file now
+                    self.streams.pop(piece, None)
             self.events.put(None)
 
     def _read_or_fail(self, piece: int, source: str, kind: str) -> bytearray | None:
@@ -364,6 +393,10 @@ class SwarmDownload:
             blob = self.peers.blob(source, self.sha256, self._on_response(source))
             timeout = PEER_TIMEOUT
             deadline = time.monotonic() + max(PEER_TIMEOUT, len(data) / PEER_MIN_RATE)
+        stream = _Stream(data)
+        if source == ORIGIN and not recheck:
+            with self.lock:  # one request to the store per piece at a time (swarm.choose)
+                self.streams[piece] = stream
         self.observer.request_started(kind)
         try:
             with blob.open_range(start, end, self.size, timeout) as reader:
@@ -377,6 +410,7 @@ class SwarmDownload:
                     if not n:
                         raise RetryRange(f"the body ended {len(data) - pos} bytes short")
                     pos += n
+                    stream.received = pos
                     self.rates.note(n)
                     self.observer.received(n, kind)
                     self.last_progress = time.monotonic()
