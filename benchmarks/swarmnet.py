@@ -6,6 +6,22 @@ min(its sender's uplink / flows on it, its receiver's downlink / flows on it), r
 the flows of both links whenever a flow starts or ends (capacity a sender-limited flow leaves
 unused on its receiver's link is not redistributed: slightly pessimistic).
 
+Cut-through: a flow g from node j for a piece that j is itself still receiving from the
+store (flow f, g's `upstream`: `start(g, f)`) cannot deliver more than f has delivered to j.
+While g is behind f it runs at its links' share; once level with f (it started before f's
+first byte, or caught up: a CAUGHT event) it runs at min(its share, f's rate), and falls
+behind again if its share drops below f's rate. Level, it cannot end before f, so it gets
+no END event while f runs: when f stops it is released (a normal flow for what it has left,
+nothing if it was level: it ends at once, after f). Every change of f's rate re-rates g
+(`_apply`, from `_reshare` and `_reshare_all`). An upstream stopped before completing is
+one whose piece landed at j from another source (`swarmsim._arrived` stops every flow of a
+piece once one delivers it; nothing fails in the simulator): j holds the whole piece then,
+and g goes on from it. A stop for any other reason would let g complete on bytes j never
+got; none exists here. The store's flows have no upstream: a streamed piece has one hop.
+Not modelled: the daemons' peer server passes a streamed piece on in chunks of at least
+64 KiB, looking every 20 ms (`peerserver.STREAM_CHUNK`, `STREAM_POLL`), so a level copy
+lags its upstream by up to that much there.
+
 CPU (`Cpu`, off by default: a real cluster has a node's cores per node): the host has
 `cores` cores shared by every node that has work, processor sharing with each node's share
 capped at `node_cores` and at what it asks (`share`). A node asks for CPU in proportion to
@@ -43,8 +59,8 @@ from weightcache.node.swarmfetch import piece_size_for
 from weightcache.node.swarmviews import VIEW_EVERY
 
 MiB = 1 << 20
-#: Event kinds of the simulation's one queue; END and BOOTED are the network's own.
-START, BEGIN, END, REFRESH, POLL, BOOTED, JOIN = range(7)
+#: Event kinds of the simulation's one queue; END, BOOTED and CAUGHT are the network's own.
+START, BEGIN, END, REFRESH, POLL, BOOTED, JOIN, CAUGHT = range(8)
 
 
 @dataclass(frozen=True)
@@ -168,6 +184,9 @@ class Params:
     # nothing left to request (every missing piece in flight), as fetch/blobs.py does
     pipeline: int = 2
     dead: int = 0  # nodes (a random few) listed as members that never start
+    # peers advertise the pieces they receive from the store and pass them on as they arrive
+    # (`PeerView.streaming`; the flows coupled, `Network.start`); False: only held pieces
+    cut_through: bool = True
 
     def layout(self) -> list[tuple[int, int]]:
         """(size, piece size) of each blob, in the order every node fetches them."""
@@ -238,13 +257,21 @@ def store_rates(text: str, link: float) -> list[float]:
 
 
 class Flow:
-    """One request's bytes on the way from `src` (a node, or nodes = the store) to `dst`."""
+    """One request's bytes on the way from `src` (a node, or nodes = the store) to `dst`;
+    `upstream`: the store's flow of the same piece to `src` that this one passes on
+    (cut-through, see the module's docstring), `followers` the flows passing this one on."""
 
-    __slots__ = ("active", "dst", "left", "made", "piece", "rate", "size", "src", "stamp", "ver")
+    __slots__ = ("active", "dst", "followers", "left", "level", "made", "pace", "piece",
+                 "rate", "share", "size", "src", "stamp", "upstream", "ver")  # fmt: skip
 
     def __init__(self, src: int, dst: int, piece: int, size: int, made: float = 0.0) -> None:
         self.src, self.dst, self.piece, self.size, self.made = src, dst, piece, size, made
         self.left, self.rate, self.stamp, self.ver, self.active = float(size), 0.0, 0.0, 0, False
+        self.share = 0.0  # the rate its links (and CPU) allow, before its upstream's cap
+        self.pace = math.inf  # its upstream's rate when it was last rated (inf: none)
+        self.upstream: Flow | None = None
+        self.followers: list[Flow] = []
+        self.level = False  # has delivered as much as its upstream (then capped by its rate)
 
 
 class Usage:
@@ -318,14 +345,31 @@ class Network:
             self.down[f.dst] / len(self.down_flows[f.dst]),
         )
 
-    def start(self, f: Flow) -> None:
+    def start(self, f: Flow, upstream: Flow | None = None) -> None:
+        """Put `f` on its links; with `upstream`, the store's flow of the same piece to
+        `f.src`, whose bytes `f` passes on as they arrive (cut-through)."""
         f.active, f.stamp = True, self.now
+        if upstream is not None:
+            f.upstream, f.level = upstream, self._left(upstream) >= f.left
+            upstream.followers.append(f)
         self.up_flows[f.src][f] = None
         self.down_flows[f.dst][f] = None
         self._reshare(f.src, f.dst)
 
     def stop(self, f: Flow) -> float:
-        """Take `f` off its links; returns the bytes it had delivered."""
+        """Take `f` off its links (one not started yet: its request is dropped); returns the
+        bytes it had delivered. Flows passing it on are released: its receiver holds the
+        piece now (see the module's docstring)."""
+        if f.upstream is not None:
+            f.upstream.followers.remove(f)
+            f.upstream = None
+        released, f.followers = f.followers, []
+        for g in released:
+            g.upstream = None
+            self._apply(g, g.share, force=True)
+        if not f.active:
+            f.ver += 1
+            return 0.0
         self._settle(f)
         self._set_rate(f, 0.0)
         f.active = False
@@ -373,12 +417,40 @@ class Network:
         f.left -= f.rate * (self.now - f.stamp)
         f.stamp = self.now
 
-    def _update(self, f: Flow, rate: float) -> None:
-        if rate != f.rate:
-            self._settle(f)
-            self._set_rate(f, rate)
-            f.ver += 1
+    def _left(self, f: Flow) -> float:
+        """Bytes `f` has still to deliver, now."""
+        return f.left - f.rate * (self.now - f.stamp)
+
+    def caught(self, f: Flow, ver: int) -> None:
+        """A CAUGHT event: `f` has delivered as much as its upstream, if still current."""
+        if f.ver == ver and f.active and f.upstream is not None:
+            f.level = True
+            self._apply(f, f.share, force=True)
+
+    def _apply(self, f: Flow, share: float, force: bool = False) -> None:
+        """`f`'s rate from `share`, what its links (and CPU) allow; capped by its upstream's
+        rate once level with it, with a CAUGHT event for when it will be (module docstring);
+        then its followers' rates if its own changed. Nothing changes (its events stand)
+        unless `share` or its upstream's rate did, or with `force`."""
+        up = f.upstream
+        pace = math.inf if up is None else up.rate
+        if share == f.share and pace == f.pace and not force:
+            return
+        f.share, f.pace = share, pace
+        f.level = up is not None and f.level and share >= pace
+        rate = min(share, pace) if f.level else share
+        changed = rate != f.rate
+        self._settle(f)
+        self._set_rate(f, rate)
+        f.ver += 1
+        if up is None:
             self.at(self.now + max(f.left, 0.0) / rate, END, f, f.ver)
+        elif not f.level and share > pace:
+            behind = max(f.left - self._left(up), 0.0)
+            self.at(self.now + behind / (share - pace), CAUGHT, f, f.ver)
+        if changed:
+            for g in f.followers:
+                self._apply(g, g.share)
 
     def _reshare(self, src: int, dst: int) -> None:
         if self.cpu is not None:
@@ -386,7 +458,7 @@ class Network:
             return
         for flows in (self.up_flows[src], self.down_flows[dst]):
             for f in flows:
-                self._update(f, self.rate(f))
+                self._apply(f, self.rate(f))
 
     def _reshare_all(self) -> None:
         """Every flow's rate and every boot's CPU, with the host's CPU shared (see above)."""
@@ -398,9 +470,11 @@ class Network:
         link = {f: self.rate(f) for flows in self.down_flows for f in flows}
         demand = list(self.background)
         for f, r in link.items():
-            demand[f.dst] += r * recv
+            up = f.upstream  # a flow level with its upstream goes no faster than it
+            want = min(r, link.get(up, 0.0)) if up is not None and f.level else r
+            demand[f.dst] += want * recv
             if f.src < nodes:
-                demand[f.src] += r * sent
+                demand[f.src] += want * sent
         for i in self.booting:
             demand[i] += cpu.node_cores
         alloc = share(demand, cpu.cores, cpu.node_cores)
@@ -408,8 +482,8 @@ class Network:
         # short of CPU, a node slows all its work alike, its polls and timers as its reads
         slow = [min(1.0, a / d) if d > 0 else 1.0 for a, d in zip(alloc, demand, strict=True)]
         slow.append(1.0)  # the store
-        for f, r in link.items():
-            self._update(f, r * min(slow[f.src], slow[f.dst]))
+        for f, r in link.items():  # a follower before its upstream is re-rated with it
+            self._apply(f, r * min(slow[f.src], slow[f.dst]))
         for i, b in self.booting.items():
             b.left -= b.rate * (self.now - b.stamp)
             b.rate, b.stamp, b.ver = alloc[i], self.now, b.ver + 1

@@ -5,7 +5,7 @@
                                   [--startup 0] [--jitter 0] [--view 16] [--dead 0] [--seed 1]
                                   [--json out.json] [--cores 2 --cpu-per-mib-recv 0.005 ...]
                                   [--calibration cal.json] [--pipeline 1,2] [--seeds 5]
-                                  [--model-bytes 269161025]
+                                  [--model-bytes 269161025] [--cut-through on,off]
 
 A discrete-event simulation of the piece and source choice past what this machine can run.
 Every node calls the exact pure function the daemons use, with what a daemon's download of
@@ -15,10 +15,11 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   daemons' own size (`piece_size_for`: 2 MiB for a 64 MiB shard, 256 KiB for a small file).
   A node's download of a blob starts with a HEAD round to its peers (one RTT) before its
   first choice. Its swarm is the peers that advertise the blob: those on it (bitmaps of the
-  pieces held and in flight) or past it (all held), and those it saw swarming the
-  revision's earlier blobs (`fetch.blobs.SwarmMembers`: they come to this one too, so the
-  first node at a blob takes only its stripe from the store, not the whole blob); a
-  joining node's HEAD makes it a member at once (`PeerViews.joined`).
+  pieces held, in flight, and in flight from the store: those it passes on as they arrive,
+  cut-through) or past it (all held), and those it saw swarming the revision's earlier
+  blobs (`fetch.blobs.SwarmMembers`: they come to this one too, so the first node at a
+  blob takes only its stripe from the store, not the whole blob); a joining node's HEAD
+  makes it a member at once (`PeerViews.joined`).
   *Two blobs at once* (`--pipeline 2`, the default, as fetch/blobs.py does): a node starts
   its next blob as soon as its current one has nothing left to request (every missing
   piece in flight, its end game), so that its link does not idle while the last pieces
@@ -33,9 +34,9 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   late pieces).
 - *The store's room and window* as the daemon measures them, after each piece from the
   store, fresh for each blob: room if that request ran ROOM_FACTOR times as fast as the
-  peers' requests (EWMA), or, no peer piece yet, if alone for ALONE_GRACE; the window
-  follows with `next_window`. The link is spare with nothing in flight or while receiving
-  less than SPARE of the best rate seen for the blob.
+  peers' requests (EWMA; streamed pieces included), or, no peer piece yet, if alone for
+  ALONE_GRACE; the window follows with `next_window`. The link is spare with nothing in
+  flight or while receiving less than SPARE of the best rate seen for the blob.
 A node watches at most `--view` peers (the daemons' `--peer-view`): a random sample, whose
 members that do not advertise the blob for MEMBER_TTL are replaced (found gone: their
 stripes orphaned) and one of which, not serving it pieces, is rotated each round, as
@@ -48,6 +49,10 @@ The network (benchmarks/swarmnet.py): every node has an uplink and a downlink (`
 the same both ways; times `--efficiency`, the payload share of a shaped link: 0.95 for
 TCP/IPv4 at MTU 1500), the store an egress (`--store-rate`, bits/s, or `Nx` for N times a
 node's link); fair share per link. A request's bytes start one `--rtt` after it is made.
+A peer's piece that it still receives from the store (asked of it because it advertised
+it streaming, `--cut-through on`, the default) comes no faster than the store's bytes reach
+that peer (swarmnet.py: the two flows are coupled); `--cut-through off`: peers advertise
+and serve held pieces only, as before (both: side by side).
 Nothing fails (`--dead` members never start). Every node's daemon starts `--startup`
 seconds after t = 0 plus a uniform share of `--jitter`; ready times count from t = 0, as
 the benchmark's do.
@@ -91,6 +96,7 @@ from benchlib import parse_size
 from swarmnet import (  # the setting and closed forms live with the model; used from here
     BEGIN,
     BOOTED,
+    CAUGHT,
     END,
     JOIN,
     POLL,
@@ -162,6 +168,7 @@ class Node:
     ready: float | None = None
     view: dict[int, PeerView] = field(default_factory=dict)  # members only (they advertise)
     answered: dict[int, float] = field(default_factory=dict)  # last piece answer, by peer
+    fresh: dict[int, float] = field(default_factory=dict)  # ... not a streamed piece's
     store: StoreView = field(default_factory=StoreView)
     per_request: dict[str, float] = field(default_factory=dict)  # bytes/s by kind (EWMA)
     best: float = 0.0  # the best rate received, this blob
@@ -192,6 +199,8 @@ class Swarm:
         # events and flows are handled with the two swapped (`_as`)
         self.ahead: list[Node | None] = [None] * p.nodes
         self.store_bytes = 0.0
+        # requests for a piece their peer streamed (not held, as last heard) when made
+        self.streamed: set[Flow] = set()
         self.usage = Usage(self.net, trace) if trace else None  # `--trace`
         self.dead = set(self.rng.sample(range(p.nodes), p.dead))
         for i, node in enumerate(self.nodes):
@@ -213,9 +222,13 @@ class Swarm:
                 with self._as(obj.dst, self._owner(obj)):
                     self._arrived(obj)
             elif kind == BEGIN and isinstance(obj, Flow) and obj.ver == ver:
-                net.start(obj)
-                with self._as(obj.dst, self._owner(obj)):
-                    self._answered(obj.dst, obj.src)
+                dl = self._owner(obj)
+                net.start(obj, self._upstream(obj, dl))
+                with self._as(obj.dst, dl):
+                    self._answered(obj.dst, obj.src, obj not in self.streamed)
+            elif kind == CAUGHT and isinstance(obj, Flow):
+                net.caught(obj, ver)  # a rate changes, nothing the policy sees
+                continue
             elif kind in (START, BOOTED) and isinstance(obj, int):
                 self._start(obj, kind, ver)
             elif not isinstance(obj, int) or (dl := self._download(obj, ver)) is None:
@@ -257,6 +270,32 @@ class Swarm:
             if dl is not None and any(g is f for g in dl.inflight.get(f.piece, ())):
                 return dl
         return None
+
+    def _upstream(self, f: Flow, dl: Node | None) -> Flow | None:
+        """The store's flow of `f`'s piece to the peer `f` is asked of, if that peer does
+        not hold the piece yet: `f` passes its bytes on as they arrive (cut-through). The
+        peer advertised the piece as held or streamed, and either stays so until it holds
+        it (nothing fails here), so one of the two is true."""
+        if f.src == self.store or dl is None:
+            return None
+        peer = self._holding(f.src, dl.blob)
+        if peer.blob != dl.blob or peer.have >> f.piece & 1:
+            return None
+        up = next((g for g in peer.inflight.get(f.piece, ()) if g.src == self.store), None)
+        assert up is not None, f"node {f.src} neither holds nor streams piece {f.piece}"
+        return up
+
+    def _streaming(self, dl: Node | None, count: int) -> Bitmap | None:
+        """What a peer advertises it streams (`PeerView.streaming`): the pieces its download
+        `dl` has in flight from the store (none for None: past the blob, or no state yet);
+        with `Params.cut_through` off, no advertisement."""
+        if not self.p.cut_through:
+            return None
+        bits = 0
+        for k, flows in dl.inflight.items() if dl is not None else ():
+            if any(g.src == self.store for g in flows):
+                bits |= 1 << k
+        return Bitmap(count, bits)
 
     def _holding(self, j: int, blob: int) -> Node:
         """Node `j`'s download of `blob` if it has one, else its earliest (which tells
@@ -347,12 +386,14 @@ class Swarm:
             peer = self._holding(j, node.blob)
             if peer.blob == node.blob and peer.ready is None and i in peer.watches:
                 count = self.counts[node.blob]
-                peer.view.setdefault(i, PeerView(str(i), Bitmap(count), Bitmap(count)))
+                empty, streaming = Bitmap(count), self._streaming(None, count)
+                peer.view.setdefault(i, PeerView(str(i), empty, empty, 0, streaming))
         self._decide(i)
 
     def _look(self, i: int, j: int) -> None:
         """Node `i` hears from peer `j` about its blob: `j`'s bitmaps (all held when it is
-        past the blob), or, not serving yet or on an earlier blob, no advertisement."""
+        past the blob), or, not serving yet or on an earlier blob, no advertisement; those it
+        streams from the store as of now, as the others."""
         node = self.nodes[i]
         b, count = node.blob, self.counts[node.blob]
         peer = self._holding(j, b)
@@ -360,18 +401,23 @@ class Swarm:
         if not peer.started or peer.blob < b:
             node.view.pop(j, None)
         elif peer.blob > b:
-            node.view[j] = PeerView(str(j), Bitmap.full(count), Bitmap(count), load)
+            full, none = Bitmap.full(count), Bitmap(count)
+            node.view[j] = PeerView(str(j), full, none, load, self._streaming(None, count))
         else:
             have, fetching = Bitmap(count, peer.have), Bitmap(count, peer.fetching)
-            node.view[j] = PeerView(str(j), have, fetching, load)
+            node.view[j] = PeerView(str(j), have, fetching, load, self._streaming(peer, count))
         if j in node.view:
             node.advertised[j] = self.net.now
 
-    def _answered(self, i: int, j: int) -> None:
-        """A piece request's answer from `j` reached `i`: it advertises, as HEADs do."""
+    def _answered(self, i: int, j: int, fresh: bool = True) -> None:
+        """A piece request's answer from `j` reached `i`: it advertises, as HEADs do, and
+        spares `j` the next HEAD round unless it is the start of a streamed piece (`fresh`
+        False), which lasts as long as the store's flow: its advertisement would go stale."""
         if j != self.store and self.nodes[i].ready is None:
             self._look(i, j)
             self.nodes[i].answered[j] = self.net.now
+            if fresh:
+                self.nodes[i].fresh[j] = self.net.now
             self._decide(i)
 
     def _background(self, i: int) -> None:
@@ -387,7 +433,7 @@ class Swarm:
             self.net.set_background(i, 0.0)
             return
         heads = sum(1 for dl in loops for j in dl.watches
-                    if now - dl.answered.get(j, -1e9) >= self.p.refresh)  # fmt: skip
+                    if now - dl.fresh.get(j, -1e9) >= self.p.refresh)  # fmt: skip
         cores = cpu.poll + cpu.busy * len(loops) + cpu.probe * heads / self.p.refresh
         self.net.set_background(i, cores)
 
@@ -397,7 +443,7 @@ class Swarm:
         node, now = self.nodes[i], self.net.now
         self._rewatch(node, i, now)
         for j in node.watches:
-            if now - node.answered.get(j, -1e9) >= self.p.refresh:
+            if now - node.fresh.get(j, -1e9) >= self.p.refresh:
                 self._look(i, j)
         self._background(i)
 
@@ -464,6 +510,8 @@ class Swarm:
             src = self.store if r.source == ORIGIN else int(r.source)
             start, end = r.piece * piece, min((r.piece + 1) * piece, size)
             f = Flow(src, i, r.piece, end - start, now)
+            if src != self.store and not node.view[src].have.bits >> r.piece & 1:
+                self.streamed.add(f)
             node.inflight.setdefault(r.piece, []).append(f)
             node.fetching |= 1 << r.piece
             self.net.at(now + self.p.rtt, BEGIN, f, f.ver)
@@ -474,7 +522,11 @@ class Swarm:
     def _measure(self, node: Node, f: Flow) -> None:
         """`SwarmDownload._measure` after a piece: the per-request rates (EWMA), and after
         one from the store its room (ROOM_FACTOR times a peer request's rate, or alone for
-        ALONE_GRACE) and window."""
+        ALONE_GRACE) and window. A piece a peer streamed counts as a peer's: measured
+        without it, a node whose downlink is full of streams judged the store by its few
+        held pieces, slow for sharing that downlink, saw room, and asked the store for
+        pieces others claimed (1.24 store copies for config.json and four 16 MiB shards at
+        8 nodes against 1.11 counting them)."""
         kind = "origin" if f.src == self.store else "peer"
         rate = f.size / max(1e-3, self.net.now - f.made)
         old = node.per_request.get(kind)
@@ -489,8 +541,8 @@ class Swarm:
     def _arrived(self, f: Flow) -> None:
         node = self.nodes[f.dst]
         for g in node.inflight.pop(f.piece):
-            sent = self.net.stop(g) if g.active else 0.0
-            g.ver += 1  # a request still on its way is dropped
+            sent = self.net.stop(g)  # a request still on its way is dropped: nothing sent
+            self.streamed.discard(g)
             if g.src == self.store:
                 self.store_bytes += sent
         self._measure(node, f)
@@ -530,9 +582,9 @@ def run(p: Params, seeds: int = 1, trace: float = 0.0) -> dict[str, object]:
 # -- command line ---------------------------------------------------------------------------
 
 HEADERS = (
-    "nodes", "store egress", "pieces", "blobs at once", "swarm last s", "swarm p50 s",
-    "store x model", "last / line", "p50 / line", "peers off last s", "peers off store x",
-    "today last s", "today p50 s", "line s", "bound s", "sim s",
+    "nodes", "store egress", "pieces", "blobs at once", "cut-through", "swarm last s",
+    "swarm p50 s", "store x model", "last / line", "p50 / line", "peers off last s",
+    "peers off store x", "today last s", "today p50 s", "line s", "bound s", "sim s",
 )  # fmt: skip
 
 
@@ -544,6 +596,7 @@ def row(r: dict[str, object]) -> list[object]:
     return [
         p["nodes"], fmt_bits(p["store_rate"]), sum(piece_count(*b) for b in Params(**{**p,
             "limits": Limits(), "cpu": Cpu()}).layout()), p["pipeline"],
+        "on" if p["cut_through"] else "off",
         f"{s['last']:.1f}", f"{s['p50']:.1f}", f"{s['store_copies']:.2f}",
         f"{s['last'] / ln:.2f}", f"{s['p50'] / ln:.2f}", f"{off['last']:.1f}",
         f"{off['store_copies']:.0f}",
@@ -580,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-bytes", type=int, default=0,
                     help="simulate benchmarks/swarm.py's model: --size in 4 shards and its small "
                     "files, this many bytes in all (its JSON's model_bytes)")  # fmt: skip
+    ap.add_argument("--cut-through", default="on",
+                    help="peers pass on the store's pieces as they arrive: on, off or on,off "
+                    "(each, side by side)")  # fmt: skip
     ap.add_argument("--calibration", type=Path, help="the CPU model from swarmcal.py --json")
     ap.add_argument("--json", type=Path, help="write every run's numbers here")
     ap.add_argument("--trace", type=float, default=0.0, metavar="SECONDS",
@@ -597,18 +653,21 @@ def main(argv: list[str] | None = None) -> int:
         from swarmplot import model_blobs  # it imports this module
 
         size, blobs = a.model_bytes, model_blobs(size, a.model_bytes)
+    modes = {"on": True, "off": False}
+    if not set(cuts := a.cut_through.split(",")) <= modes.keys():
+        ap.error(f"--cut-through: on, off or on,off, not {a.cut_through!r}")
     results = []
     for n in (int(x) for x in a.nodes.split(",")):
         for store in store_rates(a.store_rate, a.link):
-            for depth in (int(x) for x in a.pipeline.split(",")):
+            for depth, cut in ((int(x), c) for x in a.pipeline.split(",") for c in cuts):
                 p = Params(
                     n, size, parse_size(a.piece), a.link, store, a.rtt, a.refresh, a.jitter,
                     a.startup, a.view, a.efficiency, a.seed, limits, cpu, blobs, depth,
-                    dead=a.dead,
+                    dead=a.dead, cut_through=modes[cut],
                 )  # fmt: skip
                 results.append(run(p, a.seeds, a.trace))
-                print(f"N={n} store {fmt_bits(store)} pipeline {depth}: done", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(f"N={n} store {fmt_bits(store)} pipeline {depth} cut-through {cut}: done",
+                      file=sys.stderr, flush=True)  # fmt: skip
     print(f"size {a.size}, piece {a.piece}, link {fmt_bits(a.link)}, rtt {a.rtt} s, refresh "
           f"{a.refresh} s, startup {a.startup} s, jitter {a.jitter} s, view {a.view}, "
           f"dead {a.dead}, efficiency {a.efficiency}, {limits}, seed {a.seed}; CPU: "

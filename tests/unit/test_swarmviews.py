@@ -220,6 +220,20 @@ def test_a_membership_within_the_bound_is_all_watched_and_striped_by_advertisers
     assert len(got) == 4 and nodes == 5 and not views.partial() and views.orphans() == 0
 
 
+def test_a_piece_answer_spares_the_next_head_round_unless_it_starts_a_streamed_piece() -> None:
+    """A held piece's answer carries the peer's current headers: no HEAD needed this round.
+    A streamed piece's answer lasts as long as the store takes to send the piece: its
+    headers go stale meanwhile, so the round still asks that peer (the simulator: 4.9 s
+    against 3.1 s, 4 nodes, four 16 MiB shards, when such answers spared their peers)."""
+    fake = FakePeers(urls(3), view=4)
+    views = views_of(fake)
+    a, b, c = urls(3)
+    views.heard(a, {PIECES: "all"}, piece_answer=True)
+    views.heard(b, {PIECES: "all"}, piece_answer=True, streamed=True)
+    views.refresh()
+    assert fake.asked == [{b, c}]
+
+
 def test_a_large_membership_is_watched_in_a_sample_and_striped_whole() -> None:
     fake = FakePeers(urls(300), view=8)
     views = views_of(fake)

@@ -326,10 +326,14 @@ class SwarmDownload:
         self.views.refresh()
         self.events.put(None)
 
-    def _on_response(self, url: str) -> Callable[[http.client.HTTPResponse], None]:
+    def _on_response(self, url: str, streamed: bool) -> Callable[[http.client.HTTPResponse], None]:
+        """What to do with a piece answer's headers: update the view of `url`; the answer
+        spares the peer the next HEAD round unless it starts a streamed piece (it lasts
+        as long as the store takes: its advertisement would go stale meanwhile)."""
+
         def heard(resp: http.client.HTTPResponse) -> None:
             self.local.status = resp.status
-            self.views.heard(url, dict(resp.getheaders()), piece_answer=True)
+            self.views.heard(url, dict(resp.getheaders()), piece_answer=True, streamed=streamed)
 
         return heard
 
@@ -342,11 +346,11 @@ class SwarmDownload:
         piece, source = request.piece, request.source
         self.local.status = 0
         kind = "origin" if source == ORIGIN else "peer"
-        # a piece the peer streams (not holds) comes at the store's pace: not a peer's rate
+        # a piece the peer streams from the store, not holds (its answer lasts as long)
         streamed = source != ORIGIN and not self.views.holds(source, piece)
         started = time.monotonic()
         try:
-            data = self._read_or_fail(piece, source, kind)
+            data = self._read_or_fail(piece, source, kind, streamed)
             if data is not None:
                 self._land(piece, source, data)
                 if source != ORIGIN:
@@ -354,9 +358,8 @@ class SwarmDownload:
                     if streamed:
                         with self.lock:
                             self.cut_through += 1
-                if not streamed:
-                    rate = len(data) / max(1e-3, time.monotonic() - started)
-                    self.store.measured(kind, rate, self.views.alone())
+                rate = len(data) / max(1e-3, time.monotonic() - started)
+                self.store.measured(kind, rate, self.views.alone())
         except BaseException as e:
             self.errors.append(e)
         finally:
@@ -369,18 +372,20 @@ class SwarmDownload:
                     self.streams.pop(piece, None)
             self.events.put(None)
 
-    def _read_or_fail(self, piece: int, source: str, kind: str) -> bytearray | None:
+    def _read_or_fail(self, piece: int, source: str, kind: str, streamed: bool) -> bytearray | None:
         """`_read`, or None after a failure of the source (`_failed`)."""
         try:
-            return self._read(piece, source, kind)
+            return self._read(piece, source, kind, streamed=streamed)
         except (RetryRange, WeightcacheError, OSError) as e:
             self._failed(source, e, piece)
             return None
 
-    def _read(self, piece: int, source: str, kind: str, recheck: bool = False) -> bytearray | None:
-        """The piece's bytes from `source`; None if the download stops (SIGTERM, `cancel`)
-        or the piece landed from elsewhere meanwhile (unless `recheck`: the re-check reads
-        pieces held already)."""
+    def _read(
+        self, piece: int, source: str, kind: str, recheck: bool = False, streamed: bool = False
+    ) -> bytearray | None:
+        """The piece's bytes from `source` (`streamed`: a peer passing it on from the store);
+        None if the download stops (SIGTERM, `cancel`) or the piece landed from elsewhere
+        meanwhile (unless `recheck`: the re-check reads pieces held already)."""
         assert self.file is not None
         done = self.file.state.done  # read without its lock: a stale False costs a read
         start, end = self.ranges[piece]
@@ -390,7 +395,7 @@ class SwarmDownload:
         if source == ORIGIN:
             blob, timeout = self.origin, self.downloader.read_timeout
         else:
-            blob = self.peers.blob(source, self.sha256, self._on_response(source))
+            blob = self.peers.blob(source, self.sha256, self._on_response(source, streamed))
             timeout = PEER_TIMEOUT
             deadline = time.monotonic() + max(PEER_TIMEOUT, len(data) / PEER_MIN_RATE)
         stream = _Stream(data)

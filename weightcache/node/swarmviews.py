@@ -4,9 +4,11 @@ copy, and the peers to leave out for a while. The inputs `swarm.choose` takes fr
 the download loop is weightcache/node/swarmfetch.py.
 
 Views come from HEAD rounds (`refresh`, every VIEW_EVERY seconds, skipping peers that
-answered a piece request since the last round: that answer carried the same headers) and
-from every answer to a piece request (`heard`). A peer that asks this node about the blob
-joins the membership at once (`joined`), before it claims anything, so that stripes agree.
+answered a piece request since the last round: that answer carried the same headers; not
+one that starts a streamed piece, which lasts as long as the store takes: its headers go
+stale meanwhile) and from every answer to a piece request (`heard`). A peer that asks this
+node about the blob joins the membership at once (`joined`), before it claims anything, so
+that stripes agree.
 
 A bounded view: a node watches (HEADs) at most `PeerSettings.view` peers, a random sample
 of the membership discovery gives when it lists more (`watch`). A watched peer that is
@@ -200,6 +202,7 @@ class PeerViews:
         self.members = members if members is not None else SwarmMembers()
         self.heard_at: dict[str, float] = {}  # peer -> when it last answered anything
         self.answered_at: dict[str, float] = {}  # peer -> when it last answered a piece request
+        self.fresh_at: dict[str, float] = {}  # ... one that was not a streamed piece
         self.advertised_at: dict[str, float] = {}  # peer -> when it last advertised the blob
         self.shunned: dict[str, float] = {}  # peer -> until when it is left out
         self.strikes: dict[str, int] = {}  # peer -> times shunned since a piece landed from it
@@ -286,7 +289,7 @@ class PeerViews:
             listed = self.peers.discovery.peers()
             with self.lock:
                 within = self._rewatch(listed, now)
-                fresh = frozenset(u for u, t in self.answered_at.items() if now - t < VIEW_EVERY)
+                fresh = frozenset(u for u, t in self.fresh_at.items() if now - t < VIEW_EVERY)
             answers = self.peers.probe_all(self.sha256, fresh, within)
         except Exception:  # a view is an optimisation: never let it end the download
             log.exception("refreshing the swarm's view of %s", self.sha256)
@@ -310,8 +313,12 @@ class PeerViews:
             if answer is not None:
                 self.heard(url, answer[1])
 
-    def heard(self, url: str, headers: Mapping[str, str], piece_answer: bool = False) -> None:
-        """A peer's answer: its view, or (no pieces advertised: 404) none."""
+    def heard(
+        self, url: str, headers: Mapping[str, str], piece_answer: bool = False,
+        streamed: bool = False,
+    ) -> None:  # fmt: skip
+        """A peer's answer: its view, or (no pieces advertised: 404) none. A `piece_answer`
+        spares the peer the next HEAD round unless `streamed` (module docstring)."""
         try:
             view: PeerView | None = parse_view(url, headers, self.size, self.piece_size)
         except ValueError as e:
@@ -320,6 +327,8 @@ class PeerViews:
         with self.lock:
             if piece_answer:
                 self.heard_at[url] = self.answered_at[url] = time.monotonic()
+                if not streamed:
+                    self.fresh_at[url] = self.answered_at[url]
             if view is None or PIECES not in headers:
                 self.views.pop(url, None)
             else:
