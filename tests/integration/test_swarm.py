@@ -42,6 +42,7 @@ from tests.integration.test_peers import (
 )
 from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
+from weightcache.node.peers import STREAMING
 from weightcache.node.swarm import Bitmap
 from weightcache.node.swarmfetch import piece_size_for
 
@@ -95,6 +96,42 @@ def test_one_blob_comes_from_several_peers_and_the_store_at_once(
         m = n.d.metrics()
         assert m[ORIGIN_BYTES] > 0 and m[PEER_BYTES] > 0 and m[UPLOADED] > 0, (n.name, m)
     assert streamed > 0, "no piece was passed on while it came from the store"
+
+
+@pytest.mark.timeout(150)
+def test_a_node_killed_while_it_streams_a_piece_to_the_others_costs_them_that_piece_only(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """Three cold nodes, a slow store: node0 is killed (-9) while it passes a piece from
+    the store on to the others (cut-through). Their streams are cut; they take what node0
+    would have sent from the store or each other and publish verified blobs."""
+    pub = one_blob(publish, 12 * MiB, "streamer")
+    nodes = make_nodes(tmp_path, 3)
+    for n in nodes:
+        start(daemons, n, tmp_path, proxy.url, [m.peer_addr for m in nodes])
+    proxy.configure(rate_limit=MiB + MiB // 2)  # a 384 KiB piece in 0.75 s, 3 at once
+    running = [wc.fetch_popen(pub.source, n.cache_dir, "--json", endpoint=proxy.url)
+               for n in nodes]  # fmt: skip
+    blob = f"/blobs/sha256/{pub.model.files[0].sha256}"
+
+    def streaming_to_peers() -> bool:
+        _, _, headers = peer_get(nodes[0].peer_port, blob, method="HEAD")
+        streams = headers.get(STREAMING, "")
+        return bool(streams.strip("A=")) and nodes[0].d.metrics()[UPLOADED] > 0
+
+    wait_for("node0 streaming to its peers", streaming_to_peers, timeout=30, every=0.05)
+    nodes[0].d.kill9()
+    cut = f"peer http://{nodes[0].peer_addr} failed a piece"
+    cuts = 0
+    for n, r in zip(nodes[1:], running[1:], strict=True):
+        result = r.finish(timeout=90)
+        assert result.returncode == 0, f"{n.name}: {result.stderr}\n{n.d.log()}"
+        assert_node_ok(n, pub)
+        assert n.d.metrics()[VERIFY_FAILURES] == 0
+        cuts += n.d.log().count(cut)
+    assert cuts, "no stream from node0 was cut: the kill came between its pieces"
+    running[0].finish(timeout=90)  # its daemon gone: whatever it did, nothing to check
 
 
 @pytest.mark.timeout(150)
