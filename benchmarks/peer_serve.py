@@ -41,6 +41,7 @@ from weightcache.node.serve import LoopThread
 
 class Quiet:
     def peer_uploaded(self, n): pass
+    def peer_streamed(self, n): pass
     def peer_refused(self, reason): pass
 
 settings = PeerSettings(("127.0.0.1", 0), sys.argv[2], upload_limit=None)

@@ -537,10 +537,14 @@ class Counted:
     """The server's observer: what it uploaded and refused."""
 
     uploaded: int = 0
+    streamed: int = 0
     refused: list[str] = field(default_factory=list)
 
     def peer_uploaded(self, nbytes: int) -> None:
         self.uploaded += nbytes
+
+    def peer_streamed(self, nbytes: int) -> None:
+        self.streamed += nbytes
 
     def peer_refused(self, reason: str) -> None:
         self.refused.append(reason)
@@ -799,6 +803,9 @@ def test_a_piece_coming_from_the_store_is_passed_on_as_it_arrives(served: Served
     live.land()  # the last 56 KiB come from the file
     rest = resp.read()
     assert first + rest == live.data[Streaming.PIECE : 2 * Streaming.PIECE]
+    # counted as uploads; as passed on from the store, what came from its buffer only
+    assert served.counted.uploaded == Streaming.PIECE
+    assert 200 << 10 <= served.counted.streamed < Streaming.PIECE
     # the piece not streamed nor held, or a range past the streamed piece: refused at once
     for piece_range in ("bytes=0-9", f"bytes={Streaming.PIECE}-{2 * Streaming.PIECE}"):
         live.held, live.streaming = Bitmap(4), Bitmap.of(4, [1])

@@ -86,7 +86,7 @@ def test_one_blob_comes_from_several_peers_and_the_store_at_once(
     origin = proxy.stats().body_bytes
     print(f"several: origin {origin} bytes for a {pub.model.total_size}-byte blob")
     assert origin <= 1.1 * pub.model.total_size
-    streamed = 0
+    streamed = passed_on = 0
     for n in nodes:
         assert_node_ok(n, pub)
         s = summary(n, label)
@@ -95,7 +95,9 @@ def test_one_blob_comes_from_several_peers_and_the_store_at_once(
         streamed += s["streamed"]
         m = n.d.metrics()
         assert m[ORIGIN_BYTES] > 0 and m[PEER_BYTES] > 0 and m[UPLOADED] > 0, (n.name, m)
+        passed_on += m["weightcache_peer_streamed_bytes_total"]
     assert streamed > 0, "no piece was passed on while it came from the store"
+    assert passed_on > 0, "the peer servers counted no bytes passed on from the store"
 
 
 @pytest.mark.timeout(150)

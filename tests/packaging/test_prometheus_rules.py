@@ -46,6 +46,7 @@ DESIGN_METRICS = {
     "weightcache_max_concurrency",
     # the swarm (design §8)
     "weightcache_peer_upload_bytes_total",
+    "weightcache_peer_streamed_bytes_total",
     "weightcache_pieces_inflight",
     "weightcache_peers_marked_bad_total",
 }

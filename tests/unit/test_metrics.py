@@ -41,9 +41,11 @@ def test_bytes_by_source_and_uploads() -> None:
     m.received(100, "origin")
     m.received(300, "peer")
     m.peer_uploaded(700)
+    m.peer_streamed(200)
     assert value(m, "weightcache_bytes_total", source="origin") == 100
     assert value(m, "weightcache_bytes_total", source="peer") == 300
     assert value(m, "weightcache_peer_upload_bytes_total") == 700
+    assert value(m, "weightcache_peer_streamed_bytes_total") == 200
 
 
 def test_peers_marked_bad_by_reason_all_shown_from_the_start() -> None:

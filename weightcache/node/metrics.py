@@ -155,6 +155,12 @@ class Metrics:
             "Blob bytes this node served to other nodes' daemons.",
             registry=r,
         )
+        self.peer_streamed_bytes = Counter(
+            "weightcache_peer_streamed_bytes",
+            "Of the bytes served to other nodes' daemons, those passed on while they arrived "
+            "from the object store (cut-through).",
+            registry=r,
+        )
         self.peer_refusals = Counter(
             "weightcache_peer_requests_refused",
             "Peer requests refused, by reason: no_token, bad_token, bad_path, not_found, "
@@ -250,6 +256,9 @@ class Metrics:
 
     def peer_uploaded(self, nbytes: int) -> None:
         self.peer_upload_bytes.inc(nbytes)
+
+    def peer_streamed(self, nbytes: int) -> None:
+        self.peer_streamed_bytes.inc(nbytes)
 
     def peer_refused(self, reason: str) -> None:
         self.peer_refusals.labels(reason).inc()

@@ -202,6 +202,7 @@ class ServedObserver(Protocol):
     """The daemon's metrics, from the serving side."""
 
     def peer_uploaded(self, nbytes: int) -> None: ...
+    def peer_streamed(self, nbytes: int) -> None: ...  # of those, passed on from the store
     def peer_refused(self, reason: str) -> None: ...
 
 
@@ -412,6 +413,7 @@ class PeerServer:
                 await asyncio.sleep(self.limiter.reserve(len(data)))
             await _in_time(resp.write(data), len(data))
             self.observer.peer_uploaded(len(data))
+            self.observer.peer_streamed(len(data))
             pos += len(data)
             idle_since = time.monotonic()
 
