@@ -46,6 +46,7 @@ from weightcache.node.peers import STREAMING
 from weightcache.node.swarm import Bitmap
 from weightcache.node.swarmfetch import piece_size_for
 
+STREAMED = "weightcache_peer_streamed_bytes_total"
 SUMMARY = re.compile(
     r"swarm: (\S+) in (\d+) pieces: (\d+) from the store, (\d+) from (\d+) peers "
     r"\((\d+) streamed\), (\d+) resumed"
@@ -95,7 +96,7 @@ def test_one_blob_comes_from_several_peers_and_the_store_at_once(
         streamed += s["streamed"]
         m = n.d.metrics()
         assert m[ORIGIN_BYTES] > 0 and m[PEER_BYTES] > 0 and m[UPLOADED] > 0, (n.name, m)
-        passed_on += m["weightcache_peer_streamed_bytes_total"]
+        passed_on += m[STREAMED]
     assert streamed > 0, "no piece was passed on while it came from the store"
     assert passed_on > 0, "the peer servers counted no bytes passed on from the store"
 
@@ -117,10 +118,14 @@ def test_a_node_killed_while_it_streams_a_piece_to_the_others_costs_them_that_pi
                for n in nodes]  # fmt: skip
     blob = f"/blobs/sha256/{pub.model.files[0].sha256}"
 
+    passed_on = [0.0]
+
     def streaming_to_peers() -> bool:
+        """node0 is passing bytes on from the store right now: its count of them grew
+        since the last look (50 ms), and it still advertises pieces streamed."""
+        before, passed_on[0] = passed_on[0], nodes[0].d.metrics()[STREAMED]
         _, _, headers = peer_get(nodes[0].peer_port, blob, method="HEAD")
-        streams = headers.get(STREAMING, "")
-        return bool(streams.strip("A=")) and nodes[0].d.metrics()[UPLOADED] > 0
+        return passed_on[0] > before > 0 and bool(headers.get(STREAMING, "").strip("A="))
 
     wait_for("node0 streaming to its peers", streaming_to_peers, timeout=30, every=0.05)
     nodes[0].d.kill9()
