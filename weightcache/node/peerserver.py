@@ -378,12 +378,16 @@ class PeerServer:
                     raise _Abort()
                 await asyncio.sleep(0.05)
                 continue
-            if self.limiter is not None:
-                await asyncio.sleep(self.limiter.reserve(len(data)))
-            await _in_time(resp.write(data), len(data))
-            self.observer.peer_uploaded(len(data))
+            await self._write(resp, data)
             pos += len(data)
             idle_since = time.monotonic()
+
+    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
+        """Send bytes of a partial through the loop, paced and in time (raises _Abort)."""
+        if self.limiter is not None:
+            await asyncio.sleep(self.limiter.reserve(len(data)))
+        await _in_time(resp.write(data), len(data))
+        self.observer.peer_uploaded(len(data))
 
     async def _stream(
         self, resp: web.StreamResponse, sha256: str, piece: int, piece_size: int, start: int,
@@ -409,10 +413,7 @@ class PeerServer:
                     raise _Abort()
                 await asyncio.sleep(STREAM_POLL)
                 continue
-            if self.limiter is not None:
-                await asyncio.sleep(self.limiter.reserve(len(data)))
-            await _in_time(resp.write(data), len(data))
-            self.observer.peer_uploaded(len(data))
+            await self._write(resp, data)
             self.observer.peer_streamed(len(data))
             pos += len(data)
             idle_since = time.monotonic()
