@@ -622,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dead", default=0, type=int, help="members that never start")
     ap.add_argument("--efficiency", default=0.95, type=float, help="payload share of a link")
     ap.add_argument("--per-peer", default=Limits.per_peer, type=int)
+    ap.add_argument("--fill", default=Limits.fill, type=int)
     ap.add_argument("--per-origin", default=Limits.per_origin, type=int)
     ap.add_argument("--claims", default=Limits.claims, type=int)
     ap.add_argument("--total", default=Limits.total, type=int)
@@ -643,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(the first seed of each setting)")  # fmt: skip
     add_cpu_options(ap)
     a = ap.parse_args(argv)
-    limits = Limits(per_peer=a.per_peer, per_origin=a.per_origin, claims=a.claims, total=a.total,
-                    endgame=a.endgame)  # fmt: skip
+    limits = Limits(per_peer=a.per_peer, fill=a.fill, per_origin=a.per_origin, claims=a.claims,
+                    total=a.total, endgame=a.endgame)  # fmt: skip
     cpu = cpu_from_args(a)
     if a.calibration:
         cpu = Cpu(**json.loads(a.calibration.read_text())["cpu"])

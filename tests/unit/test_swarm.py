@@ -229,11 +229,28 @@ def test_least_busy_holder_is_asked() -> None:
     assert got == [Request(got[0].piece, "b")]
 
 
-def test_late_joiner_takes_everything_from_complete_peers_spread_over_them() -> None:
-    peers = [peer(u, range(N)) for u in "abcd"]
-    got = pick(local(), peers, limits=Limits(per_peer=4, total=16))
-    assert sorted(r.piece for r in got) == list(range(N))
-    assert Counter(r.source for r in got) == {"a": 4, "b": 4, "c": 4, "d": 4}
+def test_one_request_per_peer_first_then_more_only_until_the_link_is_full() -> None:
+    def spread(holders: int, **limits: int) -> list[int]:
+        peers = [peer(f"p{k}", range(N)) for k in range(holders)]
+        got = pick(local(), peers, limits=Limits(per_peer=4, total=16, **limits))
+        assert len({r.piece for r in got}) == len(got)
+        return sorted(Counter(r.source for r in got).values())
+
+    assert spread(8) == [1] * 8  # every offering peer gets one, even past `fill`
+    assert spread(4) == [1] * 4
+    assert spread(3) == [1, 1, 2]  # a second for one of them: four fill the link
+    assert spread(2) == [2, 2]
+    assert spread(1) == [4]  # one holder: `per_peer` keeps its uplink full between pieces
+    assert spread(4, fill=16) == [4] * 4  # a link four requests don't fill
+    assert spread(1, fill=16) == [4]
+
+
+def test_a_peer_gets_a_second_request_only_when_fewer_than_fill_are_with_peers() -> None:
+    peers = [peer("a", range(N)), peer("b", range(N))]
+    me = local(inflight={0: {"a"}, 1: {"c"}, 2: {"d"}, 3: {ORIGIN}})  # three with peers
+    got = pick(me, peers, limits=Limits(per_peer=4, fill=4, total=16))
+    assert Counter(r.source for r in got) == {"b": 1}  # "b" had none; "a" a second: no
+    assert pick(me, peers, limits=Limits(per_peer=4, fill=5, total=16)) != got
 
 
 def test_saturated_peers_and_a_store_with_room_bring_in_the_store() -> None:
@@ -384,6 +401,7 @@ def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreVi
     me = Local(Bitmap(count, have), inflight, rng.randrange(nodes), nodes, rng.random() < 0.5)
     limits = Limits(
         per_peer=rng.randrange(1, 5),
+        fill=rng.randrange(1, 9),
         per_origin=rng.randrange(1, 9),
         claims=rng.randrange(1, 3),
         total=rng.randrange(1, 20),
@@ -452,6 +470,7 @@ def test_peers_are_asked_only_for_pieces_they_advertise(situations: list[Situati
 
 
 def test_a_streamer_is_asked_only_when_no_holder_is_free(situations: list[Situation]) -> None:
+    """Free: below its limit and no busier than the streamer (one request per peer first)."""
     for me, peers, _, limits, got in situations:
         by_url = {p.url: p for p in peers}
         busy = Counter(s for sources in me.inflight.values() for s in sources)
@@ -460,9 +479,35 @@ def test_a_streamer_is_asked_only_when_no_holder_is_free(situations: list[Situat
                 continue
             busy_then = busy + Counter(q.source for q in got[:k])
             free_holders = [
-                p for p in peers if r.piece in p.have and busy_then[p.url] < limits.per_peer
+                p
+                for p in peers
+                if r.piece in p.have
+                and busy_then[p.url] < limits.per_peer
+                and busy_then[p.url] <= busy_then[r.source]
             ]
             assert not free_holders, (r, free_holders)
+
+
+def test_every_offering_peer_gets_a_request_before_any_gets_a_second(
+    situations: list[Situation],
+) -> None:
+    """And a second (or more) only while fewer than `Limits.fill` are in flight to peers."""
+    for me, peers, _, limits, got in situations:
+        busy = Counter(s for sources in me.inflight.values() for s in sources)
+        after = busy + Counter(r.source for r in got)
+        left = set(range(me.have.count)) - set(me.have) - set(me.inflight)
+        left -= {r.piece for r in got}
+        unasked = [
+            p for p in peers if not after[p.url] and left & set(Bitmap(p.have.count, p.offers()))
+        ]
+        for k, r in enumerate(got):
+            if r.source == ORIGIN or r.piece in me.inflight:  # the store; the endgame
+                continue
+            busy_then = busy + Counter(q.source for q in got[:k])
+            if busy_then[r.source]:  # a second request to this peer
+                assert not unasked, (r, unasked)
+                to_peers = busy_then.total() - busy_then[ORIGIN]
+                assert to_peers < limits.fill, (r, to_peers)
 
 
 def test_the_store_is_asked_for_claimed_pieces_only_with_room_and_need(
@@ -505,7 +550,9 @@ def test_first_peer_request_is_one_of_the_rarest_available(situations: list[Situ
         busy = Counter(s for sources in me.inflight.values() for s in sources)
         wanted = set(range(me.have.count)) - set(me.have) - set(me.inflight) - planned_before
         holders = Counter(p for q in peers for p in q.have)
-        free = [q for q in peers if busy[q.url] < limits.per_peer]
+        # free at the round `first` was chosen in: no busier than its peer (and below the limit)
+        level = busy[first.source]
+        free = [q for q in peers if busy[q.url] < limits.per_peer and busy[q.url] <= level]
         available = {p for q in free for p in Bitmap(q.have.count, q.offers()) if p in wanted}
         assert holders[first.piece] == min(holders[p] for p in available)
 

@@ -265,13 +265,16 @@ def test_pipelined_blobs_keep_the_links_busy_between_blobs() -> None:
     # view round before any peer piece) overlaps the end game of the one before; with
     # cut-through and without. (When the answer to a streamed piece's request spared its
     # peer the next HEAD round, as a held piece's does, views went a round staler and that,
-    # not the pipeline, decided this run: 4.9 and 4.7 s against 3.05 and 2.67 s now.)
+    # not the pipeline, decided this run: 4.9 and 4.7 s against 3.00 and 3.07 s now, 3.36 and
+    # 3.21 s one blob at a time. With up to four requests per peer from the first, 2.67 s
+    # against 3.05 and 3.07: one per peer first costs this four-node lockstep, and saves far
+    # more at 1,000 nodes and in the incident; RESULTS.md, "One request per peer first".)
     for cut_through in (True, False):
         p = sim.Params(4, 64 * MiB, 0, 400e6, 400e6, blobs=(16 * MiB,) * 4, pipeline=1,
                        cut_through=cut_through)  # fmt: skip
         one, two = sim.Swarm(p).run(), sim.Swarm(replace(p, pipeline=2)).run()
-        assert two.last < 0.9 * one.last
-        assert two.last < 3.0
+        assert two.last < 0.97 * one.last
+        assert two.last < 3.2
         assert two.store_copies == pytest.approx(1.0, abs=0.05)
 
 
@@ -280,13 +283,14 @@ def test_the_first_node_at_a_blob_takes_its_stripe_not_the_whole_blob() -> None:
     # config.json's piece is first at every shard. Striping only among the peers on the
     # shard, it was alone there and took each shard whole from the store, its uplink then
     # every other node's only source (2.0x the time of one blob of the same bytes);
-    # striping among the peers seen on the revision (`SwarmMembers`), 1.38x. Without
-    # cut-through: with it these small shards (512 KiB pieces at 400 mbit) come later, 4.1 s
-    # against 3.5 s, the single blob sooner, 2.15 s against 2.55 s (RESULTS.md, Cut-through)
+    # striping among the peers seen on the revision (`SwarmMembers`), 1.62x (1.38x with up
+    # to four requests per peer from the first). Without cut-through: with it these small
+    # shards (512 KiB pieces at 400 mbit) come later than the single blob, 3.50 s against
+    # 1.88 s (RESULTS.md, Cut-through)
     p = sim.Params(8, 64 * MiB, 0, 400e6, 400e6, blobs=(100, *(16 * MiB,) * 4),
                    cut_through=False)  # fmt: skip
     shards, single = sim.Swarm(p).run(), sim.Swarm(replace(p, blobs=())).run()
-    assert shards.last < 1.5 * single.last
+    assert shards.last < 1.75 * single.last
     assert shards.store_copies == pytest.approx(1.0, abs=0.05)
 
 

@@ -59,8 +59,9 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
    is what rule 1 avoids, and with few pieces per node that tail alone would cost a
    noticeable share of a copy (8 nodes x 1 piece of 64 = 1/8).
 
-Bounds (`Limits`): requests in flight per peer, to the store (the window, at most
-`Limits.per_origin`), and in total. A piece this
+Bounds (`Limits`): requests in flight per peer (one each first, more only while fewer than
+`Limits.fill` are with peers), to the store (the window, at most `Limits.per_origin`), and
+in total. A piece this
 node holds is never chosen; a piece in flight is chosen only by the endgame rule.
 
 Bitmaps are Python ints (bit i = piece i) so that a choice over thousands of pieces and
@@ -227,14 +228,17 @@ class StoreView:
 class Limits:
     """Requests in flight this node allows; the defaults suit pieces of a few MiB."""
 
-    per_peer: int = 4  # to one peer: enough to fill its uplink over one RTT, not to hog it
+    per_peer: int = 4  # to one peer at most: enough to fill its uplink over one RTT
+    fill: int = 4  # to peers, enough to fill this node's link: see `_Plan.peers_rarest_first`
     per_origin: int = 8  # the store window's top: the ranged GETs one fetch runs in parallel
     claims: int = 1  # the store window's bottom and start: see `choose`, rule 1
     total: int = 16  # in all: bounds memory and open connections
     endgame: int = 8  # missing pieces at most, for a second source to be tried
 
     def __post_init__(self) -> None:
-        if min(self.per_peer, self.per_origin, self.claims, self.total) < 1 or self.endgame < 0:
+        if min(self.per_peer, self.fill, self.per_origin, self.claims, self.total) < 1 or (
+            self.endgame < 0
+        ):
             raise ValueError(f"request limits must be positive: {self}")
 
 
@@ -336,8 +340,9 @@ class _Plan:
     def busy(self) -> bool:
         return bool(self.local.inflight or self.requests)
 
-    def _free(self, source: str) -> bool:
-        bound = self.store_bound if source == ORIGIN else self.limits.per_peer
+    def _free(self, source: str, bound: int = 0) -> bool:
+        """`source` may get one more request: below `bound` (default: its limit) and the total."""
+        bound = bound or (self.store_bound if source == ORIGIN else self.limits.per_peer)
         return self.total < self.limits.total and self.slots.get(source, 0) < bound
 
     def _add(self, piece: int, source: str) -> None:
@@ -362,9 +367,24 @@ class _Plan:
 
     def peers_rarest_first(self, rng: random.Random) -> None:
         """Rule 2: the rarest pieces that peers with a free slot offer (hold, or stream from
-        the store as it arrives), each from its least busy holder, else from its streamer."""
-        while True:
-            free = [p for p in self.peers if self._free(p.url) and p.offers() & self.wanted]
+        the store as it arrives), each from its least busy holder, else from its streamer.
+
+        One request per peer first, as many peers as offer something; a peer gets a second
+        (up to `Limits.per_peer`) only while fewer than `Limits.fill` are in flight to peers.
+        Every request shares this node's link with the others, so each one more makes every
+        piece in flight arrive later, and a piece helps the other nodes only once it is
+        here: enough requests to fill the link, over as many uplinks as possible (one
+        holder's four would take its whole uplink from the others), and no more. With one
+        or two peers offering, a few requests each keep the link full between pieces.
+        """
+        for bound in range(1, self.limits.per_peer + 1):
+            self._peers_up_to(bound, rng)
+
+    def _peers_up_to(self, bound: int, rng: random.Random) -> None:
+        """Rule 2 with at most `bound` requests per peer (after the first round, until
+        `Limits.fill` are in flight to peers)."""
+        while bound == 1 or self._to_peers() < self.limits.fill:
+            free = [p for p in self.peers if self._free(p.url, bound) and p.offers() & self.wanted]
             available = 0
             for peer in free:
                 available |= peer.offers() & self.wanted
@@ -373,6 +393,9 @@ class _Plan:
             piece = _pick(_rarest(available, self.holders), rng)
             offering = [p for p in free if p.offers() >> piece & 1]
             self._add(piece, min(offering, key=lambda p: self._rank(p, piece, rng)).url)
+
+    def _to_peers(self) -> int:
+        return self.total - self.slots.get(ORIGIN, 0)
 
     def _rank(self, peer: PeerView, piece: int, rng: random.Random) -> tuple[bool, int, int, float]:
         """A holder before a streamer (whose piece comes no faster than the store sends it
