@@ -414,6 +414,7 @@ def main() -> None:
     bl.use_rev(args.weightcache_rev)
     tools, _ = bl.available_tools(["weightcache"], required=True)
     args.exe, args.token = tools["weightcache"], secrets.token_hex(16)
+    bl.precompile(args.exe)  # as installed in the image: not compiled again by every daemon
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wc-bench-swarm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     info = bl.machine_info(workdir)

@@ -397,6 +397,7 @@ def main() -> None:
                              for k, v in saved_cal.items()})  # fmt: skip
     else:
         args.exe = bl.available_tools(["weightcache"], required=True)[0]["weightcache"]
+        bl.precompile(args.exe)  # as installed in the image: not compiled again at each start
         with tempfile.TemporaryDirectory(prefix="wc-swarmcal-") as tmp:
             began = time.monotonic()
             cal = calibrate(args, Path(tmp))
