@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -194,6 +195,70 @@ class Lab:
 
     def teardown(self) -> None:
         cleanup(self.tag)
+
+
+#: Runs in the bridge's namespace (`ip netns exec` mounts its /sys): every `period` s, a
+#: line of each listed device's rx and tx byte counters.
+_SAMPLER = """
+import sys, time
+devs, period = sys.argv[1:-1], float(sys.argv[-1])
+def read(dev, what):
+    with open(f"/sys/class/net/{dev}/statistics/{what}_bytes") as f:
+        return f.read().strip()
+while True:
+    print(" ".join(read(d, w) for d in devs for w in ("rx", "tx")), flush=True)
+    time.sleep(period)
+"""
+
+
+class LinkTrace:
+    """Every host's bytes up and down over time, from the bridge side of its veth (rx: what
+    the host sent, tx: what it received), sampled every `period` s by one small process in
+    the bridge's namespace from `start()` to `stop()`; `rates(k)` after.
+
+    Why: a swarm's time is lost where a link idles. The store's uplink idle while nodes
+    miss pieces means too few requests to the store; a node's downlink idle while the store
+    is busy means it cannot get what the others have."""
+
+    def __init__(self, lab: Lab, t0: float, period: float = 0.5) -> None:
+        self.lab, self.t0, self.period = lab, t0, period
+        self.samples: list[tuple[float, list[int]]] = []  # (s since t0, rx/tx per host)
+        self._proc: subprocess.Popen[str] | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+
+    def start(self) -> LinkTrace:
+        devs = [h.outside for h in self.lab.hosts]
+        self._proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.lab.switch, sys.executable, "-c", _SAMPLER, *devs,
+             str(self.period)], stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._reader.start()
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(5)
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.samples.append((time.perf_counter() - self.t0, [int(x) for x in line.split()]))
+
+    def rates(self, k: int) -> list[tuple[float, float, float]]:
+        """Host k's (end of interval s, upload bit/s, download bit/s), one per interval."""
+        out = []
+        for (t0, a), (t1, b) in zip(self.samples, self.samples[1:], strict=False):
+            dt = max(t1 - t0, 1e-3)
+            out.append((t1, (b[2 * k] - a[2 * k]) * 8 / dt, (b[2 * k + 1] - a[2 * k + 1]) * 8 / dt))
+        return out
+
+
+def busy_share(rates: list[float], capacity: float, at_least: float = 0.9) -> float:
+    """The share of intervals in which a link carried at least `at_least` of `capacity`."""
+    return sum(r >= at_least * capacity for r in rates) / len(rates) if rates else float("nan")
 
 
 def _netns_names() -> list[str]:

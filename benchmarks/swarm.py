@@ -164,6 +164,7 @@ class Run:
     harness_cpu_s: float = float("nan")  # this process (the pollers), during the run
     daemon_counters: list[dict[str, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    link_use: dict[str, Any] = field(default_factory=dict)  # `link_use`
 
 
 class Poller(threading.Thread):
@@ -266,6 +267,7 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
     halt = threading.Event()
     procs: list[subprocess.Popen[bytes]] = []
     t0 = time.perf_counter()
+    trace = nl.LinkTrace(lab, t0).start()
     try:
         for node, argv in zip(nodes, argvs, strict=True):
             with open(root / f"{node.name}.log", "wb") as out:
@@ -284,13 +286,35 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
         counters = [scrape(h) for h in nodes]
     finally:
         halt.set()
+        trace.stop()
         daemon_cpu = ms.stop_processes(procs)
     failures = [f"{h.name}: {_tail(root / f'{h.name}.log')}"
                 for h, p in zip(nodes, pollers, strict=True) if p.ready is None]  # fmt: skip
     busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
+    use = link_use(trace, where[0] * args.link_bits, args.link_bits, pollers)
     return Run(*where, [p.ready for p in pollers],
                [p.up for p in pollers], sent, sent / overhead, daemon_cpu, busy,
-               harness_cpu, counters, failures)  # fmt: skip
+               harness_cpu, counters, failures, use)  # fmt: skip
+
+
+def link_use(trace: nl.LinkTrace, store_bits: float, link_bits: float,
+             pollers: list[Poller]) -> dict[str, Any]:  # fmt: skip
+    """How busy the links were: the store's uplink from its first byte to its last, and
+    each node's downlink from its /readyz's first answer to its ready time (share of
+    intervals at 90% of the link or more, and the mean rate over the link)."""
+    store = [(t, up) for t, up, _ in trace.rates(0) if up > 0.01 * store_bits]
+    use: dict[str, Any] = {
+        "store_busy": nl.busy_share([up for _, up in store], store_bits),
+        "store_from": store[0][0] if store else None,
+        "store_to": store[-1][0] if store else None,
+        "node_busy": [], "node_mean": [],
+        "store_mbit": [(round(t, 2), round(up / 1e6, 1)) for t, up, _ in trace.rates(0)],
+    }  # fmt: skip
+    for k, p in enumerate(pollers, 1):
+        down = [d for t, _, d in trace.rates(k) if (p.up or 0) < t <= (p.ready or float("inf"))]
+        use["node_busy"].append(nl.busy_share(down, link_bits))
+        use["node_mean"].append(sum(down) / len(down) / link_bits if down else float("nan"))
+    return use
 
 
 def _tail(path: Path) -> str:
@@ -464,6 +488,14 @@ def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | Non
               f"({nl.fmt_rate(regime * p['link_bits'])}); wire overhead "
               f"{overheads[str(regime)]:.3f}\n")  # fmt: skip
         print(report(runs, regime, p["n_values"], line_s, output["model_bytes"]))
+    for r in runs:
+        if r.link_use and r.link_use["store_from"] is not None:
+            u = r.link_use
+            print(f"regime {r.regime} N={r.n} {r.mode} round {r.round}: the store's uplink at "
+                  f"90% or more {u['store_busy']:.0%} of {u['store_from']:.1f}-"
+                  f"{u['store_to']:.1f} s; node downlinks, up to ready: at 90% or more "
+                  f"{ms.median(u['node_busy']):.0%}, mean {ms.median(u['node_mean']):.0%} of "
+                  f"the link (median node)")  # fmt: skip
     for r in runs:
         if r.failures:
             print(f"\nregime {r.regime} N={r.n} {r.mode}: {len(r.failures)} not ready; "

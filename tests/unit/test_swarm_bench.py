@@ -266,3 +266,45 @@ def test_the_poller_asks_readyz_until_up_then_only_once_the_marker_is_there(
         halt.set()
         server.shutdown()
         server.server_close()
+
+
+def test_link_trace_turns_counter_samples_into_rates_per_host() -> None:
+    trace = netlab.LinkTrace(None, 0.0)  # type: ignore[arg-type]  # no lab: samples given
+    # host 0 (the store) sends 1 MB/s; host 1 receives 0.5 MB/s, then nothing
+    trace.samples = [(0.0, [0, 0, 0, 0]), (1.0, [10**6, 0, 0, 5 * 10**5]),
+                     (2.0, [2 * 10**6, 0, 0, 5 * 10**5])]  # fmt: skip
+    assert trace.rates(0) == [(1.0, 8e6, 0.0), (2.0, 8e6, 0.0)]
+    assert trace.rates(1) == [(1.0, 0.0, 4e6), (2.0, 0.0, 0.0)]
+    assert netlab.busy_share([8e6, 7e6, 4e6, 0.0], 8e6) == 0.25  # at 90% or more
+    assert math.isnan(netlab.busy_share([], 8e6))
+
+
+def test_link_use_counts_the_store_from_its_first_byte_and_a_node_while_it_downloads() -> None:
+    trace = netlab.LinkTrace(None, 0.0)  # type: ignore[arg-type]
+    mb = 10**6 // 8  # bytes a second of 1 Mbit/s
+    store = [0, 0, 10, 10, 5, 10, 0]  # Mbit/s in each second
+    node = [0, 0, 10, 2, 10, 2, 10]
+    rx0 = rx1 = 0
+    trace.samples = [(0.0, [0, 0, 0, 0])]
+    for t, (s, d) in enumerate(zip(store, node, strict=True), 1):
+        rx0, rx1 = rx0 + s * mb, rx1 + d * mb
+        trace.samples.append((float(t), [rx0, 0, 0, rx1]))
+    up = swarm.link_use(trace, 10e6, 10e6, [type("P", (), {"up": 2.5, "ready": 6.0})()])
+    assert (up["store_from"], up["store_to"]) == (3.0, 6.0)
+    assert up["store_busy"] == 0.75  # 10, 10, 5, 10
+    assert up["node_busy"] == [0.5]  # the seconds ending at 3-6: 10, 2, 10, 2
+    assert up["node_mean"][0] == pytest.approx(24 / 40)
+
+
+def test_the_link_sampler_prints_each_device_s_counters() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", netlab._SAMPLER, "lo", "0.05"],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().split() for _ in range(2)]
+    finally:
+        proc.kill()
+        proc.wait()
+    for line in lines:
+        assert len(line) == 2 and all(x.isdigit() for x in line)  # rx, tx of lo
+    assert int(lines[1][0]) >= int(lines[0][0])
