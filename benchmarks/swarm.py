@@ -309,6 +309,8 @@ def link_use(trace: nl.LinkTrace, store_bits: float, link_bits: float,
         "store_to": store[-1][0] if store else None,
         "node_busy": [], "node_mean": [],
         "store_mbit": [(round(t, 2), round(up / 1e6, 1)) for t, up, _ in trace.rates(0)],
+        "node_down_mbit": [[round(d / 1e6, 1) for _, _, d in trace.rates(k)]
+                           for k in range(1, len(pollers) + 1)],
     }  # fmt: skip
     for k, p in enumerate(pollers, 1):
         down = [d for t, _, d in trace.rates(k) if (p.up or 0) < t <= (p.ready or float("inf"))]
