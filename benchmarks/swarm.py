@@ -302,18 +302,18 @@ def link_use(trace: nl.LinkTrace, store_bits: float, link_bits: float,
     """How busy the links were: the store's uplink from its first byte to its last, and
     each node's downlink from its /readyz's first answer to its ready time (share of
     intervals at 90% of the link or more, and the mean rate over the link)."""
-    store = [(t, up) for t, up, _ in trace.rates(0) if up > 0.01 * store_bits]
+    rates = [trace.rates(k) for k in range(len(pollers) + 1)]  # 0: the store
+    store = [(t, up) for t, up, _ in rates[0] if up > 0.01 * store_bits]
     use: dict[str, Any] = {
         "store_busy": nl.busy_share([up for _, up in store], store_bits),
         "store_from": store[0][0] if store else None,
         "store_to": store[-1][0] if store else None,
         "node_busy": [], "node_mean": [],
-        "store_mbit": [(round(t, 2), round(up / 1e6, 1)) for t, up, _ in trace.rates(0)],
-        "node_down_mbit": [[round(d / 1e6, 1) for _, _, d in trace.rates(k)]
-                           for k in range(1, len(pollers) + 1)],
+        "store_mbit": [(round(t, 2), round(up / 1e6, 1)) for t, up, _ in rates[0]],
+        "node_down_mbit": [[round(d / 1e6, 1) for _, _, d in r] for r in rates[1:]],
     }  # fmt: skip
-    for k, p in enumerate(pollers, 1):
-        down = [d for t, _, d in trace.rates(k) if (p.up or 0) < t <= (p.ready or float("inf"))]
+    for p, node in zip(pollers, rates[1:], strict=True):
+        down = [d for t, _, d in node if (p.up or 0) < t <= (p.ready or float("inf"))]
         use["node_busy"].append(nl.busy_share(down, link_bits))
         use["node_mean"].append(sum(down) / len(down) / link_bits if down else float("nan"))
     return use
