@@ -83,6 +83,7 @@ import argparse
 import contextlib
 import heapq
 import json
+import math
 import random
 import statistics
 import sys
@@ -536,7 +537,10 @@ class Swarm:
         peer = node.per_request.get("peer")
         alone = not node.view and self.net.now - node.began >= ALONE_GRACE
         room = rate >= ROOM_FACTOR * peer if peer is not None else alone
-        node.store = StoreView(room, next_window(node.store.window, room, self.p.limits))
+        window = next_window(node.store.window, room, self.p.limits)
+        lag = 2 * self.p.refresh  # swarmviews.VIEW_LAG at the daemons' VIEW_EVERY
+        ahead = math.ceil(lag * node.per_request["origin"] * window / self.blobs[node.blob][1])
+        node.store = StoreView(room, window, ahead)
 
     def _arrived(self, f: Flow) -> None:
         node = self.nodes[f.dst]

@@ -168,9 +168,10 @@ def pick(
     limits: Limits | None = None,
     seed: int = 1,
     window: int = 8,
+    ahead: int | None = 1,
 ) -> list[Request]:
     """The choice, by default with a store window as wide as the default limits allow."""
-    store = StoreView(room, window)
+    store = StoreView(room, window, ahead)
     return choose(me, peers, store, limits or Limits(), random.Random(seed))
 
 
@@ -181,6 +182,60 @@ def test_start_alone_takes_the_own_stripe_one_claim_at_a_time() -> None:
     assert pick(local(rank=1, nodes=4), [], window=3) == [Request(p, ORIGIN) for p in (4, 5, 6)]
     # without room, the own stripe only, however wide the window
     assert pick(local(rank=1, nodes=4), []) == [Request(p, ORIGIN) for p in (4, 5, 6, 7)]
+
+
+def test_a_node_whose_stripe_is_claimed_takes_one_of_the_laggard_s_last_pieces() -> None:
+    # four stripes of four; this node (rank 0) holds its own; rank 1's has three unclaimed
+    peers = [peer("b", fetching=[4]), peer("c", have=range(8, 12)), peer("d", fetching=[12, 13])]
+    me = local(range(4), rank=0, nodes=4)
+    taken = set()
+    for seed in range(20):
+        got = [r for r in pick(me, peers, window=1, seed=seed) if r.source == ORIGIN]
+        assert len(got) == 1 and got[0].piece in (6, 7), got  # never the owner's next, 5
+        taken.add(got[0].piece)
+    assert taken == {6, 7}
+
+
+def test_no_laggard_piece_while_the_store_serves_this_node() -> None:
+    peers = [peer("b", fetching=[4]), peer("c", have=range(8, 12)), peer("d", fetching=[12])]
+    busy = local(range(3), inflight={3: {ORIGIN}}, rank=0, nodes=4)
+    assert [r for r in pick(busy, peers, window=2) if r.source == ORIGIN] == []
+
+
+def test_no_laggard_piece_is_an_owner_s_next() -> None:
+    # rank 1 has only its next (7) left, rank 3 three (13-15): from rank 3's, not its next
+    peers = [peer("b", fetching=[4, 5, 6]), peer("c", have=range(8, 12)), peer("d", fetching=[12])]
+    got = [r for r in pick(local(range(4), rank=0, nodes=4), peers, window=1) if r.source == ORIGIN]
+    assert len(got) == 1 and got[0].piece in (14, 15)
+    peers[2] = peer("d", fetching=[12, 13, 14])  # every stripe down to its owner's next
+    assert [r for r in pick(local(range(4), rank=0, nodes=4), peers) if r.source == ORIGIN] == []
+
+
+def test_nodes_that_run_out_together_take_from_different_laggards() -> None:
+    # stripes 2 and 3 (of 4) have as many left: either, at random, never an owner's next
+    held = [peer("x", have=range(8)), peer("y"), peer("z")]
+    taken = {pick(local(range(8), rank=1, nodes=4), held, window=1, seed=s)[0].piece
+             for s in range(40)}  # fmt: skip
+    assert taken == {9, 10, 11, 13, 14, 15}
+
+
+def test_the_owner_keeps_the_pieces_it_may_have_claimed_since_it_advertised() -> None:
+    # rank 1's stripe has 5, 6, 7 unclaimed: with `ahead` 2 only 7 may be taken, with 3 none
+    peers = [peer("b", fetching=[4]), peer("c", have=range(8, 12)), peer("d", have=range(12, 16))]
+    me = local(range(4), rank=0, nodes=4)
+
+    def store(ahead: int | None, seed: int = 1) -> list[Request]:
+        return [r for r in pick(me, peers, window=1, ahead=ahead, seed=seed) if r.source == ORIGIN]
+
+    assert {r for s in range(10) for r in store(2, s)} == {Request(7, ORIGIN)}
+    assert store(3) == []
+    assert store(None) == []  # the store's rate not measured yet
+
+
+def test_a_partial_view_takes_no_laggard_piece() -> None:
+    # five nodes, two in view: a piece unclaimed in view is likely claimed out of it
+    peers = [peer("b"), peer("c")]
+    assert pick(local(range(3), rank=0, nodes=5), peers, window=1) == []
 
 
 @pytest.mark.parametrize(
@@ -407,7 +462,8 @@ def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreVi
         total=rng.randrange(1, 20),
         endgame=rng.randrange(0, 10),
     )
-    return me, peers, StoreView(rng.random() < 0.5, rng.randrange(0, 10)), limits
+    ahead = rng.choice([None, 0, 1, 2, 3])
+    return me, peers, StoreView(rng.random() < 0.5, rng.randrange(0, 10), ahead), limits
 
 
 SEEDS = range(1500)
@@ -513,25 +569,39 @@ def test_every_offering_peer_gets_a_request_before_any_gets_a_second(
 def test_the_store_is_asked_for_claimed_pieces_only_with_room_and_need(
     situations: list[Situation],
 ) -> None:
-    """Without room: only unclaimed pieces of the own stripe. With room, others only when the
-    node's link is spare or it would be idle, and a piece only claimed (fetched, not held)
-    only by an idle node, one."""
+    """Without room: only unclaimed pieces, of the own stripe but for one of another's (a
+    laggard's) when nothing else is asked of the store, the own stripe is all claimed and
+    the view complete, never one of that stripe's lowest `ahead` (at least one: its owner's
+    next). With room, others only
+    when the node's link is spare or it would be idle, and a piece only claimed (fetched,
+    not held) only by an idle node, one."""
     for me, peers, store, _, got in situations:
         held = fetched = 0
         for p in peers:
             held, fetched = held | p.have.bits, fetched | p.fetching.bits
-        own = stripe(me.rank, me.nodes, me.have.count)
+        count = me.have.count
+        own = stripe(me.rank, me.nodes, count)
         idle = not me.inflight and all(r.source == ORIGIN for r in got)
         claimed = [r for r in got if (fetched & ~held) >> r.piece & 1 and r.source == ORIGIN]
         assert len(claimed) <= (1 if store.room and idle else 0)
-        for r in got:
-            if r.source != ORIGIN:
-                continue
-            unclaimed = not ((held | fetched) >> r.piece & 1)
-            if not store.room:
-                assert unclaimed and own >> r.piece & 1
-            elif not (me.spare or idle):
-                assert unclaimed
+        origin = [r for r in got if r.source == ORIGIN]
+        unclaimed = ((1 << count) - 1) & ~(
+            held | fetched | me.have.bits | sum(1 << p for p in me.inflight)
+        )
+        for r in origin:
+            assert (store.room and (me.spare or idle)) or unclaimed >> r.piece & 1
+        if store.room:
+            continue
+        others = [r for r in origin if not own >> r.piece & 1]
+        assert len(others) <= 1
+        for r in others:
+            assert len(origin) == 1 and not any(ORIGIN in s for s in me.inflight.values())
+            assert not unclaimed & own and not 0 < len(peers) < me.nodes - 1
+            theirs = next(stripe(k, me.nodes, count) for k in range(me.nodes)
+                          if stripe(k, me.nodes, count) >> r.piece & 1)  # fmt: skip
+            assert store.ahead is not None, r
+            below = (unclaimed & theirs & ((1 << r.piece) - 1)).bit_count()
+            assert below >= max(1, store.ahead), r  # not the owner's next ones
 
 
 def test_never_idle_while_the_store_has_room(situations: list[Situation]) -> None:

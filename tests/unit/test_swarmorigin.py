@@ -9,10 +9,11 @@ import pytest
 
 from weightcache.errors import SourceError, TransientError
 from weightcache.node import swarmorigin
-from weightcache.node.swarm import Limits, StoreView
+from weightcache.node.swarm import Limits
 from weightcache.node.swarmorigin import StoreGate
 from weightcache.transfer.sources import RetryRange
 
+MiB = 1 << 20
 LIMITS = Limits(per_origin=8, claims=1)
 
 
@@ -38,30 +39,35 @@ def gate(attempts: int = 3, delay: float = 2.0) -> tuple[StoreGate, list[str]]:
         settings=SimpleNamespace(max_attempts=attempts),
         observer=SimpleNamespace(throttled=lambda: seen.append("throttled")),
     )
-    return StoreGate(LIMITS, downloader, "s3://b/m", "model.bin"), seen
+    return StoreGate(LIMITS, downloader, "s3://b/m", "model.bin", 2 * MiB, 1.0), seen
+
+
+def room_window(g: StoreGate) -> tuple[bool, int]:
+    view = g.view()
+    return view.room, view.window
 
 
 def test_the_window_grows_only_while_the_store_outpaces_a_peer(clock: Clock) -> None:
     g, _ = gate()
-    assert g.view() == StoreView(False, 1)
+    assert room_window(g) == (False, 1)
     g.measured("origin", 50e6, alone=False)  # no peer measured yet, not alone: no room
-    assert g.view() == StoreView(False, 1)
+    assert room_window(g) == (False, 1)
     g.measured("peer", 10e6, alone=False)
     g.measured("origin", 50e6, alone=False)  # ROOM_FACTOR x a peer's: room
-    assert g.view() == StoreView(True, 2)
+    assert room_window(g) == (True, 2)
     g.measured("origin", 50e6, alone=False)
-    assert g.view() == StoreView(True, 3)
+    assert room_window(g) == (True, 3)
     g.measured("origin", 20e6, alone=False)  # only 2x a peer's: the peers are not the limit
-    assert g.view() == StoreView(False, 1)
+    assert room_window(g) == (False, 1)
 
 
 def test_alone_grows_the_window_only_after_the_grace(clock: Clock) -> None:
     g, _ = gate()
     g.measured("origin", 1e6, alone=True)
-    assert g.view() == StoreView(False, 1)
+    assert room_window(g) == (False, 1)
     clock.now += swarmorigin.ALONE_GRACE
     g.measured("origin", 1e6, alone=True)
-    assert g.view() == StoreView(True, 2)
+    assert room_window(g) == (True, 2)
 
 
 def test_a_throttle_halves_the_window_and_denies_room_for_a_while(clock: Clock) -> None:
@@ -69,16 +75,16 @@ def test_a_throttle_halves_the_window_and_denies_room_for_a_while(clock: Clock) 
     g.measured("peer", 1e6, alone=False)
     for _ in range(5):
         g.measured("origin", 50e6, alone=False)
-    assert g.view() == StoreView(True, 6)
+    assert room_window(g) == (True, 6)
     assert g.failed(RetryRange("503 SlowDown", throttle=True)) is None
-    assert g.view() == StoreView(False, 3) and seen == ["throttled"]
+    assert room_window(g) == (False, 3) and seen == ["throttled"]
     assert g.paused()
     clock.now += swarmorigin.THROTTLE_MEMORY - 0.1
     g.measured("origin", 50e6, alone=False)  # fast, but too soon after the throttle
-    assert g.view() == StoreView(False, 1)
+    assert room_window(g) == (False, 1)
     clock.now += 0.1
     g.measured("origin", 50e6, alone=False)
-    assert g.view() == StoreView(True, 2)
+    assert room_window(g) == (True, 2)
 
 
 def test_failures_pause_then_give_up_unless_bytes_arrive_between(clock: Clock) -> None:
@@ -102,3 +108,18 @@ def test_a_refusal_ends_the_download_at_once(clock: Clock) -> None:
     refusal = SourceError("403 Forbidden")
     assert g.failed(refusal) is refusal
     assert not g.paused()
+
+
+def test_ahead_is_the_pieces_a_node_takes_from_the_store_while_a_view_of_it_lags(
+    clock: Clock,
+) -> None:
+    g, _ = gate()
+    assert g.view().ahead is None  # unmeasured: no laggard's piece is taken
+    g.measured("peer", 1.0 * MiB, alone=False)
+    g.measured("origin", 0.75 * MiB, alone=False)  # no room: a window of one
+    assert (g.view().window, g.view().ahead) == (1, 1)  # 0.75 MiB in the lag's 1 s: one piece
+    for _ in range(3):
+        g.measured("origin", 6 * MiB, alone=False)  # room: the window grows to 4
+    assert g.view().window == 4
+    # the rate's EWMA: 0.75 + 0.3 x 5.25 = 2.325, then 3.43, then 4.20 MiB/s x 4 x 1 s / 2 MiB
+    assert g.view().ahead == 9

@@ -17,6 +17,11 @@ The policy, in the order `choose` applies it (design §8, "Swarm: pieces and sou
    unclaimed pieces of its own stripe from the store, lowest first. Nodes started together
    thus ask the store for different pieces from the first instant, when nobody has advertised
    anything yet, and the store sends about one copy when it is the bottleneck.
+   A node whose own stripe is all claimed and that asks nothing of a store without room
+   takes, one at a time, one of the last unclaimed pieces of the stripe with the most left
+   (never its owner's next ones, `StoreView.ahead`): the store then keeps serving every
+   node until the blob's last piece is claimed, not only the slowest owner while the others
+   wait for its stripe.
    Requests to the store (by any rule) are at most `StoreView.window` in flight: one at the
    start, more as the store shows room (`next_window`, additive increase, multiplicative
    decrease). Requests to a saturated store share its egress, so k at once make each piece
@@ -218,10 +223,15 @@ class StoreView:
 
     `window`: how many requests to the store (by any rule) to keep in flight at most, kept
     by the caller with `next_window` at each new measurement of `room`.
+
+    `ahead`: how many pieces a node takes from the store, at this node's measured rate and
+    window, in the time a peer's view of it may lag (None: not measured yet). A node may
+    have claimed that many more of its stripe than its advertisement shows.
     """
 
     room: bool = False
     window: int = 1
+    ahead: int | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +294,8 @@ def choose(
     """
     plan = _Plan(local, peers, limits, max(limits.claims, min(store.window, limits.per_origin)))
     plan.origin_unclaimed(plan.stripe)
+    if not store.room:  # with room, rule 3 asks for the unclaimed pieces of other stripes
+        plan.origin_laggard(store.ahead, rng)
     plan.peers_rarest_first(rng)
     if store.room and (local.spare or not plan.busy()):
         scope = plan.beyond_view()
@@ -337,6 +349,13 @@ class _Plan:
         """
         return self.stripe if self.partial and self.busy() else -1
 
+    def _seen(self) -> int:
+        """The pieces some peer in view holds or fetches (claimed)."""
+        seen = 0
+        for peer in self.peers:
+            seen |= peer.have.bits | peer.fetching.bits
+        return seen
+
     def busy(self) -> bool:
         return bool(self.local.inflight or self.requests)
 
@@ -357,13 +376,43 @@ class _Plan:
         In ring order from the own stripe's start: beyond it lie the stripes of the next
         nodes, the likeliest to be claimed already if their owners are alive.
         """
-        seen = 0
-        for peer in self.peers:
-            seen |= peer.have.bits | peer.fetching.bits
-        for piece in itertools.islice(_ring(self.wanted & ~seen & within, self.stripe), at_most):
+        for piece in itertools.islice(_ring(self.wanted & ~self._seen() & within, self.stripe),
+                                      at_most):  # fmt: skip
             if not self._free(ORIGIN):
                 return
             self._add(piece, ORIGIN)
+
+    def origin_laggard(self, ahead: int | None, rng: random.Random) -> None:
+        """Rule 1, once the own stripe is claimed: with nothing asked of the store (which has
+        shown no room), one of the last unclaimed pieces of the stripe that has the most
+        left, from the store.
+
+        Every node's share of the store then stays busy until the blob's last piece is
+        claimed, instead of the store serving only the slowest owner (whose stream shares
+        its downlink with its peers' pieces) while the others wait for its stripe. It costs
+        no copy as long as views are fresh enough: the piece is unclaimed; the owner, who
+        takes its stripe lowest first, keeps the next `ahead` pieces (at least one), which
+        it may have claimed since it last advertised (none is taken before the store's rate
+        is measured); nodes that run out together take from different stripes among those
+        with the most left, and different pieces among their last, at random. Only while
+        every node is in view with the blob: a piece unclaimed in a partial view is most
+        likely claimed out of it, and a node early at a blob would otherwise take it all,
+        one piece at a time, from under owners about to start (benchmarks/swarmsim.py: 1.4
+        to 1.6 store copies with small shards).
+        """
+        if len(self.peers) < self.local.nodes - 1 or self.slots.get(ORIGIN, 0):
+            return
+        if ahead is None or not self._free(ORIGIN):
+            return
+        unclaimed = self.wanted & ~self._seen()
+        count, nodes = self.local.have.count, self.local.nodes
+        left = [unclaimed & stripe(rank, nodes, count) for rank in range(nodes)]
+        most = max(bits.bit_count() for bits in left)
+        if most <= max(1, ahead):  # the owner's next ones: it may be at them already
+            return
+        laggard = rng.choice([bits for bits in left if bits.bit_count() == most])
+        last = list(itertools.islice(_descending(laggard), min(nodes, most - max(1, ahead))))
+        self._add(rng.choice(last), ORIGIN)
 
     def peers_rarest_first(self, rng: random.Random) -> None:
         """Rule 2: the rarest pieces that peers with a free slot offer (hold, or stream from
@@ -475,6 +524,14 @@ def _pick(bits: int, rng: random.Random) -> int:
         else:
             n, low, width = n - below, low + half, width - half
     return low
+
+
+def _descending(bits: int) -> Iterator[int]:
+    """The indices of the set bits of `bits`, highest first."""
+    while bits:
+        top = bits.bit_length() - 1
+        yield top
+        bits ^= 1 << top
 
 
 def _ring(bits: int, start_mask: int) -> Iterator[int]:

@@ -59,6 +59,7 @@ from weightcache.node.swarm import (
 from weightcache.node.swarmorigin import StoreGate
 from weightcache.node.swarmviews import (
     VIEW_EVERY,
+    VIEW_LAG,
     Late,
     PeerViews,
     idle_requests,
@@ -173,7 +174,8 @@ class SwarmDownload:
         self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
         self.cut_through = 0  # pieces from peers that streamed them from the store
         self.views = PeerViews(peers, sha256, size, self.piece_size, members)
-        self.store = StoreGate(self.limits, downloader, origin.where, label)
+        self.store = StoreGate(self.limits, downloader, origin.where, label, self.piece_size,
+                               VIEW_LAG)  # fmt: skip
         self.idle_since = time.monotonic()
         self.late = Late(self.idle_since, self.count)
         self.errors: list[BaseException] = []

@@ -11,6 +11,7 @@ too many in a row, or a refusal, end the download.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -34,8 +35,13 @@ class StoreGate:
     """What one swarm download knows of the store (see the module docstring). Thread-safe:
     the download's loop reads it, its workers report to it."""
 
-    def __init__(self, limits: Limits, downloader: RangedDownloader, where: str, label: str):
+    def __init__(
+        self, limits: Limits, downloader: RangedDownloader, where: str, label: str,
+        piece_size: int, lag: float,
+    ) -> None:  # fmt: skip
+        """`lag`: how long a peer's view of this node may be out of date (`StoreView.ahead`)."""
         self.limits, self.downloader, self.where, self.label = limits, downloader, where, label
+        self.piece_size, self.lag = piece_size, lag
         self.bytes = 0  # received from the store by this download
         self._view = StoreView()
         self._per_request: dict[str, float] = {}  # bytes/s of one request, by kind (EWMA)
@@ -76,7 +82,9 @@ class StoreGate:
             alone = alone and now - self._started >= ALONE_GRACE
             faster = rate >= ROOM_FACTOR * peer if peer is not None else alone
             room = now - self._throttled_at >= THROTTLE_MEMORY and faster
-            self._view = StoreView(room, next_window(self._view.window, room, self.limits))
+            window = next_window(self._view.window, room, self.limits)
+            ahead = math.ceil(self.lag * self._per_request["origin"] * window / self.piece_size)
+            self._view = StoreView(room, window, ahead)
 
     def failed(self, error: BaseException) -> BaseException | None:
         """A request to the store failed: what ends the download, if anything. A refusal
@@ -91,7 +99,8 @@ class StoreGate:
             failures = self._failures
             if throttled:
                 self._throttled_at = time.monotonic()
-                self._view = StoreView(False, next_window(self._view.window, False, self.limits))
+                window = next_window(self._view.window, False, self.limits)
+                self._view = StoreView(False, window, self._view.ahead)
             self._pause_until = time.monotonic() + self.downloader.backoff.delay(failures)
         if throttled:
             self.downloader.observer.throttled()

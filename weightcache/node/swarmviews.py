@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VIEW_EVERY = 0.5  # seconds between HEAD rounds (an answer to a piece request stands for one)
+VIEW_LAG = 2 * VIEW_EVERY  # how old a peer's view of this node may be: a round, and one skipped
 MEMBER_TTL = 3.0  # seconds without an answer before a peer leaves the membership
 SHUN_SECONDS = 2.0  # a peer that failed a piece is left out this long, or until it answers
 #: A peer failing pieces again before one landed from it is left out twice as long each
