@@ -13,6 +13,7 @@ import pytest
 from weightcache.config import PeerSettings
 from weightcache.fetch.blobs import SwarmMembers
 from weightcache.node import swarmviews
+from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import PIECES, Peers
 from weightcache.node.swarm import (
     ORIGIN,
@@ -22,7 +23,6 @@ from weightcache.node.swarm import (
     PeerView,
     Request,
     StoreView,
-    iter_bits,
     stripe,
 )
 from weightcache.node.swarmviews import (

@@ -69,9 +69,9 @@ Bounds (`Limits`): requests in flight per peer (one each first, more only while 
 in total. A piece this
 node holds is never chosen; a piece in flight is chosen only by the endgame rule.
 
-Bitmaps are Python ints (bit i = piece i) so that a choice over thousands of pieces and
-dozens of peers costs a few hundred big-integer operations (the simulator in benchmarks/
-calls this for a thousand nodes).
+Bitmaps are Python ints (bit i = piece i; their arithmetic is in bitsets.py) so that a
+choice over thousands of pieces and dozens of peers costs a few hundred big-integer
+operations (the simulator in benchmarks/ calls this for a thousand nodes).
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ import itertools
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+
+from weightcache.node import bitsets
+from weightcache.node.bitsets import iter_bits
 
 ORIGIN = "origin"  # the source name of the object store in a `Request`
 
@@ -170,14 +173,6 @@ class Bitmap:
                 f"bitmap has {len(raw)} bytes, a blob of {count} pieces needs {(count + 7) // 8}"
             )
         return cls(count, int.from_bytes(raw, "little"))
-
-
-def iter_bits(bits: int) -> Iterator[int]:
-    """The indices of the set bits of `bits`, lowest first."""
-    while bits:
-        low = bits & -bits
-        yield low.bit_length() - 1
-        bits ^= low
 
 
 @dataclass(frozen=True)
@@ -327,7 +322,7 @@ class _Plan:
         self.total = sum(self.slots.values())
         inflight = sum(1 << piece for piece in local.inflight)
         self.wanted = ((1 << count) - 1) & ~local.have.bits & ~inflight
-        self.holders = _counts(peer.have.bits for peer in peers)
+        self.holders = bitsets.counts(peer.have.bits for peer in peers)
         self.held = 0
         for peer in peers:
             self.held |= peer.have.bits
@@ -376,8 +371,8 @@ class _Plan:
         In ring order from the own stripe's start: beyond it lie the stripes of the next
         nodes, the likeliest to be claimed already if their owners are alive.
         """
-        for piece in itertools.islice(_ring(self.wanted & ~self._seen() & within, self.stripe),
-                                      at_most):  # fmt: skip
+        unclaimed = self.wanted & ~self._seen() & within
+        for piece in itertools.islice(bitsets.ring(unclaimed, self.stripe), at_most):
             if not self._free(ORIGIN):
                 return
             self._add(piece, ORIGIN)
@@ -411,8 +406,8 @@ class _Plan:
         if most <= max(1, ahead):  # the owner's next ones: it may be at them already
             return
         laggard = rng.choice([bits for bits in left if bits.bit_count() == most])
-        last = list(itertools.islice(_descending(laggard), min(nodes, most - max(1, ahead))))
-        self._add(rng.choice(last), ORIGIN)
+        last = itertools.islice(bitsets.descending(laggard), min(nodes, most - max(1, ahead)))
+        self._add(rng.choice(list(last)), ORIGIN)
 
     def peers_rarest_first(self, rng: random.Random) -> None:
         """Rule 2: the rarest pieces that peers with a free slot offer (hold, or stream from
@@ -439,7 +434,7 @@ class _Plan:
                 available |= peer.offers() & self.wanted
             if not available:
                 return
-            piece = _pick(_rarest(available, self.holders), rng)
+            piece = bitsets.pick(bitsets.rarest(available, self.holders), rng)
             offering = [p for p in free if p.offers() >> piece & 1]
             self._add(piece, min(offering, key=lambda p: self._rank(p, piece, rng)).url)
 
@@ -459,7 +454,8 @@ class _Plan:
         for _ in range(at_most):
             if not (self.wanted & within and self._free(ORIGIN)):
                 return
-            self._add(_pick(_rarest(self.wanted & within, self.holders), rng), ORIGIN)
+            rarest = bitsets.rarest(self.wanted & within, self.holders)
+            self._add(bitsets.pick(rarest, rng), ORIGIN)
 
     def endgame(self, rng: random.Random) -> None:
         """Rule 4: a second source, an idle peer, for the last pieces in flight (one each)."""
@@ -480,62 +476,3 @@ class _Plan:
             ]
             if idle:
                 self._add(piece, min(idle, key=lambda p: self._load(p, rng)).url)
-
-
-# -- bit arithmetic ----------------------------------------------------------------------------
-
-
-def _counts(bitmaps: Iterable[int]) -> list[int]:
-    """Per-piece counts of set bits, bit-sliced: bit i of counts[k] is bit k of piece i's count.
-
-    Adding a bitmap is a ripple-carry addition on whole integers, so counting D bitmaps costs
-    about D * log2(D) integer operations whatever the piece count.
-    """
-    counts: list[int] = []
-    for bits in bitmaps:
-        carry = bits
-        for k, level in enumerate(counts):
-            counts[k], carry = level ^ carry, level & carry
-            if not carry:
-                break
-        if carry:
-            counts.append(carry)
-    return counts
-
-
-def _rarest(candidates: int, counts: list[int]) -> int:
-    """The candidates with the lowest count (compare counts from the most significant bit)."""
-    for level in reversed(counts):
-        fewer = candidates & ~level
-        if fewer:
-            candidates = fewer
-    return candidates
-
-
-def _pick(bits: int, rng: random.Random) -> int:
-    """A uniformly random set bit of `bits` (non-zero), by bisection on bit counts."""
-    n = rng.randrange(bits.bit_count())
-    low, width = 0, bits.bit_length()
-    while width > 1:
-        half = width // 2
-        below = (bits >> low & ((1 << half) - 1)).bit_count()
-        if n < below:
-            width = half
-        else:
-            n, low, width = n - below, low + half, width - half
-    return low
-
-
-def _descending(bits: int) -> Iterator[int]:
-    """The indices of the set bits of `bits`, highest first."""
-    while bits:
-        top = bits.bit_length() - 1
-        yield top
-        bits ^= 1 << top
-
-
-def _ring(bits: int, start_mask: int) -> Iterator[int]:
-    """Set bits from the first bit of `start_mask` upward, then the lower ones (a ring)."""
-    start = (start_mask & -start_mask).bit_length() - 1 if start_mask else 0
-    yield from iter_bits(bits >> start << start)
-    yield from iter_bits(bits & ((1 << start) - 1))

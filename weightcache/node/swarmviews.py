@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from weightcache.fetch.blobs import SwarmMembers
+from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import PIECES, parse_view
 from weightcache.node.swarm import (
     ORIGIN,
@@ -42,7 +43,6 @@ from weightcache.node.swarm import (
     Request,
     StoreView,
     choose,
-    iter_bits,
     stripe,
 )
 
