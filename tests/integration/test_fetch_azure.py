@@ -260,6 +260,6 @@ def test_vouches_for_the_content_md5_azure_holds(
         client.stage_block(block_id, data)
     client.commit_block_list(ids)
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string)
-    revision = AzureRevision(f"az://{CONTAINER}/{uniq}/m/r1", CONTAINER, f"{uniq}/m/r1")
+    revision = AzureRevision(f"az://{CONTAINER}/{uniq}/m/r1", CONTAINER, f"{uniq}/m/r1", 30.0)
     assert revision.list_sizes() == {"single.bin": len(single), "sub/blocks.bin": 70_005}
     assert revision.vouches() == {"single.bin": ("md5", hashlib.md5(single).hexdigest())}

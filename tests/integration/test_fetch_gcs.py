@@ -192,7 +192,7 @@ def test_vouches_gives_each_objects_crc32c(
     bucket, _, prefix = url.removeprefix("gs://").partition("/")
     client = GcsClient()
     try:
-        revision = GcsRevision(bucket, prefix, client)
+        revision = GcsRevision(bucket, prefix, 30.0, client)
         listing, vouched = revision.listing(), revision.vouches()
     finally:
         client.close()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from tests.support.checks import (
     markers,
 )
 from tests.support.modelgen import MANIFEST, Model, make_model
-from tests.support.webservers import TOKEN, Nginx, NoRangeServer
+from tests.support.webservers import TOKEN, Nginx, NoRangeServer, silent_server
 
 MiB = 1024 * 1024
 IGNORES_RANGE = "ignores Range"
@@ -265,3 +267,28 @@ def test_the_daemon_fetches_http_sources_under_its_allow_source_prefixes(
     assert_ok_path(alone, cache_dir / "llama" / "v2")
     assert f"does not fetch {nginx.url}/{uniq}/other/llama/v1 for" in alone.stderr, describe(alone)
     assert_revision_ok(cache_dir, "llama", "v2", other)
+
+
+def test_a_silent_server_fails_within_timeout_and_sigterm_ends_the_wait(
+    wc: CLI, cache_dir: Path
+) -> None:
+    """A web server that accepts and never answers: `--timeout 2s` is exit 6 within about
+    that (it was 6 minutes: 6 tries of 30 s, twice), and SIGTERM ends the wait at once with
+    exit 143 (it was ignored until the tries were spent)."""
+    with silent_server() as server:
+        url = f"{server.url}/m/v1"
+        began = time.monotonic()
+        proc = wc.fetch(url, cache_dir, "--no-daemon", "--timeout", "2s", timeout=60)
+        assert "--timeout" in assert_fails(proc, 6)
+        assert time.monotonic() - began < 15, describe(proc)
+        running = wc.fetch_popen(url, cache_dir, "--no-daemon")
+        deadline = time.monotonic() + 20
+        while server.accepted < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # its GET sent and waiting
+        running.proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        done = running.finish(timeout=30)
+        assert time.monotonic() - began < 5, describe(done)
+        assert "interrupted" in assert_fails(done, 143)
+        assert "Remote end closed" not in done.stderr, describe(done)

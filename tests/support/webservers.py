@@ -6,6 +6,7 @@ bearer token, its `/throttled/` files behind a request rate limit answering 429,
 `/nohead/` files refusing HEAD (405), and the same root over https with a self-signed
 certificate. `NoRangeServer`: Python's SimpleHTTPRequestHandler, which ignores Range (200
 with the whole file), in a thread; with `head=False`, it implements GET only (HEAD: 501).
+`silent_server()`: one that accepts connections and never answers.
 """
 
 from __future__ import annotations
@@ -189,3 +190,38 @@ class NoRangeServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class SilentServer:
+    """A server that accepts connections and never answers (a hung web server or mirror);
+    `accepted` counts them."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.accepted = 0
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            self._held.append(conn)
+            self.accepted += 1
+
+    def close(self) -> None:
+        self._listener.close()
+        for conn in self._held:
+            conn.close()
+
+
+@contextmanager
+def silent_server() -> Iterator[SilentServer]:
+    server = SilentServer()
+    try:
+        yield server
+    finally:
+        server.close()

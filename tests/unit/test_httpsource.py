@@ -5,17 +5,21 @@ that can only be sent whole is read."""
 from __future__ import annotations
 
 import http.client
+import threading
+import time
 from pathlib import Path
 from typing import cast
 
 import pytest
 
-from weightcache.errors import IntegrityError, SourceError, UsageError
+from tests.support.webservers import silent_server
+from weightcache.errors import IntegrityError, Interrupted, SourceError, TransientError, UsageError
 from weightcache.transfer import httprange
 from weightcache.transfer.httprange import HttpRanges, check_status
 from weightcache.transfer.httpsource import (
     TOKEN_ENV,
     HttpBlob,
+    HttpRevision,
     auth_headers,
     check_http_status,
     manifest_paths,
@@ -204,7 +208,7 @@ def test_a_missing_file_ends_the_listing_within_a_few_windows_of_heads(
     one queued at once) before it failed."""
     from weightcache.transfer.httpsource import HEADS_IN_FLIGHT, HttpRevision
 
-    revision = HttpRevision(cast(HttpRanges, None), "http://127.0.0.1:1/m/r")
+    revision = HttpRevision(cast(HttpRanges, None), "http://127.0.0.1:1/m/r", 30.0)
     h = "ab" * 32
     manifest = "".join(f"{h}  f{i}\n" for i in range(10_000)).encode()
     monkeypatch.setattr(revision, "_read_manifest", lambda: manifest)
@@ -218,3 +222,49 @@ def test_a_missing_file_ends_the_listing_within_a_few_windows_of_heads(
     with pytest.raises(SourceError, match="HTTP 404"):
         revision.list_sizes()
     assert len(asked) <= 4 * HEADS_IN_FLIGHT, len(asked)
+
+
+def test_a_silent_server_is_given_up_on_within_the_timeout_and_once() -> None:
+    """--timeout bounds the control plane: the listing and the manifest's read (two threads
+    of a fetch) end within it, and the second reader takes the first one's failure rather
+    than trying again for as long (a fetch with --timeout 5s took 6 minutes)."""
+    with silent_server() as server:
+        revision = HttpRevision(HttpRanges(), f"{server.url}/m/r", timeout=1.0)
+        began = time.monotonic()
+        with pytest.raises(TransientError, match=r"SHA256SUMS after 1 attempt in 1s.*--timeout"):
+            revision.list_sizes()
+        assert time.monotonic() - began < 3.0
+        began = time.monotonic()
+        with pytest.raises(TransientError):
+            revision.read_bytes("SHA256SUMS")
+        assert time.monotonic() - began < 0.5
+        assert server.accepted == 1
+
+
+def test_interrupt_ends_a_listing_waiting_on_a_silent_server() -> None:
+    """SIGTERM during the control plane: the request in flight ends at once (its socket
+    shut down) and no other starts; without it the fetch held on for its whole timeout."""
+    with silent_server() as server:
+        http = HttpRanges()
+        revision = HttpRevision(http, f"{server.url}/m/r", timeout=60.0)
+        raised: list[BaseException] = []
+
+        def listing() -> None:
+            try:
+                revision.list_sizes()
+            except BaseException as e:
+                raised.append(e)
+
+        thread = threading.Thread(target=listing)
+        thread.start()
+        deadline = time.monotonic() + 5
+        while server.accepted == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the GET sent, waiting for its answer
+        http.interrupt()
+        thread.join(5.0)
+        assert not thread.is_alive()
+        assert [type(e) for e in raised] == [Interrupted]
+        assert server.accepted == 1
+        with pytest.raises(Interrupted):  # and nothing new starts
+            http.request("GET", f"{server.url}/m/r/x", {}, 5.0, None)

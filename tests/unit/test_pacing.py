@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
+from weightcache.transfer.pacing import AIMDGate, Backoff, Retries, TokenBucket
 
 if TYPE_CHECKING:
     from tests.unit.conftest import FakeClock
@@ -285,3 +285,27 @@ def test_backoff_is_reproducible_with_a_seeded_rng() -> None:
 def test_backoff_caps_a_very_high_attempt_number() -> None:
     backoff = Backoff(base=0.2, cap=20.0, rng=random.Random(0))
     assert 0.0 <= backoff.delay(1100) <= 20.0
+
+
+class _Fixed(Backoff):
+    """A backoff of `wait` seconds before every retry."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__()
+        self.wait = wait
+
+    def delay(self, attempt: int) -> float:
+        return self.wait
+
+
+def test_retries_stop_at_the_attempts_or_when_the_budget_would_be_passed() -> None:
+    now = [100.0]
+    retries = Retries(budget=10.0, attempts=4, backoff=_Fixed(2.0), clock=lambda: now[0])
+    assert [retries.pause(a, 100.0) for a in (1, 2, 3)] == [2.0, 2.0, 2.0]
+    assert retries.pause(4, 100.0) is None  # the fourth try was the last
+    now[0] = 107.9  # the pause would end at 109.9, within the budget
+    assert retries.pause(1, 100.0) == 2.0
+    now[0] = 108.1  # it would end at 110.1: past the budget
+    assert retries.pause(1, 100.0) is None
+    # a budget shorter than one try: that try is the only one
+    assert Retries(1.0, 6, _Fixed(0.0), clock=lambda: 101.5).pause(1, 100.0) is None

@@ -136,12 +136,12 @@ def _ready(
     from weightcache.fetch import check_hit
 
     src = Source.parse(source, name, revision)
+    settings = origin_settings(store)
     if not src.pinned:  # an hf:// branch or tag: its commit is the cache's revision
         from weightcache.fetch import resolve
 
-        src = resolve(src)
+        src = resolve(src, settings.timeout)
     check_revision(src.name, src.revision)
-    settings = origin_settings(store)
     layout = Layout.open(cache_dir)
     result = check_hit(layout, src, pod_uid)
     if result is not None and use_daemon and layout.socket.exists():

@@ -88,12 +88,14 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
 
 
 def open_revision(
-    source: Source, origin: Callable[[], Origin], http: HttpRanges | None
+    source: Source, origin: Callable[[], Origin], http: HttpRanges | None, timeout: float
 ) -> RevisionSource:
     """The revision at its origin, by the source's scheme (design §4, Revision sources): a
     directory on a mount, an Azure container's prefix (adlfs), a Hub repository, a web
     server's directory, or an s3:// prefix through `origin()` (built only for s3); the Hub,
-    http(s) and s3 share the keep-alive connections `http` (new ones if None)."""
+    http(s) and s3 share the keep-alive connections `http` (new ones if None). Each call
+    to the control plane is retried within `timeout` seconds (`--timeout`; s3's by
+    `origin()`, built with the same settings)."""
     if source.scheme == "file":
         from weightcache.transfer.sources import DirectoryRevision
 
@@ -101,37 +103,37 @@ def open_revision(
     if source.scheme == "gs":
         from weightcache.transfer.gcs import GcsRevision
 
-        return GcsRevision(source.bucket, source.prefix)
+        return GcsRevision(source.bucket, source.prefix, timeout)
     if source.scheme in ("az", "abfs"):
         from weightcache.transfer.azure import AzureRevision
 
-        return AzureRevision(source.url, source.bucket, source.prefix)
+        return AzureRevision(source.url, source.bucket, source.prefix, timeout)
     from weightcache.transfer.httprange import HttpRanges, S3Revision
 
     if source.scheme == "hf":
         from weightcache.transfer.hub import HubRevision
 
-        return HubRevision(http or HttpRanges(), source.prefix, source.revision)
+        return HubRevision(http or HttpRanges(), source.prefix, source.revision, timeout)
     if source.scheme in ("http", "https"):
         from weightcache.transfer.httpsource import HttpRevision
 
-        return HttpRevision(http or HttpRanges(), source.url)
+        return HttpRevision(http or HttpRanges(), source.url, timeout)
 
     return S3Revision(http or HttpRanges(), origin(), source.bucket, source.prefix)
 
 
-def resolve(source: Source) -> Source:
+def resolve(source: Source, timeout: float) -> Source:
     """The source with a revision that names one content for good: an hf:// branch or tag
     becomes its commit, with one call to the Hub (so such a fetch is never offline, even
     when it is a hit; a commit given in the URL is a hit with no network), and the commit
     is the cache's revision. Others are returned as they are. Raises SourceError,
-    TransientError."""
+    TransientError (after `timeout` seconds of trying)."""
     if source.pinned:
         return source
     from weightcache.transfer.httprange import HttpRanges
     from weightcache.transfer.hub import HubRevision
 
-    commit = HubRevision(HttpRanges(), source.prefix, source.revision).commit
+    commit = HubRevision(HttpRanges(), source.prefix, source.revision, timeout).commit
     log.info("%s is commit %s", source.url, commit)
     return dataclasses.replace(source, revision=commit)
 
@@ -247,14 +249,16 @@ class Fetcher:
         connections (which also remember the web servers that ignore Range); a directory,
         GCS and Azure through their own."""
         if source.scheme in ("file", "gs", "az", "abfs"):
-            return open_revision(source, lambda: self.origin, None)
+            return open_revision(source, lambda: self.origin, None, self.settings.timeout)
         from weightcache.transfer.httprange import HttpRanges
 
         with self._build_lock:
             if self._http is None:
                 self._http = HttpRanges()
+                if self._interrupted:
+                    self._http.interrupt()
             http = self._http
-        return open_revision(source, lambda: self.origin, http)
+        return open_revision(source, lambda: self.origin, http, self.settings.timeout)
 
     def _origin_blob(self, source: Source, entry: ManifestEntry) -> BlobSource:
         """The blob of `entry` at the origin: an object read by presigned ranged GETs, or
@@ -263,12 +267,15 @@ class Fetcher:
 
     def interrupt(self) -> None:
         """Stop running downloads for good (SIGTERM), and those of a downloader still
-        being built; partial files stay resumable."""
+        being built, and end the requests of the control plane in flight (a listing
+        waiting on a silent server); partial files stay resumable."""
         with self._build_lock:
             self._interrupted = True
-            downloader = self._downloader
+            downloader, http = self._downloader, self._http
         if downloader is not None:
             downloader.interrupt()
+        if http is not None:
+            http.interrupt()
 
     def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
         """Make the revision ready; raises a WeightcacheError subclass on failure: a full

@@ -70,7 +70,7 @@ class RevisionPrefix:
         self.source = source
         self.settings = settings
         self._origin: Origin | None = None
-        self.revision = open_revision(source, self._client, None)
+        self.revision = open_revision(source, self._client, None, settings.timeout)
 
     def _client(self) -> Origin:
         from weightcache.transfer.s3 import Origin  # boto3 only if the source is s3://

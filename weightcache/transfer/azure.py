@@ -45,7 +45,7 @@ from weightcache.errors import (
     UsageError,
     WeightcacheError,
 )
-from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.pacing import Retries
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 T = TypeVar("T")
@@ -208,8 +208,10 @@ class AzureRevision:
     """A revision as a prefix of an Azure Blob container (a RevisionSource). Listed once
     (sizes and Content-MD5s); its blobs are `AzureBlob`s on the same client."""
 
-    def __init__(self, url: str, bucket: str, prefix: str) -> None:
+    def __init__(self, url: str, bucket: str, prefix: str, timeout: float) -> None:
+        """Each call to the account is retried within `timeout` seconds (`--timeout`)."""
         self._url = url
+        self._retries = Retries(timeout, CONTROL_ATTEMPTS)
         self.container, self.account = split_location(bucket)
         self.prefix = prefix
         self._fs = _filesystem(self.account)
@@ -257,24 +259,25 @@ class AzureRevision:
 
     def _call(self, where: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """A control-plane call, retried with backoff on what a retry may fix; raises the
-        translated error, TransientError once CONTROL_ATTEMPTS failed."""
-        backoff = Backoff()
-        for attempt in range(1, CONTROL_ATTEMPTS + 1):
+        translated error, TransientError once the revision's Retries are spent."""
+        began, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
             future = _submit(self._fs, make())
             try:
-                return future.result(CONTROL_TIMEOUT)
+                return future.result(min(self._retries.budget, CONTROL_TIMEOUT))
             except Exception as e:
                 future.cancel()
                 error = translate(e, where)
                 if isinstance(error, WeightcacheError):
                     raise error from e
-                if attempt == CONTROL_ATTEMPTS:
+                delay = self._retries.pause(attempt, began)
+                if delay is None:
                     raise TransientError(
-                        f"{where}: failed {attempt} times, last: {error}; check that the "
-                        "storage account is reachable"
+                        f"{where}: failed {attempt} times in {time.monotonic() - began:.0f}s, "
+                        f"last: {error}; check that the storage account is reachable"
                     ) from e
-                time.sleep(backoff.delay(attempt))
-        raise AssertionError("unreachable")
+                time.sleep(delay)
 
 
 class AzureBlob:

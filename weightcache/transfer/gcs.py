@@ -126,10 +126,11 @@ class GcsClient:
         """Run `coro` on the loop; wait at most `timeout` seconds (asyncio.TimeoutError)."""
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop).result()
 
-    def call(self, coro: Coroutine[Any, Any, T], where: str) -> T:
-        """A control-plane call (gcsfs retries inside); its errors as WeightcacheErrors."""
+    def call(self, coro: Coroutine[Any, Any, T], where: str, timeout: float) -> T:
+        """A control-plane call (gcsfs retries inside) given `timeout` seconds in all; its
+        errors as WeightcacheErrors."""
         try:
-            return self.run(coro, CONTROL_TIMEOUT)
+            return self.run(coro, timeout)
         except Exception as e:
             raise _error(e, where) from e
 
@@ -151,8 +152,11 @@ class GcsRevision:
     """A revision as a gs://bucket/prefix (a RevisionSource). The listing is read once and
     kept: the blobs read the generations it saw, and `vouches` gives its checksums."""
 
-    def __init__(self, bucket: str, prefix: str, client: GcsClient | None = None) -> None:
-        self.bucket, self.prefix = bucket, prefix
+    def __init__(
+        self, bucket: str, prefix: str, timeout: float, client: GcsClient | None = None
+    ) -> None:
+        """Each call to GCS (gcsfs retries inside) ends within `timeout` (`--timeout`)."""
+        self.bucket, self.prefix, self._timeout = bucket, prefix, timeout
         self._client = client
         self._listing: dict[str, dict[str, Any]] | None = None
         self._lock = threading.Lock()
@@ -179,7 +183,9 @@ class GcsRevision:
         with self._lock:
             if self._listing is None:
                 root = f"{self.bucket}/{self.prefix}/"
-                found = self.client.call(self.client.fs._find(root, detail=True), self.url)
+                found = self.client.call(
+                    self.client.fs._find(root, detail=True), self.url, self._timeout
+                )
                 self._listing = {
                     name.removeprefix(root): info
                     for name, info in found.items()
@@ -204,13 +210,15 @@ class GcsRevision:
 
     def read_bytes(self, relpath: str) -> bytes:
         path = f"{self.bucket}/{self.prefix}/{relpath}"
-        data: bytes = self.client.call(self.client.fs._cat_file(path), f"gs://{path}")
+        data: bytes = self.client.call(
+            self.client.fs._cat_file(path), f"gs://{path}", self._timeout
+        )
         return data
 
     def put_bytes(self, relpath: str, data: bytes) -> None:
         """Put one small object (a single upload: readers see the old one or the new)."""
         path = f"{self.bucket}/{self.prefix}/{relpath}"
-        self.client.call(self.client.fs._pipe_file(path, data), f"gs://{path}")
+        self.client.call(self.client.fs._pipe_file(path, data), f"gs://{path}", self._timeout)
 
     def blob(self, relpath: str) -> GcsBlob:
         info = (self._listing or {}).get(relpath, {})

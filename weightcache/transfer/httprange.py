@@ -18,11 +18,12 @@ import ssl
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from weightcache.config import is_digits
-from weightcache.errors import IntegrityError, SourceError, UsageError
+from weightcache.errors import IntegrityError, Interrupted, SourceError, UsageError
 from weightcache.transfer.checksums import Vouch, composite_parts, s3_vouched
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
@@ -165,10 +166,15 @@ MAX_HOSTS_PER_THREAD = 16
 
 class HttpRanges:
     """Ranged GETs over keep-alive connections: per worker thread (http.client connections
-    are not thread-safe) one per host it asks, up to MAX_HOSTS_PER_THREAD."""
+    are not thread-safe) one per host it asks, up to MAX_HOSTS_PER_THREAD. `interrupt()`
+    ends them all at once (SIGTERM: a request waiting on a silent server would otherwise
+    hold the process for its whole timeout)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
+        self._open_lock = threading.Lock()
+        self._interrupted = False
         #: The http(s) revisions (URLs) whose server ignores Range, learned once per
         #: revision and kept here, where every RevisionSource of a fetch finds it
         #: (httpsource.py).
@@ -235,11 +241,30 @@ class HttpRanges:
                 raise
             raise RetryRange(f"{type(e).__name__}: {e}") from e
 
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupted
+
+    def interrupt(self) -> None:
+        """Shut every connection down (a request on one fails at once) and refuse new
+        requests (Interrupted). Safe from a signal handler's thread."""
+        with self._open_lock:
+            self._interrupted = True
+            conns = list(self._open)
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
     def _connection(
         self, url: urllib.parse.SplitResult, timeout: float, ca_env: str | None = "AWS_CA_BUNDLE"
     ) -> http.client.HTTPConnection:
         """This thread's connection to `url`'s host, kept alive across ranges (a thread
-        may alternate between hosts: the swarm asks several peers and the store)."""
+        may alternate between hosts: the swarm asks several peers and the store).
+        Interrupted once `interrupt()` was called."""
+        if self._interrupted:
+            raise Interrupted()
         key = (url.scheme, url.netloc, timeout, ca_env)
         conns = self._conns()
         self._local.conn_key = key
@@ -251,6 +276,10 @@ class HttpRanges:
             conns.pop(oldest).close()
         conn = new_connection(url.scheme, url.netloc, timeout, ca_file(ca_env))
         conn.response_class = _Response
+        with self._open_lock:
+            if self._interrupted:  # since the check above
+                raise Interrupted()
+            self._open.add(conn)
         conns[key] = conn
         return conn
 

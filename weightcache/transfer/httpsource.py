@@ -35,9 +35,15 @@ import urllib.parse
 from collections.abc import Callable
 
 from weightcache.config import is_digits
-from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
+from weightcache.errors import (
+    IntegrityError,
+    Interrupted,
+    SourceError,
+    TransientError,
+    UsageError,
+)
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.pacing import Retries
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 log = logging.getLogger(__name__)
@@ -181,13 +187,16 @@ class HttpBlob:
 
 class HttpRevision:
     """A revision as a directory of a web server (a RevisionSource), listed by its
-    SHA256SUMS and sized by HEADs; the manifest is read once per object."""
+    SHA256SUMS and sized by HEADs; the manifest is read once per object (and a failure to
+    read it is that object's answer: the fetch reads it from two threads at once). Each
+    request is retried within `timeout` seconds (`--timeout`)."""
 
-    def __init__(self, http: HttpRanges, url: str) -> None:
+    def __init__(self, http: HttpRanges, url: str, timeout: float) -> None:
         self._http, self._url = http, url.rstrip("/")
-        self._manifest: bytes | None = None
+        self._manifest: bytes | Exception | None = None
         self._lock = threading.Lock()
-        self._backoff = Backoff()
+        self._retries = Retries(timeout, REQUEST_ATTEMPTS)
+        self._timeout = min(timeout, READ_TIMEOUT)
 
     @property
     def url(self) -> str:
@@ -237,7 +246,12 @@ class HttpRevision:
         with self._lock:
             if self._manifest is None:
                 missing = f"no {MANIFEST} at {self._url}/{MANIFEST}; {self.manifest_hint}"
-                self._manifest = self._request("GET", MANIFEST, missing)[1]
+                try:
+                    self._manifest = self._request("GET", MANIFEST, missing)[1]
+                except (SourceError, TransientError) as e:
+                    self._manifest = e
+            if isinstance(self._manifest, Exception):
+                raise self._manifest
             return self._manifest
 
     def _head(self, relpath: str) -> int:
@@ -262,7 +276,7 @@ class HttpRevision:
         headers = {**auth_headers(), "Range": "bytes=0-0"}
 
         def once() -> tuple[http.client.HTTPResponse, bytes]:
-            got = self._http.request("GET", location, headers, READ_TIMEOUT, None, body=False)
+            got = self._http.request("GET", location, headers, self._timeout, None, body=False)
             if got[0].status not in (200, 206, 416):
                 raise refusal(got[0], "GET", location)
             return got
@@ -288,7 +302,7 @@ class HttpRevision:
         blob = self.blob(largest)
         headers = {**auth_headers(), "Range": "bytes=0-0"}
         resp, _ = self._retrying(
-            lambda: self._http.request("GET", blob.url, headers, READ_TIMEOUT, None, body=False),
+            lambda: self._http.request("GET", blob.url, headers, self._timeout, None, body=False),
             blob.url,
         )
         if resp.status == 200:
@@ -303,7 +317,7 @@ class HttpRevision:
         location = self.file_url(relpath)
 
         def once() -> tuple[http.client.HTTPResponse, bytes]:
-            resp, body = self._http.request(method, location, auth_headers(), READ_TIMEOUT, None)
+            resp, body = self._http.request(method, location, auth_headers(), self._timeout, None)
             if resp.status in (404, 410) and missing:
                 raise SourceError(missing)
             if resp.status != 200 and resp.status not in allow:
@@ -315,10 +329,12 @@ class HttpRevision:
     def _retrying(
         self, call: Callable[[], tuple[http.client.HTTPResponse, bytes]], location: str
     ) -> tuple[http.client.HTTPResponse, bytes]:
-        """`call()`, again after a backoff while it raises RetryRange (at most
-        REQUEST_ATTEMPTS times, then TransientError); a certificate the system does not
-        trust is SourceError."""
-        for attempt in range(1, REQUEST_ATTEMPTS + 1):
+        """`call()`, again after a backoff while it raises RetryRange (within the
+        revision's Retries, then TransientError); a certificate the system does not trust
+        is SourceError."""
+        began, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
             try:
                 return call()
             except ssl.SSLCertVerificationError as e:
@@ -327,13 +343,16 @@ class HttpRevision:
                     "SSL_CERT_FILE at a bundle that holds it"
                 ) from e
             except RetryRange as e:
-                if attempt == REQUEST_ATTEMPTS:
+                if self._http.interrupted:  # its connection was shut down: not the server's doing
+                    raise Interrupted() from e
+                delay = self._retries.pause(attempt, began)
+                if delay is None:
+                    tries = "1 attempt" if attempt == 1 else f"{attempt} attempts"
                     raise TransientError(
-                        f"giving up on {location} after {attempt} attempts, last: {e}; run "
-                        "the fetch again when the server recovers"
+                        f"giving up on {location} after {tries} in "
+                        f"{time.monotonic() - began:.0f}s, last: {e}; run the fetch again "
+                        "when the server recovers (or give it longer with --timeout)"
                     ) from e
-                delay = self._backoff.delay(attempt)
                 log.warning("%s: attempt %d/%d failed (%s); retrying in %.1fs", location,
                             attempt, REQUEST_ATTEMPTS, e, delay)  # fmt: skip
                 time.sleep(delay)
-        raise AssertionError("unreachable")

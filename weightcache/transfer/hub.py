@@ -31,7 +31,7 @@ from weightcache.config import check_endpoint_url
 from weightcache.errors import SourceError, TransientError
 from weightcache.sourceurl import HUB_COMMIT
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.pacing import Backoff, Retries
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 #: Tries of one metadata call (the revision's listing) through 429, 5xx and network errors.
@@ -63,11 +63,10 @@ class HubRevision:
     listing (and with it the commit) is read once, on first use; every file is then read
     at that commit, so a branch that moves during the fetch does not mix two commits."""
 
-    def __init__(
-        self, http: HttpRanges, repo_id: str, revision: str, backoff: Backoff | None = None
-    ) -> None:
+    def __init__(self, http: HttpRanges, repo_id: str, revision: str, timeout: float) -> None:
+        """Each call to the Hub is retried within `timeout` seconds (`--timeout`)."""
         self._http, self.repo_id, self.revision = http, repo_id, revision
-        self._backoff = backoff or Backoff(base=0.5, cap=8.0)
+        self._retries = Retries(timeout, API_ATTEMPTS, Backoff(base=0.5, cap=8.0))
         self._lock = threading.Lock()
         self._listing: HubListing | None = None
 
@@ -105,7 +104,7 @@ class HubRevision:
         f = self.listing().files.get(relpath)
         if f is None:
             raise SourceError(f"no {relpath} in {self.url} (commit {self.commit})")
-        return read_whole(self.blob(relpath), f.size, self._backoff)
+        return read_whole(self.blob(relpath), f.size, self._retries)
 
     def blob(self, relpath: str) -> HubBlob:
         hub = _hub()
@@ -139,12 +138,13 @@ class HubRevision:
     def _read_listing(self) -> HubListing:
         hub = _hub()
         endpoint = check_endpoint_url(hub.constants.ENDPOINT, "HF_ENDPOINT")
-        last = ""
-        for attempt in range(1, API_ATTEMPTS + 1):
+        began, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
             try:
                 info = hub.HfApi().model_info(
                     self.repo_id, revision=self.revision, files_metadata=True,
-                    timeout=READ_TIMEOUT,
+                    timeout=min(self._retries.budget, READ_TIMEOUT),
                 )  # fmt: skip
             except hub.errors.HfHubHTTPError as e:
                 status = getattr(e.response, "status_code", 0)
@@ -166,12 +166,14 @@ class HubRevision:
                 last = f"{type(e).__name__}: {e}"
             else:  # an answer without what it must hold is the Hub's last word: no retry
                 return _listing_of(info, self.url)
-            if attempt < API_ATTEMPTS:
-                time.sleep(self._backoff.delay(attempt))
-        raise TransientError(
-            f"the Hub at {hub.constants.ENDPOINT} did not answer for {self.url} after "
-            f"{API_ATTEMPTS} attempts (last: {last}); try again later"
-        )
+            delay = self._retries.pause(attempt, began)
+            if delay is None:
+                raise TransientError(
+                    f"the Hub at {hub.constants.ENDPOINT} did not answer for {self.url} after "
+                    f"{attempt} attempts in {time.monotonic() - began:.0f}s (last: {last}); "
+                    "try again later (or give it longer with --timeout)"
+                )
+            time.sleep(delay)
 
     def _refusal(self, e: Any, hub: Any) -> SourceError:
         """The SourceError for the Hub's 4xx on the listing."""
@@ -298,25 +300,30 @@ def _head_failure(status: int, reply: dict[str, str], where: str) -> Exception:
     return SourceError(f"{where}: unexpected HTTP {status} from the Hub")
 
 
-def read_whole(blob: HubBlob, size: int, backoff: Backoff) -> bytes:
-    """A small file's bytes, retried through what a range read retries. Raises
-    SourceError, TransientError."""
-    last = ""
-    for attempt in range(1, API_ATTEMPTS + 1):
+def read_whole(blob: HubBlob, size: int, retries: Retries) -> bytes:
+    """A small file's bytes, retried through what a range read retries, within
+    `retries`. Raises SourceError, TransientError."""
+    began, attempt = time.monotonic(), 0
+    while True:
+        attempt += 1
         try:
-            return _read_once(blob, size)
+            return _read_once(blob, size, min(retries.budget, READ_TIMEOUT))
         except RetryRange as e:
-            last = str(e)
-        time.sleep(backoff.delay(attempt))
-    raise TransientError(f"cannot read {blob.where} (last: {last}); try again later")
+            delay = retries.pause(attempt, began)
+            if delay is None:
+                raise TransientError(
+                    f"cannot read {blob.where} after {attempt} attempts (last: {e}); try "
+                    "again later (or give it longer with --timeout)"
+                ) from e
+            time.sleep(delay)
 
 
-def _read_once(blob: HubBlob, size: int) -> bytes:
+def _read_once(blob: HubBlob, size: int, timeout: float) -> bytes:
     buf = bytearray(size)
     view, got = memoryview(buf), 0
     if not size:
         return b""
-    with blob.open_range(0, size, size, READ_TIMEOUT) as reader:
+    with blob.open_range(0, size, size, timeout) as reader:
         while got < size:
             n = reader.readinto(view[got:])
             if not n:

@@ -124,3 +124,23 @@ class Backoff:
         """Delay before retry number `attempt` (1 for the first retry)."""
         exponent = min(max(attempt - 1, 0), 62)  # 2**62 is past any cap; no overflow
         return self.rng.uniform(0, min(self.cap, self.base * 2**exponent))
+
+
+@dataclass
+class Retries:
+    """When one control-plane call (a listing, a HEAD, a manifest GET) is tried again
+    (design §4): at most `attempts` tries, and another only if its backoff ends within
+    `budget` seconds (`--timeout`) of the first try's start."""
+
+    budget: float
+    attempts: int
+    backoff: Backoff = field(default_factory=Backoff)
+    clock: Clock = time.monotonic
+
+    def pause(self, attempt: int, began: float) -> float | None:
+        """The pause before try `attempt + 1` of a call begun at `began` (this clock), or
+        None when the call has had its tries."""
+        delay = self.backoff.delay(attempt)
+        if attempt >= self.attempts or self.clock() + delay > began + self.budget:
+            return None
+        return delay

@@ -38,7 +38,7 @@ from weightcache.transfer.httprange import (
     read_small_body,
     too_large,
 )
-from weightcache.transfer.pacing import Backoff
+from weightcache.transfer.pacing import Backoff, Retries
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, static_signer
 
@@ -79,7 +79,7 @@ class Origin:
 
     def __init__(self, settings: OriginSettings, backoff: Backoff | None = None) -> None:
         self.settings = settings
-        self._backoff = backoff or Backoff()
+        self._retries = Retries(settings.timeout, settings.max_attempts, backoff or Backoff())
         self.endpoint_url = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
         self._signer = static_signer(self.endpoint_url, os.environ)
         self._client_lock = threading.Lock()
@@ -121,7 +121,6 @@ class Origin:
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run fn, retrying transient failures until `--timeout` without success."""
         start = time.monotonic()
-        deadline = start + self.settings.timeout
         attempt = 0
         while True:
             attempt += 1
@@ -131,8 +130,8 @@ class Origin:
                 error = translate(e, what)
                 if not isinstance(error, TransientError):
                     raise error from e
-                delay = self._backoff.delay(attempt)
-                if attempt >= self.settings.max_attempts or time.monotonic() + delay > deadline:
+                delay = self._retries.pause(attempt, start)
+                if delay is None:
                     raise TransientError(
                         f"{what} failed {attempt} times in {time.monotonic() - start:.0f}s, "
                         f"last: {error}; check that {self._store()} is reachable"
