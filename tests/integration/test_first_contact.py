@@ -50,6 +50,32 @@ def test_version(wc: CLI) -> None:
     assert proc.stdout.strip() == f"weightcache, version {version}"
 
 
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_and_quiet_work_before_the_command_or_after_it(
+    wc: CLI, tmp_path: Path, where: str
+) -> None:
+    """`weightcache fetch URL -q` as well as `weightcache -q fetch URL` (after the command
+    they were "no such option", exit 2)."""
+    model = tmp_path / "src" / "m" / "r"
+    model.mkdir(parents=True)
+    (model / "a.bin").write_bytes(b"x" * 1000)
+    digest = hashlib.sha256(b"x" * 1000).hexdigest()
+    (model / "SHA256SUMS").write_text(f"{digest}  a.bin\n")
+
+    def fetch(flag: str, cache: str, url: str = f"file://{model}") -> tuple[int, str]:
+        args = ["fetch", url, "--cache-dir", str(tmp_path / cache), "--no-daemon"]
+        # Without static keys an s3:// source goes through boto3, which logs at DEBUG.
+        env = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}
+        done = wc.run(*([flag, *args] if where == "before" else [*args, flag]), env=env)
+        return done.returncode, done.stderr
+
+    loud, quiet = fetch("-v", "c1"), fetch("-q", "c2")
+    assert loud[0] == quiet[0] == 0 and " INFO " in loud[1] and quiet[1] == "", (loud, quiet)
+    missing = "s3://models/no-such-model/r"
+    debug, info = fetch("-vv", "c3", missing)[1], fetch("-v", "c4", missing)[1]
+    assert " DEBUG botocore" in debug and " DEBUG botocore" not in info, (debug, info)
+
+
 def test_no_command_prints_the_help_not_an_error(wc: CLI) -> None:
     """The first thing a new user types: the commands, on stdout, not the whole help text
     on stderr behind 'weightcache: error:'."""

@@ -67,7 +67,38 @@ def _load(name: str) -> click.Command:
     with uncollected():
         loaded = importlib.import_module(f"weightcache.cli.{module}")
     command: click.Command = getattr(loaded, attr)
+    if not any(p.name == "verbose" for p in command.params):
+        command.params += _log_options()
     return command
+
+
+def _log_options() -> list[click.Parameter]:
+    """-v and -q after the command too (`weightcache fetch URL -v`), as a user types them:
+    they add to those given before it."""
+    return [
+        click.Option(["-v", "--verbose"], count=True, expose_value=False, callback=_relevel,
+                     help="More logs on stderr (-vv for debug)."),
+        click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_relevel,
+                     help="Only errors on stderr."),
+    ]  # fmt: skip
+
+
+def _relevel(ctx: click.Context, param: click.Parameter, value: int | bool) -> None:
+    if not value:
+        return
+    before = ctx.parent.params if ctx.parent is not None else {}
+    verbose, quiet = before.get("verbose", 0), before.get("quiet", False)
+    if param.name == "verbose":
+        verbose += int(value)
+    else:
+        quiet = True
+    _set_level(verbose, quiet)
+
+
+def _set_level(verbose: int, quiet: bool) -> None:
+    level = logging.ERROR if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
+    logging.getLogger().setLevel(level)
+    logging.getLogger("botocore").setLevel(logging.WARNING if verbose < 2 else logging.NOTSET)
 
 
 class _LazyGroup(Group):
@@ -97,14 +128,8 @@ def __getattr__(attr: str) -> click.Command:
 @click.version_option(package_name="weightcache", prog_name="weightcache")
 def main(verbose: int, quiet: bool) -> None:
     """Idempotent model-weight fetcher and node-local cache daemon."""
-    level = logging.ERROR if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if verbose < 2:
-        logging.getLogger("botocore").setLevel(logging.WARNING)
+    logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _set_level(verbose, quiet)
 
 
 if __name__ == "__main__":  # pragma: no cover
