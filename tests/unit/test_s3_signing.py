@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.transfer.sigv4 import SigV4, static_signer
+from weightcache.errors import UsageError
+from weightcache.transfer.sigv4 import SigV4, check_credentials, static_signer
 
 NOW = dt.datetime(2026, 12, 1, 3, 4, 5, tzinfo=dt.UTC)
 KEY, SECRET = "AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"
@@ -170,3 +171,22 @@ def test_a_keep_alive_connection_the_store_closed_is_replaced_without_an_attempt
         store.sock.close()
     assert store.requests == 3
     assert not [r for r in caplog.records if "attempt" in r.getMessage()], caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI/K7MDENG\n"),  # a Secret made from `echo`
+        ("AWS_ACCESS_KEY_ID", " AKIDEXAMPLE"),
+        ("AWS_SESSION_TOKEN", "tok\ten"),
+    ],
+)
+def test_credentials_with_a_line_break_or_space_are_refused_naming_the_variable(
+    name: str, value: str
+) -> None:
+    good = {"AWS_ACCESS_KEY_ID": "AKIDEXAMPLE", "AWS_SECRET_ACCESS_KEY": "wJalr/K7+MDENG"}
+    check_credentials(good)
+    check_credentials({**good, "AWS_SESSION_TOKEN": "IQoJb3JpZ2luX2VjE//////////wEaCXVz=="})
+    with pytest.raises(UsageError, match=rf"^{name} holds a line break") as raised:
+        check_credentials({**good, name: value})
+    assert value.strip() not in str(raised.value)  # the secret is not printed

@@ -40,7 +40,7 @@ from weightcache.transfer.httprange import (
 )
 from weightcache.transfer.pacing import Backoff, Retries
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
-from weightcache.transfer.sigv4 import PRESIGN_SECONDS, static_signer
+from weightcache.transfer.sigv4 import PRESIGN_SECONDS, check_credentials, static_signer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,6 +81,7 @@ class Origin:
         self.settings = settings
         self._retries = Retries(settings.timeout, settings.max_attempts, backoff or Backoff())
         self.endpoint_url = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        check_credentials(os.environ)
         self._signer = static_signer(self.endpoint_url, os.environ)
         self._client_lock = threading.Lock()
         self._boto: Any = None

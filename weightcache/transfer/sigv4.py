@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from weightcache.errors import UsageError
+
 PRESIGN_SECONDS = 3600
 _UNRESERVED = "-_.~"  # RFC 3986: never percent-encoded in a SigV4 canonical request
 
@@ -68,6 +70,25 @@ def _host(url: urllib.parse.SplitResult) -> str:
     host = url.hostname or ""
     host = f"[{host}]" if ":" in host else host
     return host if url.port in (None, default) else f"{host}:{url.port}"
+
+
+#: The environment's static credentials (botocore's chain reads them first).
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def check_credentials(env: Mapping[str, str]) -> None:
+    """UsageError naming the credential variable that holds white space at an end or a
+    control character: a Kubernetes Secret made from `echo key | base64` holds a line
+    break, and the store's answer would be a bare signature mismatch. The value is not
+    printed."""
+    for name in CREDENTIAL_VARIABLES:
+        value = env.get(name)
+        if value and (value != value.strip() or not value.isprintable()):
+            raise UsageError(
+                f"{name} holds a line break, a space at one end or another control "
+                "character (a Kubernetes Secret made from `echo ... | base64` ends with a "
+                "line break); set it to the key alone (`printf %s ... | base64`)"
+            )
 
 
 def static_signer(endpoint_url: str | None, env: Mapping[str, str]) -> SigV4 | None:
