@@ -616,6 +616,9 @@ def test_demo_serve_keeps_the_store_for_another_shell(store: Any, tmp_path: Path
         )
         assert {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(exports)
         example = next(line for line in served.splitlines() if " fetch " in line)
+        # Commands as typed: `weightcache ...`, not this interpreter's path (replayable).
+        shown = [line for line in text.splitlines() if line.startswith("$ ")] + [example]
+        assert all(re.match(r"\$ weightcache |weightcache ", line) for line in shown), shown
         # The printed command, replayed in "another shell" with only the exported variables.
         env = {k: shlex.split(v)[0] for k, v in exports.items()}
         replay = subprocess.run(

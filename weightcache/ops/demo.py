@@ -53,8 +53,19 @@ def _say(text: str) -> None:
     print(f"\n== {text}", flush=True)
 
 
+#: How the demo runs weightcache: this interpreter, whatever PATH holds.
+WC = [sys.executable, "-m", "weightcache"]
+
+
+def shown(args: list[str]) -> str:
+    """`args` (WC and its arguments) as a user would type them: `weightcache ...` where
+    that is on PATH, else `python -m weightcache ...` (not this interpreter's full path)."""
+    name = ["weightcache"] if shutil.which("weightcache") else ["python", "-m", "weightcache"]
+    return shlex.join([*name, *args[len(WC) :]] if args[: len(WC)] == WC else args)
+
+
 def _run(args: list[str], env: dict[str, str]) -> str:
-    print("$ " + " ".join(args), flush=True)
+    print("$ " + shown(args), flush=True)
     out = subprocess.run(args, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
     print(out, end="", flush=True)
     return out
@@ -113,7 +124,7 @@ def _stopped_by_signals() -> Iterator[None]:
 
 
 def _story(base: Path, size: int, serve: bool) -> None:
-    wc = [sys.executable, "-m", "weightcache"]
+    wc = WC
     _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")
     with _started(DevStore(base / "store")) as store:
         env = {**os.environ, **store.env}
@@ -164,7 +175,7 @@ def _serve(store: DevStore, example: list[str]) -> None:
     _say("the store keeps running; in another shell:")
     for name, value in store.env.items():
         print(f"export {name}={shlex.quote(value)}")
-    print(shlex.join(example))
+    print(shown(example))
     print("Ctrl-C stops the store.", flush=True)
     try:
         while store.process is not None and store.process.poll() is None:
@@ -213,7 +224,7 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
         "--metrics-addr",
         f"127.0.0.1:{port}",
     ]
-    print("$ " + " ".join(args), flush=True)
+    print("$ " + shown(args), flush=True)
     daemon = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
