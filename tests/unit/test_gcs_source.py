@@ -59,3 +59,5 @@ def test_gcsfs_errors_map_to_exit_codes() -> None:
         assert "GOOGLE_APPLICATION_CREDENTIALS" in str(error) and "workload identity" in str(error)
     for busy in (HttpError({"code": 429}), HttpError({"code": 503}), TimeoutError()):
         assert isinstance(_error(busy, where), TransientError), busy
+    # a call that used up --timeout (asyncio's TimeoutError, whose text is empty)
+    assert "no answer from GCS within --timeout" in str(_error(TimeoutError(), where))

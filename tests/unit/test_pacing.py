@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from weightcache.transfer.pacing import AIMDGate, Backoff, Retries, TokenBucket
+from weightcache.transfer.pacing import AIMDGate, Backoff, Retries, TokenBucket, tries
 
 if TYPE_CHECKING:
     from tests.unit.conftest import FakeClock
@@ -309,3 +309,7 @@ def test_retries_stop_at_the_attempts_or_when_the_budget_would_be_passed() -> No
     assert retries.pause(1, 100.0) is None
     # a budget shorter than one try: that try is the only one
     assert Retries(1.0, 6, _Fixed(0.0), clock=lambda: 101.5).pause(1, 100.0) is None
+
+
+def test_tries_reads_as_english() -> None:
+    assert (tries(1), tries(6)) == ("1 attempt", "6 attempts")

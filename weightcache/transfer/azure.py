@@ -45,7 +45,7 @@ from weightcache.errors import (
     UsageError,
     WeightcacheError,
 )
-from weightcache.transfer.pacing import Retries
+from weightcache.transfer.pacing import Retries, tries
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 T = TypeVar("T")
@@ -274,7 +274,7 @@ class AzureRevision:
                 delay = self._retries.pause(attempt, began)
                 if delay is None:
                     raise TransientError(
-                        f"{where}: failed {attempt} times in {time.monotonic() - began:.0f}s, "
+                        f"{where}: failed: {tries(attempt)} in {time.monotonic() - began:.0f}s, "
                         f"last: {error}; check that the storage account is reachable"
                     ) from e
                 time.sleep(delay)

@@ -71,7 +71,12 @@ def _error(e: BaseException, where: str) -> Exception:
         return TransientError(f"{where}: HTTP {code} persisted through retries; try again")
     if type(e).__module__.startswith("google.auth"):
         return SourceError(f"{where}: no usable credentials ({e}); {_CREDENTIALS_HINT}")
-    if isinstance(e, (OSError, asyncio.TimeoutError)):
+    if isinstance(e, asyncio.TimeoutError):  # (its text is empty)
+        return TransientError(
+            f"{where}: no answer from GCS within --timeout; try again when it is reachable "
+            "(or give it longer with --timeout)"
+        )
+    if isinstance(e, OSError):
         return TransientError(f"{where}: {type(e).__name__}: {e}; try again")
     return SourceError(f"{where}: {type(e).__name__}: {e}")
 

@@ -43,7 +43,7 @@ from weightcache.errors import (
     UsageError,
 )
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.pacing import Retries
+from weightcache.transfer.pacing import Retries, tries
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 log = logging.getLogger(__name__)
@@ -347,9 +347,8 @@ class HttpRevision:
                     raise Interrupted() from e
                 delay = self._retries.pause(attempt, began)
                 if delay is None:
-                    tries = "1 attempt" if attempt == 1 else f"{attempt} attempts"
                     raise TransientError(
-                        f"giving up on {location} after {tries} in "
+                        f"giving up on {location} after {tries(attempt)} in "
                         f"{time.monotonic() - began:.0f}s, last: {e}; run the fetch again "
                         "when the server recovers (or give it longer with --timeout)"
                     ) from e

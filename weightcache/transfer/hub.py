@@ -31,7 +31,7 @@ from weightcache.config import check_endpoint_url
 from weightcache.errors import SourceError, TransientError
 from weightcache.sourceurl import HUB_COMMIT
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.pacing import Backoff, Retries
+from weightcache.transfer.pacing import Backoff, Retries, tries
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 #: Tries of one metadata call (the revision's listing) through 429, 5xx and network errors.
@@ -170,7 +170,7 @@ class HubRevision:
             if delay is None:
                 raise TransientError(
                     f"the Hub at {hub.constants.ENDPOINT} did not answer for {self.url} after "
-                    f"{attempt} attempts in {time.monotonic() - began:.0f}s (last: {last}); "
+                    f"{tries(attempt)} in {time.monotonic() - began:.0f}s (last: {last}); "
                     "try again later (or give it longer with --timeout)"
                 )
             time.sleep(delay)
@@ -312,7 +312,7 @@ def read_whole(blob: HubBlob, size: int, retries: Retries) -> bytes:
             delay = retries.pause(attempt, began)
             if delay is None:
                 raise TransientError(
-                    f"cannot read {blob.where} after {attempt} attempts (last: {e}); try "
+                    f"cannot read {blob.where} after {tries(attempt)} (last: {e}); try "
                     "again later (or give it longer with --timeout)"
                 ) from e
             time.sleep(delay)

@@ -144,3 +144,8 @@ class Retries:
         if attempt >= self.attempts or self.clock() + delay > began + self.budget:
             return None
         return delay
+
+
+def tries(n: int) -> str:
+    """ "1 attempt", "3 attempts": for messages."""
+    return "1 attempt" if n == 1 else f"{n} attempts"

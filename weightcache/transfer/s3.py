@@ -38,7 +38,7 @@ from weightcache.transfer.httprange import (
     read_small_body,
     too_large,
 )
-from weightcache.transfer.pacing import Backoff, Retries
+from weightcache.transfer.pacing import Backoff, Retries, tries
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, check_credentials, static_signer
 
@@ -134,7 +134,7 @@ class Origin:
                 delay = self._retries.pause(attempt, start)
                 if delay is None:
                     raise TransientError(
-                        f"{what} failed {attempt} times in {time.monotonic() - start:.0f}s, "
+                        f"{what} failed: {tries(attempt)} in {time.monotonic() - start:.0f}s, "
                         f"last: {error}; check that {self._store()} is reachable"
                     ) from e
                 log.warning(
