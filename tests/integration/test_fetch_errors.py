@@ -6,7 +6,9 @@ from __future__ import annotations
 import http.server
 import itertools
 import re
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,8 +16,9 @@ import pytest
 
 from tests.conftest import BUCKET, CLI, MANIFEST, Published, dead_endpoint, put_objects
 from tests.support import modelgen
-from tests.support.checks import assert_fails, markers, snapshot
+from tests.support.checks import assert_fails, describe, markers, snapshot
 from tests.support.faultproxy import FaultProxy
+from tests.support.webservers import silent_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -442,3 +445,21 @@ def _assert_nothing_downloaded(proxy: FaultProxy, model: modelgen.Model) -> None
     s = proxy.stats()
     fetched = {f.relpath: s.bytes_for("/" + f.relpath) for f in model.files}
     assert not any(fetched.values()), f"downloaded despite a bad manifest: {fetched}"
+
+
+def test_sigterm_ends_a_listing_waiting_on_a_silent_store(wc: CLI, cache_dir: Path) -> None:
+    """A store that accepts and never answers: SIGTERM (the kubelet deleting the Pod) ends
+    the fetch at once with exit 143; the listing's request used to hold it until its retries
+    were spent (5 of 60 s: exit 6 after 300 s)."""
+    with silent_server() as server:
+        running = wc.fetch_popen("s3://models/m/r", cache_dir, "--no-daemon", endpoint=server.url)
+        deadline = time.monotonic() + 20
+        while server.accepted < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the LIST sent and waiting
+        running.proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        done = running.finish(timeout=90)
+        assert time.monotonic() - began < 5, describe(done)
+    assert "interrupted" in assert_fails(done, 143)
+    assert markers(cache_dir) == []

@@ -241,6 +241,8 @@ class Fetcher:
                 from weightcache.transfer.s3 import Origin
 
                 self._origin = Origin(self.settings)
+                if self._interrupted:
+                    self._origin.interrupt()
             return self._origin
 
     def revision_source(self, source: Source) -> RevisionSource:
@@ -271,11 +273,12 @@ class Fetcher:
         waiting on a silent server); partial files stay resumable."""
         with self._build_lock:
             self._interrupted = True
-            downloader, http = self._downloader, self._http
+            downloader, http, origin = self._downloader, self._http, self._origin
         if downloader is not None:
             downloader.interrupt()
-        if http is not None:
-            http.interrupt()
+        for client in (http, origin):
+            if client is not None:
+                client.interrupt()
 
     def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
         """Make the revision ready; raises a WeightcacheError subclass on failure: a full

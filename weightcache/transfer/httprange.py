@@ -164,6 +164,37 @@ _ConnKey = tuple[str, str, float, str | None]
 MAX_HOSTS_PER_THREAD = 16
 
 
+class OpenConnections:
+    """The connections a client opened, kept so that `interrupt()` (SIGTERM, from any
+    thread) ends their requests at once: each socket is shut down, and a request on a new
+    one is Interrupted. A request still connecting ends at its timeout."""
+
+    def __init__(self) -> None:
+        self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self.interrupted = False
+
+    def check(self) -> None:
+        """Interrupted once `interrupt()` was called."""
+        if self.interrupted:
+            raise Interrupted()
+
+    def add(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self.check()
+            self._open.add(conn)
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self.interrupted = True
+            conns = list(self._open)
+        for conn in conns:
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
 class HttpRanges:
     """Ranged GETs over keep-alive connections: per worker thread (http.client connections
     are not thread-safe) one per host it asks, up to MAX_HOSTS_PER_THREAD. `interrupt()`
@@ -172,9 +203,7 @@ class HttpRanges:
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
-        self._open_lock = threading.Lock()
-        self._interrupted = False
+        self._open = OpenConnections()
         #: The http(s) revisions (URLs) whose server ignores Range, learned once per
         #: revision and kept here, where every RevisionSource of a fetch finds it
         #: (httpsource.py).
@@ -243,19 +272,12 @@ class HttpRanges:
 
     @property
     def interrupted(self) -> bool:
-        return self._interrupted
+        return self._open.interrupted
 
     def interrupt(self) -> None:
         """Shut every connection down (a request on one fails at once) and refuse new
         requests (Interrupted). Safe from a signal handler's thread."""
-        with self._open_lock:
-            self._interrupted = True
-            conns = list(self._open)
-        for conn in conns:
-            sock = conn.sock
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+        self._open.interrupt()
 
     def _connection(
         self, url: urllib.parse.SplitResult, timeout: float, ca_env: str | None = "AWS_CA_BUNDLE"
@@ -263,8 +285,7 @@ class HttpRanges:
         """This thread's connection to `url`'s host, kept alive across ranges (a thread
         may alternate between hosts: the swarm asks several peers and the store).
         Interrupted once `interrupt()` was called."""
-        if self._interrupted:
-            raise Interrupted()
+        self._open.check()
         key = (url.scheme, url.netloc, timeout, ca_env)
         conns = self._conns()
         self._local.conn_key = key
@@ -276,10 +297,7 @@ class HttpRanges:
             conns.pop(oldest).close()
         conn = new_connection(url.scheme, url.netloc, timeout, ca_file(ca_env))
         conn.response_class = _Response
-        with self._open_lock:
-            if self._interrupted:  # since the check above
-                raise Interrupted()
-            self._open.add(conn)
+        self._open.add(conn)  # Interrupted if interrupted since the check above
         conns[key] = conn
         return conn
 

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
-from weightcache.errors import SourceError, TransientError
+from weightcache.errors import Interrupted, SourceError, TransientError
 from weightcache.transfer.httprange import (
     SMALL_BODY_MAX,
+    OpenConnections,
     ca_file,
     new_connection,
     read_small_body,
@@ -86,6 +87,7 @@ class Origin:
         self._client_lock = threading.Lock()
         self._boto: Any = None
         self._local = threading.local()  # the signed path's connection, one per thread
+        self._open = OpenConnections()  # the signed path's, for interrupt()
 
     @property
     def _client(self) -> Any:
@@ -125,9 +127,14 @@ class Origin:
         attempt = 0
         while True:
             attempt += 1
+            self._open.check()
             try:
                 return fn()
+            except Interrupted:
+                raise
             except Exception as e:
+                if self._open.interrupted:  # its connection shut down by interrupt()
+                    raise Interrupted() from e
                 error = translate(e, what)
                 if not isinstance(error, TransientError):
                     raise error from e
@@ -382,10 +389,18 @@ class Origin:
 
     def _connection(self, url: urllib.parse.SplitResult) -> http.client.HTTPConnection:
         """This thread's keep-alive connection to the endpoint (one host per Origin)."""
+        self._open.check()
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is not None:
             return conn
         timeout = min(self.settings.timeout, 60.0)
         conn = new_connection(url.scheme, url.netloc, timeout, ca_file("AWS_CA_BUNDLE"))
+        self._open.add(conn)
         self._local.conn = conn
         return conn
+
+    def interrupt(self) -> None:
+        """SIGTERM: the signed path's requests in flight end at once (their sockets shut
+        down), and `call()` tries nothing more (Interrupted). A boto3 call in flight ends at
+        its own read timeout."""
+        self._open.interrupt()
