@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -229,6 +230,14 @@ class Running:
         """SIGKILL and reap; returns the exit status (negative: killed by that signal)."""
         self.proc.send_signal(signal.SIGKILL)
         return self.proc.wait(timeout=30)
+
+    def sigterm(self, timeout: float = 90) -> tuple[subprocess.CompletedProcess[str], float]:
+        """SIGTERM (as the kubelet sends), then `finish`: its outputs and the seconds it
+        took to exit."""
+        self.proc.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        done = self.finish(timeout)
+        return done, time.monotonic() - began
 
     def finish(self, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """Wait for exit (killing it on timeout) and return its outputs."""

@@ -6,9 +6,7 @@ from __future__ import annotations
 import http.server
 import itertools
 import re
-import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -453,13 +451,8 @@ def test_sigterm_ends_a_listing_waiting_on_a_silent_store(wc: CLI, cache_dir: Pa
     were spent (5 of 60 s: exit 6 after 300 s)."""
     with silent_server() as server:
         running = wc.fetch_popen("s3://models/m/r", cache_dir, "--no-daemon", endpoint=server.url)
-        deadline = time.monotonic() + 20
-        while server.accepted < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)  # the LIST sent and waiting
-        running.proc.send_signal(signal.SIGTERM)
-        began = time.monotonic()
-        done = running.finish(timeout=90)
-        assert time.monotonic() - began < 5, describe(done)
+        server.wait_accepted(1)  # the LIST sent, and waiting
+        done, seconds = running.sigterm()
+        assert seconds < 5, describe(done)
     assert "interrupted" in assert_fails(done, 143)
     assert markers(cache_dir) == []

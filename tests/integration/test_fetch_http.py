@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -282,13 +281,8 @@ def test_a_silent_server_fails_within_timeout_and_sigterm_ends_the_wait(
         assert "--timeout" in assert_fails(proc, 6)
         assert time.monotonic() - began < 15, describe(proc)
         running = wc.fetch_popen(url, cache_dir, "--no-daemon")
-        deadline = time.monotonic() + 20
-        while server.accepted < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.2)  # its GET sent and waiting
-        running.proc.send_signal(signal.SIGTERM)
-        began = time.monotonic()
-        done = running.finish(timeout=30)
-        assert time.monotonic() - began < 5, describe(done)
+        server.wait_accepted(2)  # its GET of SHA256SUMS sent, and waiting
+        done, seconds = running.sigterm(timeout=30)
+        assert seconds < 5, describe(done)
         assert "interrupted" in assert_fails(done, 143)
         assert "Remote end closed" not in done.stderr, describe(done)

@@ -212,6 +212,14 @@ class SilentServer:
             self._held.append(conn)
             self.accepted += 1
 
+    def wait_accepted(self, count: int, timeout: float = 20) -> None:
+        """Until `count` connections came (and a moment for their requests to be sent)."""
+        deadline = time.monotonic() + timeout
+        while self.accepted < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.accepted >= count, f"{self.accepted} of {count} connections came"
+        time.sleep(0.2)
+
     def close(self) -> None:
         self._listener.close()
         for conn in self._held:
