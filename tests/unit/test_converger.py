@@ -3,6 +3,7 @@ one readiness that /metrics, /readyz and the node labels read (design §5)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from tests.support.cached import add_revision
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
-from weightcache.errors import SourceError, UsageError
+from weightcache.errors import Interrupted, SourceError, UsageError
 from weightcache.node.converger import Converger
 from weightcache.node.metrics import Metrics
 from weightcache.sourceurl import Source
@@ -140,3 +141,23 @@ def test_step_converges_then_calls_then(models_file: Path, cache: Cache) -> None
     c.step(then=lambda: after.append(c.ready("plain", "r1")))
     c.step(then=lambda: after.append(True))  # nothing changed, nothing due: no step
     assert after == [True]
+
+
+def test_a_prefetch_interrupted_by_the_daemon_stopping_is_no_failure(
+    models_file: Path, cache: Cache, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM interrupts the download: logged as stopped, not as an error to retry; the
+    same Interrupted while the daemon runs on is a failure like any other."""
+
+    def interrupted(source: Source) -> None:
+        raise Interrupted()
+
+    caplog.set_level(logging.INFO)
+    c = converger(models_file, cache)
+    c.fetch = interrupted
+    c.stopping.set()
+    c._converge_entry(Source.parse("s3://models/good/r1"))
+    assert c.failures == {} and "ERROR" not in caplog.text and "stopped" in caplog.text
+    c.stopping.clear()
+    c._converge_entry(Source.parse("s3://models/good/r1"))
+    assert set(c.failures) == {("good", "r1")}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from weightcache.cache.index import Index
 from weightcache.cache.store import Cache
-from weightcache.errors import UsageError, WeightcacheError
+from weightcache.errors import Interrupted, UsageError, WeightcacheError
 from weightcache.node import labels
 from weightcache.node.metrics import Metrics
 from weightcache.node.models import DesiredState, load
@@ -151,6 +151,9 @@ class Converger:
             if marker is None or marker.source != source.url:
                 self.fetch(source)
         except Exception as e:
+            if isinstance(e, Interrupted) and self.stopping.is_set():  # SIGTERM: no failure
+                log.info("prefetch of %s stopped; partial files are kept", source.label)
+                return
             failures = self._retry.get(key, (0, 0.0))[0] + 1
             delay = backoff(failures, ENTRY_RETRY, ENTRY_RETRY_MAX)
             self._retry[key] = (failures, time.monotonic() + delay)
