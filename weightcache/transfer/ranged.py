@@ -26,7 +26,7 @@ from typing import Protocol
 
 from weightcache.config import OriginSettings
 from weightcache.errors import Interrupted, TransientError
-from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
+from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket, tries
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import (
     READ_TIMEOUT,
@@ -465,8 +465,8 @@ class RangedDownloader:
         stalled = f.run.stalled_for()
         if failures >= attempts or stalled >= self.settings.timeout:
             raise TransientError(
-                f"giving up on {f.job.label} ({source.where}) after {max(failures, 1)} "
-                f"attempt(s) and {stalled:.0f}s without progress, last: {reason}; partial "
+                f"giving up on {f.job.label} ({source.where}) after {tries(max(failures, 1))} "
+                f"and {stalled:.0f}s without progress, last: {reason}; partial "
                 "data is kept, run the fetch again when the store recovers"
             )
         delay = min(self.backoff.delay(max(failures, 1)), self.settings.timeout - stalled)
