@@ -54,8 +54,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from weightcache.node.swarm import Limits
-from weightcache.node.swarmfetch import piece_size_for
+from weightcache.node.swarm import Limits, piece_size_for
 from weightcache.node.swarmviews import VIEW_EVERY
 
 MiB = 1 << 20

@@ -43,8 +43,7 @@ from tests.integration.test_peers import (
 from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
 from weightcache.node.peers import STREAMING
-from weightcache.node.swarm import Bitmap
-from weightcache.node.swarmfetch import piece_size_for
+from weightcache.node.swarm import Bitmap, piece_size_for
 
 STREAMED = "weightcache_peer_streamed_bytes_total"
 SUMMARY = re.compile(

@@ -431,7 +431,7 @@ def test_claims_are_released_only_by_their_owner(tmp_path: Path) -> None:
 
 
 def test_piece_size_gives_enough_pieces_within_bounds() -> None:
-    from weightcache.node.swarmfetch import piece_size_for
+    from weightcache.node.swarm import piece_size_for
 
     assert piece_size_for(256 << 20) == 4 << 20  # 64 pieces
     assert piece_size_for(64 << 20) == 2 << 20  # 32 pieces

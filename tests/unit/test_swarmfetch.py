@@ -23,7 +23,7 @@ from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
-from weightcache.node.swarmfetch import piece_size_for
+from weightcache.node.swarm import piece_size_for
 from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile

@@ -97,6 +97,18 @@ class BitmapError(ValueError):
     """
 
 
+PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
+PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
+
+
+def piece_size_for(size: int) -> int:
+    """The piece size of a blob shared with peers: at least PIECES_WANTED pieces, each
+    PIECE_MIN..PIECE_MAX bytes, a multiple of 64 KiB (every node computes the same)."""
+    want = -(-size // PIECES_WANTED)
+    want = -(-want // (64 << 10)) * (64 << 10)
+    return max(PIECE_MIN, min(PIECE_MAX, want))
+
+
 def piece_count(size: int, piece_size: int) -> int:
     """How many pieces cover `size` bytes; 0 for an empty blob (nothing to exchange)."""
     if size < 0 or piece_size <= 0:

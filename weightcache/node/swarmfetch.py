@@ -53,6 +53,7 @@ from weightcache.node.swarm import (
     Request,
     choose,
     piece_ranges,
+    piece_size_for,
 )
 
 # fmt: on
@@ -76,8 +77,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
-PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
 TICK = 0.1  # seconds the loop sleeps at most between choices
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
 #: Bytes/s a piece from a peer must average once PEER_TIMEOUT has passed, or it is given up
@@ -87,14 +86,6 @@ PEER_MIN_RATE = 64 << 10
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 HASH_BUFFER = 256 << 10
-
-
-def piece_size_for(size: int) -> int:
-    """The piece size of a blob shared with peers: at least PIECES_WANTED pieces, each
-    PIECE_MIN..PIECE_MAX bytes, a multiple of 64 KiB (every node computes the same)."""
-    want = -(-size // PIECES_WANTED)
-    want = -(-want // (64 << 10)) * (64 << 10)
-    return max(PIECE_MIN, min(PIECE_MAX, want))
 
 
 class Rates:
