@@ -179,6 +179,13 @@ class OpenConnections:
         if self.interrupted:
             raise Interrupted()
 
+    def failure(self, e: Exception) -> Exception:
+        """What a request that failed with `e` raises: Interrupted if `interrupt()` shut its
+        connection down (not the server's doing: no retry, no warning), else RetryRange."""
+        if self.interrupted:
+            return Interrupted()
+        return RetryRange(f"{type(e).__name__}: {e}")
+
     def add(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
             self.check()
@@ -233,7 +240,7 @@ class HttpRanges:
                 )
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
-                raise RetryRange(f"{type(e).__name__}: {e}") from e
+                raise self._open.failure(e) from e
             assert isinstance(resp, _Response)
             if on_response is not None:
                 on_response(resp)
@@ -268,11 +275,7 @@ class HttpRanges:
             self._drop_connection()
             if isinstance(e, ssl.SSLCertVerificationError):
                 raise
-            raise RetryRange(f"{type(e).__name__}: {e}") from e
-
-    @property
-    def interrupted(self) -> bool:
-        return self._open.interrupted
+            raise self._open.failure(e) from e
 
     def interrupt(self) -> None:
         """Shut every connection down (a request on one fails at once) and refuse new

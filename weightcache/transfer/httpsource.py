@@ -35,13 +35,7 @@ import urllib.parse
 from collections.abc import Callable
 
 from weightcache.config import is_digits
-from weightcache.errors import (
-    IntegrityError,
-    Interrupted,
-    SourceError,
-    TransientError,
-    UsageError,
-)
+from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.pacing import Retries, tries
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
@@ -343,8 +337,6 @@ class HttpRevision:
                     "SSL_CERT_FILE at a bundle that holds it"
                 ) from e
             except RetryRange as e:
-                if self._http.interrupted:  # its connection was shut down: not the server's doing
-                    raise Interrupted() from e
                 delay = self._retries.pause(attempt, began)
                 if delay is None:
                     raise TransientError(

@@ -130,8 +130,6 @@ class Origin:
             self._open.check()
             try:
                 return fn()
-            except Interrupted:
-                raise
             except Exception as e:
                 if self._open.interrupted:  # its connection shut down by interrupt()
                     raise Interrupted() from e
