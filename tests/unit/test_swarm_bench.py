@@ -5,10 +5,12 @@ The harness itself needs root and namespaces and is not run by the test suite.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -279,6 +281,15 @@ def test_link_trace_turns_counter_samples_into_rates_per_host() -> None:
     assert math.isnan(netlab.busy_share([], 8e6))
 
 
+def test_link_trace_times_a_sample_by_its_stamp_not_by_when_the_harness_read_it() -> None:
+    trace = netlab.LinkTrace(None, 10.0)  # type: ignore[arg-type]
+    # two samples 0.5 s apart that reached the harness together (it was starved)
+    trace._proc = type("P", (), {"stdout": io.StringIO("10.5 0 0\n11.0 500000 0\n")})()
+    trace._read()
+    assert trace.samples == [(0.5, [0, 0]), (1.0, [500000, 0])]
+    assert trace.rates(0) == [(1.0, 8e6, 0.0)]
+
+
 def test_link_use_counts_the_store_from_its_first_byte_and_a_node_while_it_downloads() -> None:
     trace = netlab.LinkTrace(None, 0.0)  # type: ignore[arg-type]
     mb = 10**6 // 8  # bytes a second of 1 Mbit/s
@@ -296,7 +307,8 @@ def test_link_use_counts_the_store_from_its_first_byte_and_a_node_while_it_downl
     assert up["node_mean"][0] == pytest.approx(24 / 40)
 
 
-def test_the_link_sampler_prints_each_device_s_counters() -> None:
+def test_the_link_sampler_stamps_each_sample_of_each_device_s_counters() -> None:
+    before = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", netlab._SAMPLER, "lo", "0.05"],
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
@@ -306,5 +318,9 @@ def test_the_link_sampler_prints_each_device_s_counters() -> None:
         proc.kill()
         proc.wait()
     for line in lines:
-        assert len(line) == 2 and all(x.isdigit() for x in line)  # rx, tx of lo
-    assert int(lines[1][0]) >= int(lines[0][0])
+        assert len(line) == 3 and all(x.isdigit() for x in line[1:])  # stamp, rx, tx of lo
+    assert int(lines[1][1]) >= int(lines[0][1])
+    # stamped when read, on the harness's clock: 0.05 s apart, however late the lines come
+    stamps = [float(line[0]) for line in lines]
+    assert before < stamps[0] < stamps[1] <= time.perf_counter()
+    assert stamps[1] - stamps[0] >= 0.05
