@@ -55,6 +55,11 @@ class StoreGate:
         with self._lock:
             return self._view
 
+    def per_request(self) -> float | None:
+        """Bytes/s one request to the store delivers (a moving average), if measured."""
+        with self._lock:
+            return self._per_request.get("origin")
+
     def paused(self) -> bool:
         """True while the store waits out the backoff after a failed request."""
         return time.monotonic() < self._pause_until
