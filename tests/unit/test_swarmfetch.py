@@ -24,6 +24,7 @@ from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
 from weightcache.node.swarm import piece_size_for
+from weightcache.node.swarmfetch import Rates, SwarmDownload
 from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
@@ -228,3 +229,36 @@ def test_an_empty_file_identical_files_and_a_complete_partial_go_through_the_swa
     assert bring_alone(layout, tmp_path, manifest) == 1 << 20
     for e in manifest.entries:
         assert layout.blob(e.sha256).read_bytes() == (tmp_path / e.path).read_bytes()
+
+
+def test_a_peer_s_piece_is_judged_slow_against_this_node_s_share_of_its_link(
+    tmp_path: Path,
+) -> None:
+    """The rate below which a peer's piece is given up (swarmfetch.PEER_MIN_RATE): 64 KiB/s
+    where the node's link has far more to share; on a slow or crowded link a quarter of
+    its rate per request in flight (honest peers were cut at 95-98% of their pieces at
+    12.5 mbit, 16 nodes); for a streamed piece at most a quarter of the store's rate per
+    request; and never below 8 KiB/s, so that a trickle is still given up when every
+    source trickles."""
+    downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
+    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+    swarm = SwarmDownload(peers, "0" * 64, 64 << 20, tmp_path / "partial", "a.bin",
+                          FileBlob(tmp_path / "a.bin"), downloader)  # fmt: skip
+    try:
+
+        def floor(received: int, requests: int, streamed: bool = False) -> float:
+            swarm.rates = Rates()
+            swarm.rates._start -= 10  # measured over the last second
+            swarm.rates.note(received)
+            swarm.inflight = {i: {"peer"} for i in range(requests)}
+            return swarm._slow_floor(streamed)
+
+        assert floor(8 << 20, 4) == 64 << 10  # a fast link: the fixed rate
+        assert floor(1_600_000, 16) == pytest.approx(1_600_000 / 16 / 4)  # 25 kB/s
+        assert floor(0, 4) == 8 << 10  # nothing arrives from anyone: still a floor
+        assert floor(1_600_000, 16, streamed=True) == pytest.approx(25_000)  # store unknown
+        swarm.store.measured("origin", 40_000, alone=True)  # a request to the store: 40 kB/s
+        assert floor(1_600_000, 16, streamed=True) == pytest.approx(10_000)
+        assert floor(1_600_000, 16) == pytest.approx(25_000)  # a held piece: the link's share
+    finally:
+        peers.close()
