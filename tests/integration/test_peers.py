@@ -7,8 +7,10 @@ is filled with `fetch --no-daemon` straight from the store, so its bytes are not
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import logging
 import os
 import random
 import socket
@@ -830,3 +832,35 @@ def test_a_streamed_piece_whose_store_request_fails_is_cut_never_padded(
     with pytest.raises(http.client.IncompleteRead) as cut:
         resp.read()
     assert cut.value.partial == b""
+
+
+def test_a_peer_leaving_before_its_answer_is_not_logged_as_an_error(
+    served: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A swarm drops requests all the time (a piece landed from another source first, a
+    node's blob complete, a peer judged too slow): an answer meeting a connection its client
+    reset is routine. It was one ERROR line each, 163 in a 200 s run of 16 nodes."""
+    sha256 = "7c" * 32
+    served.layout.blob(sha256).write_bytes(b"0123456789")
+    asked, answer = threading.Event(), threading.Event()
+    locate = PeerServer._locate
+
+    async def slow_locate(self: PeerServer, sha: str) -> Any:
+        asked.set()
+        while not answer.is_set():
+            await asyncio.sleep(0.01)
+        return await locate(self, sha)
+
+    monkeypatch.setattr(PeerServer, "_locate", slow_locate)
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+        sock.sendall(f"GET /blobs/sha256/{sha256} HTTP/1.1\r\nHost: x\r\n"
+                     f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())  # fmt: skip
+        assert asked.wait(5)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    time.sleep(0.2)  # the server has seen the reset
+    answer.set()
+    time.sleep(0.2)
+    status, body, _ = peer_get(served.port, f"/blobs/sha256/{sha256}")  # and serves on
+    assert (status, body) == (200, b"0123456789")
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors

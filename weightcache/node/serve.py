@@ -184,10 +184,14 @@ class _Protocol(web_protocol.RequestHandler):
         super().data_received(data)
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
-        """A malformed request is one warning line, never a traceback in the log."""
+        """A malformed request is one warning line, never a traceback in the log; a client
+        that left before its answer (a peer that dropped a piece it got elsewhere, a scraper
+        that gave up) is routine, not an error."""
         exc = kw.get("exc_info")
         if isinstance(exc, HttpProcessingError):
             log.warning("bad HTTP request: %s", exc)
+        elif isinstance(exc, ConnectionError):
+            log.debug("a client left before its answer: %r", exc)
         else:
             log.error("error serving an HTTP request: %r", exc if exc is not None else args)
 
