@@ -82,11 +82,29 @@ def tbf_args(bits_per_s: int) -> list[str]:
 def qdisc_sent_bytes(tc_json: str) -> int:
     """Bytes the root qdisc sent, from `tc -s -j qdisc show dev X`: on the wire, Ethernet,
     IP and TCP headers included (for GSO packets tc counts every segment's headers)."""
+    return qdisc_counter(tc_json, "bytes")
+
+
+def qdisc_counter(tc_json: str, name: str) -> int:
+    """A counter of the root qdisc ("bytes", "drops": packets its full queue dropped)."""
     qdiscs = json.loads(tc_json or "[]")
     roots = [q for q in qdiscs if q.get("root")]
     if not roots:
         raise ValueError("no root qdisc in tc's output: is the link shaped?")
-    return int(roots[0]["bytes"])
+    return int(roots[0][name])
+
+
+def netstat_counter(netstat: str, name: str) -> int:
+    """A counter of /proc/net/netstat's text (pairs of header and value lines), e.g.
+    "TcpExt:TCPTimeouts": retransmission timeouts (a TCP flow silent for an RTO, 200 ms and
+    doubling, after losing a whole window)."""
+    group, field_name = name.split(":")
+    lines = netstat.splitlines()
+    for head, values in zip(lines[::2], lines[1::2], strict=False):
+        keys, numbers = head.split(), values.split()
+        if keys and keys[0] == f"{group}:" and field_name in keys:
+            return int(numbers[keys.index(field_name)])
+    raise ValueError(f"no {name} in /proc/net/netstat")
 
 
 def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -126,6 +144,18 @@ class Host:
         """What this host uploaded since its shaping was set, from tc's counter."""
         return qdisc_sent_bytes(run("tc", "-n", self.ns, "-s", "-j", "qdisc", "show", "dev",
                                     self.inside).stdout)  # fmt: skip
+
+    def drops(self) -> tuple[int, int]:
+        """Packets tbf dropped (its queue full) since shaping was set: (upload, download)."""
+        up = run("tc", "-n", self.ns, "-s", "-j", "qdisc", "show", "dev", self.inside).stdout
+        where = ["-n", self.switch] if self.switch else []
+        down = run("tc", *where, "-s", "-j", "qdisc", "show", "dev", self.outside).stdout
+        return qdisc_counter(up, "drops"), qdisc_counter(down, "drops")
+
+    def tcp_timeouts(self) -> int:
+        """Retransmission timeouts of TCP in this host's namespace (/proc/net is per netns)."""
+        text = run(*self.exec_prefix(), "cat", "/proc/net/netstat").stdout
+        return netstat_counter(text, "TcpExt:TCPTimeouts")
 
 
 @dataclass

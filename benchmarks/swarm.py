@@ -165,6 +165,7 @@ class Run:
     daemon_counters: list[dict[str, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     link_use: dict[str, Any] = field(default_factory=dict)  # `link_use`
+    congestion: dict[str, Any] = field(default_factory=dict)  # `congestion`
 
 
 class Poller(threading.Thread):
@@ -264,6 +265,7 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
         argvs.append(daemon_argv(args.exe, node, home, store.endpoint_url, peers, args.wc_arg))
     os.sync()
     sent0, cpu0, self0 = lab.store.sent_bytes(), cpu_times(), time.process_time()
+    losses0 = losses([lab.store, *nodes])
     halt = threading.Event()
     procs: list[subprocess.Popen[bytes]] = []
     t0 = time.perf_counter()
@@ -284,6 +286,8 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
         sent, cpu1 = lab.store.sent_bytes() - sent0, cpu_times()
         harness_cpu = time.process_time() - self0
         counters = [scrape(h) for h in nodes]
+        lost = [tuple(b - a for a, b in zip(x, y, strict=True))
+                for x, y in zip(losses0, losses([lab.store, *nodes]), strict=True)]  # fmt: skip
     finally:
         halt.set()
         trace.stop()
@@ -294,7 +298,21 @@ def swarm_run(lab: nl.Lab, where: tuple[int, int, str, int], model: bl.Model,
     use = link_use(trace, where[0] * args.link_bits, args.link_bits, pollers)
     return Run(*where, [p.ready for p in pollers],
                [p.up for p in pollers], sent, sent / overhead, daemon_cpu, busy,
-               harness_cpu, counters, failures, use)  # fmt: skip
+               harness_cpu, counters, failures, use, congestion(lost))  # fmt: skip
+
+
+def losses(hosts: list[nl.Host]) -> list[tuple[int, int, int]]:
+    """Per host, (packets tbf dropped on its uplink, on its downlink, TCP retransmission
+    timeouts in its namespace): how congested the links were, from outside the daemons."""
+    return [(*h.drops(), h.tcp_timeouts()) for h in hosts]
+
+
+def congestion(lost: list[tuple[int, ...]]) -> dict[str, Any]:
+    """`losses` during a run (the store first): the store's uplink drops, and per node its
+    downlink drops and its TCP retransmission timeouts (a flow silent 200 ms or more)."""
+    return {"store_up_drops": lost[0][0], "store_tcp_timeouts": lost[0][2],
+            "node_down_drops": [x[1] for x in lost[1:]],
+            "node_tcp_timeouts": [x[2] for x in lost[1:]]}  # fmt: skip
 
 
 def link_use(trace: nl.LinkTrace, store_bits: float, link_bits: float,
@@ -498,6 +516,13 @@ def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | Non
                   f"{u['store_to']:.1f} s; node downlinks, up to ready: at 90% or more "
                   f"{ms.median(u['node_busy']):.0%}, mean {ms.median(u['node_mean']):.0%} of "
                   f"the link (median node)")  # fmt: skip
+    for r in runs:
+        if c := r.congestion:
+            print(f"regime {r.regime} N={r.n} {r.mode} round {r.round}: packets dropped by the "
+                  f"store's uplink {c['store_up_drops']}, by node downlinks "
+                  f"{sum(c['node_down_drops'])} (median node {ms.median(c['node_down_drops'])})"
+                  f"; TCP retransmission timeouts in the store {c['store_tcp_timeouts']}, in "
+                  f"the nodes {sum(c['node_tcp_timeouts'])}")  # fmt: skip
     for r in runs:
         if r.failures:
             print(f"\nregime {r.regime} N={r.n} {r.mode}: {len(r.failures)} not ready; "

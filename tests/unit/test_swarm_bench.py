@@ -39,6 +39,28 @@ def test_qdisc_sent_bytes_reads_the_root_qdisc() -> None:
         netlab.qdisc_sent_bytes("[]")  # a veth end without shaping: nothing to count
 
 
+def test_qdisc_drops_are_the_root_qdiscs() -> None:
+    dropped = TC_JSON.replace('"drops":0', '"drops":17')
+    assert netlab.qdisc_counter(dropped, "drops") == 17
+    assert netlab.qdisc_counter(dropped, "bytes") == 281920318
+
+
+# /proc/net/netstat of Linux 6.1, shortened: a header line and a value line per group.
+NETSTAT = (
+    "TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes\n"
+    "TcpExt: 0 42 7\n"
+    "IpExt: InNoRoutes TCPTimeouts\n"
+    "IpExt: 3 99\n"
+)
+
+
+def test_netstat_counter_reads_its_group() -> None:
+    assert netlab.netstat_counter(NETSTAT, "TcpExt:TCPTimeouts") == 42
+    assert netlab.netstat_counter(NETSTAT, "IpExt:TCPTimeouts") == 99
+    with pytest.raises(ValueError, match="no TcpExt:TCPLossRetransmits"):
+        netlab.netstat_counter(NETSTAT, "TcpExt:TCPLossRetransmits")
+
+
 def test_rates_are_tc_decimal_bits() -> None:
     assert netlab.parse_rate("400mbit") == 400_000_000
     assert netlab.parse_rate("1.6Gbit") == 1_600_000_000
