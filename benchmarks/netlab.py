@@ -228,16 +228,21 @@ class Lab:
 
 
 #: Runs in the bridge's namespace (`ip netns exec` mounts its /sys): every `period` s, a
-#: line of each listed device's rx and tx byte counters.
+#: line of each listed device's rx and tx byte counters, then the host's busy and total
+#: CPU time (/proc/stat's first line, in ticks: busy is all but idle and iowait).
 _SAMPLER = """
 import sys, time
 devs, period = sys.argv[1:-1], float(sys.argv[-1])
 def read(dev, what):
     with open(f"/sys/class/net/{dev}/statistics/{what}_bytes") as f:
         return f.read().strip()
+def cpu():
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return f"cpu {sum(ticks) - ticks[3] - ticks[4]} {sum(ticks)}"
 while True:
     stamp = time.perf_counter()  # CLOCK_MONOTONIC: the harness's clock too
-    print(stamp, " ".join(read(d, w) for d in devs for w in ("rx", "tx")), flush=True)
+    print(stamp, " ".join(read(d, w) for d in devs for w in ("rx", "tx")), cpu(), flush=True)
     time.sleep(period)
 """
 
@@ -256,6 +261,7 @@ class LinkTrace:
     def __init__(self, lab: Lab, t0: float, period: float = 0.5) -> None:
         self.lab, self.t0, self.period = lab, t0, period
         self.samples: list[tuple[float, list[int]]] = []  # (s since t0, rx/tx per host)
+        self.cpu: list[tuple[float, int, int]] = []  # (s since t0, busy ticks, all ticks)
         self._proc: subprocess.Popen[str] | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
 
@@ -278,8 +284,13 @@ class LinkTrace:
         assert self._proc is not None and self._proc.stdout is not None
         for line in self._proc.stdout:
             with contextlib.suppress(ValueError):
-                stamp, *counts = line.split()
-                self.samples.append((float(stamp) - self.t0, [int(x) for x in counts]))
+                links, _, cpu = line.partition(" cpu ")
+                stamp, *counts = links.split()
+                at = float(stamp) - self.t0
+                self.samples.append((at, [int(x) for x in counts]))
+                if cpu:
+                    busy, total = cpu.split()
+                    self.cpu.append((at, int(busy), int(total)))
 
     def rates(self, k: int) -> list[tuple[float, float, float]]:
         """Host k's (end of interval s, upload bit/s, download bit/s), one per interval."""
@@ -288,6 +299,12 @@ class LinkTrace:
             dt = max(t1 - t0, 1e-3)
             out.append((t1, (b[2 * k] - a[2 * k]) * 8 / dt, (b[2 * k + 1] - a[2 * k + 1]) * 8 / dt))
         return out
+
+    def cpu_busy(self) -> list[tuple[float, float]]:
+        """(end of interval s, share of the host's CPU time busy), one per interval."""
+        pairs = zip(self.cpu, self.cpu[1:], strict=False)
+        return [(t1, (b1 - b0) / (n1 - n0) if n1 > n0 else float("nan"))
+                for (_, b0, n0), (t1, b1, n1) in pairs]  # fmt: skip
 
 
 def busy_share(rates: list[float], capacity: float, at_least: float = 0.9) -> float:

@@ -329,12 +329,30 @@ def link_use(trace: nl.LinkTrace, store_bits: float, link_bits: float,
         "node_busy": [], "node_mean": [],
         "store_mbit": [(round(t, 2), round(up / 1e6, 1)) for t, up, _ in rates[0]],
         "node_down_mbit": [[round(d / 1e6, 1) for _, _, d in r] for r in rates[1:]],
+        "host_cpu": [(round(t, 2), round(busy, 3)) for t, busy in trace.cpu_busy()],
     }  # fmt: skip
     for p, node in zip(pollers, rates[1:], strict=True):
         down = [d for t, _, d in node if (p.up or 0) < t <= (p.ready or float("inf"))]
         use["node_busy"].append(nl.busy_share(down, link_bits))
         use["node_mean"].append(sum(down) / len(down) / link_bits if down else float("nan"))
     return use
+
+
+def store_rate_by_cpu(use: dict[str, Any], saturated: float = 0.95) -> str:
+    """The store's mean uplink rate, from its first byte to its last, in the intervals the
+    host's CPU was busy `saturated` or more against the others: whether the store's pace
+    follows this machine's CPU (all daemons share it) rather than the swarm's choices."""
+    groups: dict[bool, list[float]] = {True: [], False: []}
+    for (t, mbit), (_, busy) in zip(use["store_mbit"], use["host_cpu"], strict=False):
+        if use["store_from"] <= t <= use["store_to"] and busy == busy:
+            groups[busy >= saturated].append(mbit)
+    parts = [
+        f"{len(v)} intervals {'at' if hot else 'below'} {saturated:.0%} host CPU: the "
+        f"store's uplink {sum(v) / len(v):.1f} Mbit/s mean"
+        for hot, v in groups.items()
+        if v
+    ]
+    return "; ".join(parts) or "no interval with the store sending"
 
 
 def _tail(path: Path) -> str:
@@ -516,6 +534,10 @@ def print_results(output: dict[str, Any], runs: list[Run], plot_path: Path | Non
                   f"{u['store_to']:.1f} s; node downlinks, up to ready: at 90% or more "
                   f"{ms.median(u['node_busy']):.0%}, mean {ms.median(u['node_mean']):.0%} of "
                   f"the link (median node)")  # fmt: skip
+    for r in runs:
+        if r.link_use.get("host_cpu") and r.link_use["store_from"] is not None:
+            print(f"regime {r.regime} N={r.n} {r.mode} round {r.round}: "
+                  f"{store_rate_by_cpu(r.link_use)}")  # fmt: skip
     for r in runs:
         if c := r.congestion:
             print(f"regime {r.regime} N={r.n} {r.mode} round {r.round}: packets dropped by the "

@@ -312,6 +312,29 @@ def test_link_trace_times_a_sample_by_its_stamp_not_by_when_the_harness_read_it(
     assert trace.rates(0) == [(1.0, 8e6, 0.0)]
 
 
+def test_link_trace_reads_the_host_s_cpu_busy_share_beside_the_counters() -> None:
+    trace = netlab.LinkTrace(None, 10.0)  # type: ignore[arg-type]
+    lines = "10.5 0 0 cpu 100 1000\n11.0 500000 0 cpu 190 1100\n11.5 500000 0 cpu 190 1100\n"
+    trace._proc = type("P", (), {"stdout": io.StringIO(lines)})()
+    trace._read()
+    assert trace.rates(0) == [(1.0, 8e6, 0.0), (1.5, 0.0, 0.0)]
+    busy = trace.cpu_busy()
+    assert busy[0] == (1.0, 0.9) and busy[1][0] == 1.5 and math.isnan(busy[1][1])
+
+
+def test_store_rate_by_cpu_compares_the_store_s_pace_in_busy_and_calm_intervals() -> None:
+    use = {
+        "store_from": 1.0,
+        "store_to": 4.0,
+        "store_mbit": [(0.5, 0.0), (1.0, 12.0), (2.0, 6.0), (3.0, 10.0), (4.0, 11.0), (5.0, 0)],
+        "host_cpu": [(0.5, 0.1), (1.0, 0.5), (2.0, 0.99), (3.0, 0.97), (4.0, 0.2), (5.0, 0.99)],
+    }
+    assert swarm.store_rate_by_cpu(use) == (
+        "2 intervals at 95% host CPU: the store's uplink 8.0 Mbit/s mean; "
+        "2 intervals below 95% host CPU: the store's uplink 11.5 Mbit/s mean"
+    )
+
+
 def test_link_use_counts_the_store_from_its_first_byte_and_a_node_while_it_downloads() -> None:
     trace = netlab.LinkTrace(None, 0.0)  # type: ignore[arg-type]
     mb = 10**6 // 8  # bytes a second of 1 Mbit/s
@@ -339,9 +362,11 @@ def test_the_link_sampler_stamps_each_sample_of_each_device_s_counters() -> None
     finally:
         proc.kill()
         proc.wait()
-    for line in lines:
-        assert len(line) == 3 and all(x.isdigit() for x in line[1:])  # stamp, rx, tx of lo
+    for line in lines:  # stamp, rx, tx of lo, "cpu", busy and all ticks of the host
+        assert len(line) == 6 and line[3] == "cpu"
+        assert all(x.isdigit() for x in line[1:3] + line[4:])
     assert int(lines[1][1]) >= int(lines[0][1])
+    assert int(lines[1][5]) >= int(lines[0][5]) > int(lines[0][4])
     # stamped when read, on the harness's clock: 0.05 s apart, however late the lines come
     stamps = [float(line[0]) for line in lines]
     assert before < stamps[0] < stamps[1] <= time.perf_counter()
