@@ -17,7 +17,6 @@ import pytest
 from weightcache import cli
 from weightcache.config import PeerSettings, format_hostport, parse_hostport
 from weightcache.errors import UsageError
-from weightcache.node import swarmfetch
 from weightcache.node.metrics import BAD_PEER_REASONS
 from weightcache.node.peers import (
     BAD_PEER_SECONDS,
@@ -533,20 +532,6 @@ def test_probes_reuse_one_connection_per_peer(head_server: _CountingServer) -> N
         assert len(head_server.connections) == 2
     finally:
         peers.close()
-
-
-def test_rates_count_the_last_window_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    now = [100.0]
-    monkeypatch.setattr(swarmfetch.time, "monotonic", lambda: now[0])
-    rates = swarmfetch.Rates()
-    now[0] += 2 * swarmfetch.RATE_WINDOW
-    rates.note(1000)
-    now[0] += swarmfetch.RATE_WINDOW / 2
-    rates.note(3000)
-    assert rates.rate() == 4000 / swarmfetch.RATE_WINDOW
-    now[0] += swarmfetch.RATE_WINDOW * 0.75  # the first note is now out of the window
-    assert rates.rate() == 3000 / swarmfetch.RATE_WINDOW
-    assert rates.best == 4000 / swarmfetch.RATE_WINDOW
 
 
 def test_a_probe_round_within_a_view_asks_only_those_peers(head_server: _CountingServer) -> None:

@@ -24,7 +24,8 @@ from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
 from weightcache.node.swarm import piece_size_for
-from weightcache.node.swarmfetch import Rates, SwarmDownload
+from weightcache.node.swarmfetch import SwarmDownload
+from weightcache.node.swarmpace import Rates
 from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
@@ -234,7 +235,7 @@ def test_an_empty_file_identical_files_and_a_complete_partial_go_through_the_swa
 def test_a_peer_s_piece_is_judged_slow_against_this_node_s_share_of_its_link(
     tmp_path: Path,
 ) -> None:
-    """The rate below which a peer's piece is given up (swarmfetch.PEER_MIN_RATE): 64 KiB/s
+    """The rate below which a peer's piece is given up (swarmpace.slow_floor): 64 KiB/s
     where the node's link has far more to share; on a slow or crowded link a quarter of
     its rate per request in flight (honest peers were cut at 95-98% of their pieces at
     12.5 mbit, 16 nodes); for a streamed piece at most a quarter of the store's rate per

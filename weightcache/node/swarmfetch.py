@@ -58,6 +58,7 @@ from weightcache.node.swarm import (
 
 # fmt: on
 from weightcache.node.swarmorigin import StoreGate
+from weightcache.node.swarmpace import PEER_TIMEOUT, RATE_WINDOW, Rates, slow_floor, too_slow
 from weightcache.node.swarmviews import (
     VIEW_EVERY,
     VIEW_LAG,
@@ -78,47 +79,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TICK = 0.1  # seconds the loop sleeps at most between choices
-PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
-#: A piece from a peer is given up (the peer left out as for a failure) if it has not
-#: arrived after PEER_TIMEOUT, nor within its size at PEER_MIN_RATE bytes/s or, if lower, at
-#: a SLOW_SHARE-th of this node's download rate per request in flight (of the store's rate
-#: per request, for a piece a peer streams from the store), but never below TRICKLE_RATE.
-#: A peer trickling its pieces would hold them for ever, its bytes keeping the download
-#: from stalling, and the store never asked for them. Not a fixed rate alone: on a slow or
-#: crowded link every request is slow; at 12.5 mbit, 16 nodes, honest peers' pieces of 2
-#: MiB were cut at 95-98% (more than 150 in one run), their peers shunned and the pieces
-#: asked again: the last node ready at 2.2x the link's time.
-PEER_MIN_RATE, TRICKLE_RATE, SLOW_SHARE = 64 << 10, 8 << 10, 4
-RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 HASH_BUFFER = 256 << 10
-
-
-class Rates:
-    """Bytes received in the last RATE_WINDOW seconds, and the best rate seen (this node's
-    link, as far as it has shown). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._events: collections.deque[tuple[float, int]] = collections.deque()
-        self._total = 0  # the bytes of `_events` (a sum kept, not recomputed: one per read)
-        self._lock = threading.Lock()
-        self._start = time.monotonic()
-        self.best = 0.0
-
-    def note(self, nbytes: int) -> None:
-        with self._lock:
-            self._events.append((time.monotonic(), nbytes))
-            self._total += nbytes
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        with self._lock:
-            while self._events and self._events[0][0] < now - RATE_WINDOW:
-                self._total -= self._events.popleft()[1]
-            total = self._total
-        rate = total / max(0.2, min(RATE_WINDOW, now - self._start))
-        self.best = max(self.best, rate)
-        return rate
 
 
 @dataclass
@@ -411,7 +373,7 @@ class SwarmDownload:
                     if time.monotonic() >= judge_at:  # the piece must average `floor`
                         judge_at = time.monotonic() + RATE_WINDOW
                         floor = self._slow_floor(streamed)
-                        if time.monotonic() - began > max(PEER_TIMEOUT, len(data) / floor):
+                        if too_slow(time.monotonic() - began, len(data), floor):
                             raise RetryRange(f"too slow: {pos} of {len(data)} bytes, less "
                                              f"than {floor / 1024:.0f} KiB/s")  # fmt: skip
                     n = reader.readinto(view[pos:])
@@ -429,13 +391,10 @@ class SwarmDownload:
         return data
 
     def _slow_floor(self, streamed: bool) -> float:
-        """The bytes/s below which a piece from a peer is given up (PEER_MIN_RATE)."""
+        """The bytes/s below which a piece from a peer is given up (swarmpace.py)."""
         with self.lock:
-            requests = max(1, sum(len(s) for s in self.inflight.values()))
-        share = self.rates.rate() / requests
-        if streamed:  # it comes no faster than the store sends a request
-            share = min(share, self.store.per_request() or share)
-        return max(TRICKLE_RATE, min(PEER_MIN_RATE, share / SLOW_SHARE))
+            requests = sum(len(s) for s in self.inflight.values())
+        return slow_floor(self.rates.rate(), requests, self.store.per_request(), streamed)
 
     def _land(self, piece: int, source: str, data: bytearray) -> None:
         """Write a complete piece at its offset and record it (first source wins). Raises
