@@ -329,6 +329,7 @@ def link_use(trace: nl.LinkTrace, store_bits: float, link_bits: float,
         "node_busy": [], "node_mean": [],
         "store_mbit": [(round(t, 2), round(up / 1e6, 1)) for t, up, _ in rates[0]],
         "node_down_mbit": [[round(d / 1e6, 1) for _, _, d in r] for r in rates[1:]],
+        "node_up_mbit": [[round(u / 1e6, 1) for _, u, _ in r] for r in rates[1:]],
         "host_cpu": [(round(t, 2), round(busy, 3)) for t, busy in trace.cpu_busy()],
     }  # fmt: skip
     for p, node in zip(pollers, rates[1:], strict=True):
