@@ -817,6 +817,26 @@ def test_a_piece_coming_from_the_store_is_passed_on_as_it_arrives(served: Served
         assert status == 416, piece_range
 
 
+def test_a_streamed_piece_trickling_in_is_passed_on_within_a_second(served: Served) -> None:
+    """Less than STREAM_CHUNK arriving from the store (a crowded link: 10-30 kB/s) still
+    goes out once STREAM_FLUSH passed without a write, before the receiver's read timeout
+    (5 s): receivers waiting for 64 KiB timed out together and threw their bytes away."""
+    sha256, live = streaming(served)
+    live.arrive(10 << 10)
+    resp = open_piece(served, sha256, 1)
+    resp.fp.raw._sock.settimeout(peerserver.STREAM_FLUSH + 2)  # type: ignore[union-attr]
+    base = Streaming.PIECE
+    for got_to in (10 << 10, 30 << 10):  # the first bytes, then the next trickle
+        began = time.monotonic()
+        first = resp.read1(1 << 20)
+        assert first == live.data[base + got_to - len(first) : base + got_to]
+        assert len(first) == got_to - (0 if got_to == 10 << 10 else 10 << 10)
+        assert time.monotonic() - began < peerserver.STREAM_FLUSH + 1
+        live.arrive(20 << 10)
+    live.land()
+    assert resp.read() == live.data[base + (30 << 10) : 2 * base]
+
+
 def test_a_streamed_piece_whose_store_request_fails_is_cut_never_padded(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:

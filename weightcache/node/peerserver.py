@@ -67,8 +67,12 @@ SENDFILE_CHUNK = 16 << 20
 #: cut body (and moves on to the next source) rather than a timeout of its own.
 PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
 #: A piece streamed from the store goes out at least this much at a time (its tail, less),
-#: looked at every STREAM_POLL seconds: fewer, larger writes for the loop.
-STREAM_CHUNK, STREAM_POLL = 64 << 10, 0.02
+#: looked at every STREAM_POLL seconds: fewer, larger writes for the loop; but whatever has
+#: arrived once STREAM_FLUSH seconds passed without a write, well within the receiver's
+#: read timeout (swarmpace.PEER_TIMEOUT, 5 s). On a crowded link the store sends a request
+#: 10-30 kB/s: 64 KiB took longer than 5 s and the receivers, timing out together, threw
+#: away what they had and shunned the streamer (36 such pieces in a 16-node round).
+STREAM_CHUNK, STREAM_POLL, STREAM_FLUSH = 64 << 10, 0.02, 1.0
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 #: A chunk of a response must leave within SEND_GRACE seconds plus its size at
 #: SEND_MIN_RATE bytes/s, or the response is cut: a receiver that stops reading would
@@ -394,9 +398,10 @@ class PeerServer:
         end: int,
     ) -> None:  # fmt: skip
         """Send [start, end) of a piece this node is receiving from the store as its bytes
-        arrive (cut-through: design §8, Swarm), at least STREAM_CHUNK at a time; once the
-        piece is not streamed any more (written, or its request failed) the rest as from
-        any partial (`_send`: from the file, or waited for). Raises _Abort."""
+        arrive (cut-through: design §8, Swarm), at least STREAM_CHUNK at a time or what has
+        arrived after STREAM_FLUSH; once the piece is not streamed any more (written, or its
+        request failed) the rest as from any partial (`_send`: from the file, or waited
+        for). Raises _Abort."""
         pos, base = start, piece * piece_size
         idle_since = time.monotonic()
         while pos < end:
@@ -404,7 +409,9 @@ class PeerServer:
             want = min(CHUNK, end - pos)
             data = None
             if live is not None:
-                data = live.streamed(piece, pos - base, want, min(STREAM_CHUNK, want))
+                flush = time.monotonic() - idle_since >= STREAM_FLUSH
+                at_least = 1 if flush else min(STREAM_CHUNK, want)
+                data = live.streamed(piece, pos - base, want, at_least)
             if data is None:
                 await self._send(resp, sha256, pos, end)
                 return
