@@ -69,9 +69,9 @@ PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
 #: A piece streamed from the store goes out at least this much at a time (its tail, less),
 #: looked at every STREAM_POLL seconds: fewer, larger writes for the loop; but whatever has
 #: arrived once STREAM_FLUSH seconds passed without a write, well within the receiver's
-#: read timeout (swarmpace.PEER_TIMEOUT, 5 s). On a crowded link the store sends a request
-#: 10-30 kB/s: 64 KiB took longer than 5 s and the receivers, timing out together, threw
-#: away what they had and shunned the streamer (36 such pieces in a 16-node round).
+#: read timeout (swarmpace.PEER_TIMEOUT, 5 s). On a crowded link the store may send a
+#: request 10-30 kB/s: receivers waiting for 64 KiB could time out together, throw away
+#: what they had and shun a streamer that did nothing wrong.
 STREAM_CHUNK, STREAM_POLL, STREAM_FLUSH = 64 << 10, 0.02, 1.0
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 #: A chunk of a response must leave within SEND_GRACE seconds plus its size at
