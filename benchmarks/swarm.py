@@ -32,7 +32,11 @@ back to back in their namespaces. Measured from outside the daemons:
 - *received*: what each daemon counted as received from the store and from peers, over the
   model (the median node): above 1, pieces received twice and thrown away;
 - the daemons' own counters (origin, peer bytes) and CPU, and the host's CPU busy share, in
-  the JSON, to tell a CPU-bound run from a link-bound one.
+  the JSON, to tell a CPU-bound run from a link-bound one;
+- every link's rate over time (`netlab.LinkTrace`, every 0.5 s, beside the host's CPU busy
+  share: the store's pace in CPU-saturated intervals against the others is printed), and
+  how congested the links were: the packets each tbf dropped and the TCP retransmission
+  timeouts in each namespace (`congestion`).
 
 The line rate is the model's bytes over one node's link: no node can be ready sooner.
 Next to the measurements, benchmarks/swarmsim.py's prediction for the same setting (the
