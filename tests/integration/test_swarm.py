@@ -128,7 +128,8 @@ def test_a_node_killed_while_it_streams_a_piece_to_the_others_costs_them_that_pi
 
     wait_for("node0 streaming to its peers", streaming_to_peers, timeout=30, every=0.05)
     nodes[0].d.kill9()
-    cut = f"peer http://{nodes[0].peer_addr} failed a piece"
+    (label,) = [f.relpath for f in pub.model.files]
+    cut = f"peer http://{nodes[0].peer_addr} failed a piece of {label} it streams from the store"
     cuts = 0
     for n, r in zip(nodes[1:], running[1:], strict=True):
         result = r.finish(timeout=90)

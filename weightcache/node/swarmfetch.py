@@ -338,7 +338,7 @@ class SwarmDownload:
         try:
             return self._read(piece, source, kind, streamed=streamed)
         except (RetryRange, WeightcacheError, OSError) as e:
-            self._failed(source, e, piece)
+            self._failed(source, e, piece, streamed)
             return None
 
     def _read(
@@ -422,14 +422,15 @@ class SwarmDownload:
                 "check the disk and run the fetch again"
             ) from e
 
-    def _failed(self, source: str, error: BaseException, piece: int) -> None:
+    def _failed(self, source: str, error: BaseException, piece: int, streamed: bool) -> None:
         refused = source != ORIGIN and getattr(self.local, "status", 0) == 416
         if refused and not self.views.holds(source, piece):
             return  # not held (any more, or yet): its advertisement updated the view
         # a failure, as is a refusal still advertising the piece (else asked again at once)
         if source != ORIGIN:
-            log.info("peer %s failed a piece of %s (%s); choosing again", source, self.label,
-                     error)  # fmt: skip
+            how = "streams from the store" if streamed else "holds"
+            log.info("peer %s failed a piece of %s it %s (%s); choosing again", source,
+                     self.label, how, error)  # fmt: skip
             self.views.shun(source)
             return
         fatal = self.store.failed(error)
