@@ -723,13 +723,6 @@ def test_receivers_sharing_an_uplink_are_not_cut_for_their_share_of_it(
     fixed 256 KiB/s a 12.5 mbit uplink serving 60 pieces cut every one of them."""
     monkeypatch.setattr(peerserver, "SEND_GRACE", 1.0)
     monkeypatch.setattr(peerserver, "SEND_MIN_RATE", 4 << 20)
-    opened = peerserver._open_regular
-
-    def open_late(path: Path) -> Any:  # all four asked before the first chunk's deadline is set
-        time.sleep(1.0)
-        return opened(path)
-
-    monkeypatch.setattr(peerserver, "_open_regular", open_late)
     size, pace = 16 << 20, 1.5 * (1 << 20)
     data = random.Random(8).randbytes(1 << 20) * 16
     sha256 = "6e" * 32
