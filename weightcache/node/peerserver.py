@@ -75,12 +75,9 @@ PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
 STREAM_CHUNK, STREAM_POLL, STREAM_FLUSH = 64 << 10, 0.02, 1.0
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 #: A chunk of a response must leave within SEND_GRACE seconds plus its size at
-#: SEND_MIN_RATE bytes/s shared by the responses being sent (never below SEND_TRICKLE), or
-#: the response is cut: a receiver that stops reading would otherwise hold one of the
-#: MAX_REQUESTS slots, and a file, for good (16 MiB alone: 94 s). Shared: a 12.5 mbit
-#: uplink serving 60 pieces gives each 25 kB/s; at a fixed 256 KiB/s one node cut 237
-#: honest uploads in a 16-node round and the swarm stalled (benchmarks/RESULTS.md).
-SEND_GRACE, SEND_MIN_RATE, SEND_TRICKLE = READ_TIMEOUT, 256 << 10, 16 << 10
+#: SEND_MIN_RATE bytes/s, or the response is cut: a receiver that stops reading would
+#: otherwise hold one of the MAX_REQUESTS slots, and a file, for good (16 MiB: 94 s).
+SEND_GRACE, SEND_MIN_RATE = READ_TIMEOUT, 256 << 10
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -360,7 +357,7 @@ class PeerServer:
                     await asyncio.sleep(self.limiter.reserve(n))
                 if self.stopping.is_set() or transport.is_closing():
                     raise _Abort()  # (asyncio's sendfile raises RuntimeError on a closing one)
-                sent = await _in_time(loop.sendfile(transport, f, pos, n), n, self._requests)
+                sent = await _in_time(loop.sendfile(transport, f, pos, n), n)
                 self.observer.peer_uploaded(sent)
                 if sent != n:  # the file is shorter than it was: never pad
                     raise _Abort()
@@ -393,7 +390,7 @@ class PeerServer:
         """Send bytes of a partial through the loop, paced and in time (raises _Abort)."""
         if self.limiter is not None:
             await asyncio.sleep(self.limiter.reserve(len(data)))
-        await _in_time(resp.write(data), len(data), self._requests)
+        await _in_time(resp.write(data), len(data))
         self.observer.peer_uploaded(len(data))
 
     async def _stream(
@@ -442,15 +439,13 @@ class PeerServer:
         return resp
 
 
-async def _in_time(sending: Awaitable[T], nbytes: int, sharing: int) -> T:
+async def _in_time(sending: Awaitable[T], nbytes: int) -> T:
     """`sending` (nbytes to the receiver), or _Abort if the receiver does not take them
-    within SEND_GRACE + nbytes / rate seconds, the rate SEND_MIN_RATE shared by `sharing`
-    responses (at least SEND_TRICKLE)."""
-    rate = max(SEND_TRICKLE, SEND_MIN_RATE / max(1, sharing))
+    within SEND_GRACE + nbytes / SEND_MIN_RATE seconds."""
     try:
-        return await asyncio.wait_for(sending, SEND_GRACE + nbytes / rate)
+        return await asyncio.wait_for(sending, SEND_GRACE + nbytes / SEND_MIN_RATE)
     except TimeoutError:
-        log.info("cut a response: the receiver took less than %d bytes/s", rate)
+        log.info("cut a response: the receiver took less than %d bytes/s", SEND_MIN_RATE)
         raise _Abort() from None
 
 
