@@ -142,15 +142,20 @@ class Host:
 
     def sent_bytes(self) -> int:
         """What this host uploaded since its shaping was set, from tc's counter."""
-        return qdisc_sent_bytes(run("tc", "-n", self.ns, "-s", "-j", "qdisc", "show", "dev",
-                                    self.inside).stdout)  # fmt: skip
+        return qdisc_sent_bytes(self._qdisc_stats(upload=True))
 
     def drops(self) -> tuple[int, int]:
         """Packets tbf dropped (its queue full) since shaping was set: (upload, download)."""
-        up = run("tc", "-n", self.ns, "-s", "-j", "qdisc", "show", "dev", self.inside).stdout
+        return (qdisc_counter(self._qdisc_stats(upload=True), "drops"),
+                qdisc_counter(self._qdisc_stats(upload=False), "drops"))  # fmt: skip
+
+    def _qdisc_stats(self, upload: bool) -> str:
+        """`tc -s -j qdisc show` of the veth end whose egress is this host's upload (or
+        download)."""
+        if upload:
+            return run("tc", "-n", self.ns, "-s", "-j", "qdisc", "show", "dev", self.inside).stdout
         where = ["-n", self.switch] if self.switch else []
-        down = run("tc", *where, "-s", "-j", "qdisc", "show", "dev", self.outside).stdout
-        return qdisc_counter(up, "drops"), qdisc_counter(down, "drops")
+        return run("tc", *where, "-s", "-j", "qdisc", "show", "dev", self.outside).stdout
 
     def tcp_timeouts(self) -> int:
         """Retransmission timeouts of TCP in this host's namespace (/proc/net is per netns)."""
@@ -287,10 +292,12 @@ class LinkTrace:
                 links, _, cpu = line.partition(" cpu ")
                 stamp, *counts = links.split()
                 at = float(stamp) - self.t0
-                self.samples.append((at, [int(x) for x in counts]))
+                ticks = [int(x) for x in cpu.split()]  # parsed before either list grows:
+                sample = (at, [int(x) for x in counts])  # a bad line adds to neither
                 if cpu:
-                    busy, total = cpu.split()
-                    self.cpu.append((at, int(busy), int(total)))
+                    busy, total = ticks
+                    self.cpu.append((at, busy, total))
+                self.samples.append(sample)
 
     def rates(self, k: int) -> list[tuple[float, float, float]]:
         """Host k's (end of interval s, upload bit/s, download bit/s), one per interval."""

@@ -314,7 +314,9 @@ def test_link_trace_times_a_sample_by_its_stamp_not_by_when_the_harness_read_it(
 
 def test_link_trace_reads_the_host_s_cpu_busy_share_beside_the_counters() -> None:
     trace = netlab.LinkTrace(None, 10.0)  # type: ignore[arg-type]
-    lines = "10.5 0 0 cpu 100 1000\n11.0 500000 0 cpu 190 1100\n11.5 500000 0 cpu 190 1100\n"
+    lines = ("10.5 0 0 cpu 100 1000\n11.0 500000 0 cpu 190 1100\n"
+             "11.2 500000 0 cpu 190\n"  # cut short: in neither list, which stay aligned
+             "11.5 500000 0 cpu 190 1100\n")  # fmt: skip
     trace._proc = type("P", (), {"stdout": io.StringIO(lines)})()
     trace._read()
     assert trace.rates(0) == [(1.0, 8e6, 0.0), (1.5, 0.0, 0.0)]
