@@ -715,6 +715,46 @@ def test_a_receiver_that_stops_reading_has_its_response_cut(
     assert 0 < got < size, f"{got} bytes: the response was not cut"
 
 
+def test_receivers_sharing_an_uplink_are_not_cut_for_their_share_of_it(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four receivers each reading at 1.5 MiB/s, below SEND_MIN_RATE (4 MiB/s here) but
+    above their share of it (1 MiB/s): honest, as on a crowded uplink, so not cut. The first
+    starts alone (its chunk's deadline at 4 MiB/s: 5 s for 16 MiB), the others join it:
+    judged again as they come, it is not cut either. At a fixed 256 KiB/s each, a 12.5 mbit
+    uplink serving 60 pieces cut every one of them."""
+    monkeypatch.setattr(peerserver, "SEND_GRACE", 1.0)
+    monkeypatch.setattr(peerserver, "SEND_MIN_RATE", 4 << 20)
+    size, pace = 16 << 20, 1.5 * (1 << 20)
+    data = random.Random(8).randbytes(1 << 20) * 16
+    sha256 = "6e" * 32
+    served.layout.blob(sha256).write_bytes(data)
+    got: list[int] = []
+
+    def receive() -> None:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # no autotuning
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", served.port))
+            sock.sendall(f"GET /blobs/sha256/{sha256} HTTP/1.1\r\nHost: x\r\n"
+                         f"Authorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n"
+                         .encode())  # fmt: skip
+            began, total = time.monotonic(), 0
+            while chunk := sock.recv(64 << 10):
+                total += len(chunk)
+                time.sleep(max(0.0, began + total / pace - time.monotonic()))
+        got.append(total)
+
+    threads = [threading.Thread(target=receive) for _ in range(4)]
+    threads[0].start()
+    time.sleep(0.3)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 4 and all(n > size for n in got), got  # headers and the whole body
+
+
 def test_two_range_headers_are_refused_not_read_as_the_first(served: Served) -> None:
     sha256 = "7a" * 32
     served.layout.blob(sha256).write_bytes(b"0123456789")

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -75,9 +75,13 @@ PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
 STREAM_CHUNK, STREAM_POLL, STREAM_FLUSH = 64 << 10, 0.02, 1.0
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 #: A chunk of a response must leave within SEND_GRACE seconds plus its size at
-#: SEND_MIN_RATE bytes/s, or the response is cut: a receiver that stops reading would
-#: otherwise hold one of the MAX_REQUESTS slots, and a file, for good (16 MiB: 94 s).
-SEND_GRACE, SEND_MIN_RATE = READ_TIMEOUT, 256 << 10
+#: SEND_MIN_RATE bytes/s shared by the responses being served (the most seen while it is
+#: sent, judged every SEND_RECHECK seconds; never below SEND_TRICKLE), or the response is
+#: cut: a receiver that stops reading would otherwise hold one of the MAX_REQUESTS slots,
+#: and a file, for good (16 MiB alone: 94 s). Shared: a 12.5 mbit uplink serving 60
+#: pieces gives each 25 kB/s; at a fixed 256 KiB/s each one node cut 237 honest uploads
+#: in a 16-node round and the swarm stalled (benchmarks/RESULTS.md).
+SEND_GRACE, SEND_MIN_RATE, SEND_TRICKLE, SEND_RECHECK = READ_TIMEOUT, 256 << 10, 16 << 10, 0.5
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -357,7 +361,7 @@ class PeerServer:
                     await asyncio.sleep(self.limiter.reserve(n))
                 if self.stopping.is_set() or transport.is_closing():
                     raise _Abort()  # (asyncio's sendfile raises RuntimeError on a closing one)
-                sent = await _in_time(loop.sendfile(transport, f, pos, n), n)
+                sent = await self._in_time(loop.sendfile(transport, f, pos, n), n)
                 self.observer.peer_uploaded(sent)
                 if sent != n:  # the file is shorter than it was: never pad
                     raise _Abort()
@@ -390,7 +394,7 @@ class PeerServer:
         """Send bytes of a partial through the loop, paced and in time (raises _Abort)."""
         if self.limiter is not None:
             await asyncio.sleep(self.limiter.reserve(len(data)))
-        await _in_time(resp.write(data), len(data))
+        await self._in_time(resp.write(data), len(data))
         self.observer.peer_uploaded(len(data))
 
     async def _stream(
@@ -425,6 +429,30 @@ class PeerServer:
             pos += len(data)
             idle_since = time.monotonic()
 
+    async def _in_time(self, sending: Awaitable[T], nbytes: int) -> T:
+        """`sending` (nbytes to the receiver), or _Abort if the receiver does not take them
+        within SEND_GRACE + nbytes / rate seconds, the rate SEND_MIN_RATE shared by the most
+        responses served meanwhile (at least SEND_TRICKLE): requests arriving during a chunk
+        slow it down, so its deadline is judged again every SEND_RECHECK seconds."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(sending)
+        began, sharing = loop.time(), self._requests
+        try:
+            while True:
+                rate = max(SEND_TRICKLE, SEND_MIN_RATE / max(1, sharing))
+                left = began + SEND_GRACE + nbytes / rate - loop.time()
+                if left <= 0:
+                    log.info("cut a response: the receiver took less than %d bytes/s", rate)
+                    raise _Abort()
+                done, _ = await asyncio.wait({task}, timeout=min(left, SEND_RECHECK))
+                if done:
+                    return task.result()
+                sharing = max(sharing, self._requests)
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_retrieve)
+
     def _refuse(
         self, code: int, reason: str, head: bool, headers: dict[str, str] | None = None,
         close: bool = False,
@@ -439,14 +467,10 @@ class PeerServer:
         return resp
 
 
-async def _in_time(sending: Awaitable[T], nbytes: int) -> T:
-    """`sending` (nbytes to the receiver), or _Abort if the receiver does not take them
-    within SEND_GRACE + nbytes / SEND_MIN_RATE seconds."""
-    try:
-        return await asyncio.wait_for(sending, SEND_GRACE + nbytes / SEND_MIN_RATE)
-    except TimeoutError:
-        log.info("cut a response: the receiver took less than %d bytes/s", SEND_MIN_RATE)
-        raise _Abort() from None
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Retrieve a cancelled send's outcome (asyncio would log it as never retrieved)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _advertise(pieces: Pieces) -> dict[str, str]:
