@@ -373,7 +373,9 @@ class SwarmDownload:
                     if time.monotonic() >= judge_at:  # the piece must average `floor`
                         judge_at = time.monotonic() + RATE_WINDOW
                         floor = self._slow_floor(streamed)
-                        if too_slow(time.monotonic() - began, len(data), floor):
+                        elapsed = time.monotonic() - began
+                        if too_slow(elapsed, len(data), floor):
+                            self.store.too_slow(pos / elapsed)
                             raise RetryRange(f"too slow: {pos} of {len(data)} bytes, less "
                                              f"than {floor / 1024:.0f} KiB/s")  # fmt: skip
                     n = reader.readinto(view[pos:])

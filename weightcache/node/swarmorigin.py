@@ -78,8 +78,7 @@ class StoreGate:
         to be the bottleneck, unless this node has been `alone` (no peer holds or fetches
         the blob) for ALONE_GRACE: then nothing is lost by asking the store more."""
         with self._lock:
-            old = self._per_request.get(kind)
-            self._per_request[kind] = rate if old is None else old + EWMA * (rate - old)
+            self._average(kind, rate)
             if kind != "origin":
                 return
             peer = self._per_request.get("peer")
@@ -90,6 +89,25 @@ class StoreGate:
             window = next_window(self._view.window, room, self.limits)
             ahead = math.ceil(self.lag * self._per_request["origin"] * window / self.piece_size)
             self._view = StoreView(room, window, ahead)
+
+    def too_slow(self, rate: float) -> None:
+        """A peer's piece was given up after arriving at `rate` bytes/s: the peers' pace
+        counts it (not only the pieces that landed), and if a request to the store is
+        ROOM_FACTOR times as fast as one to a peer now, the store has room at once, not at
+        its next piece: the node may have none in flight to it, and would wait for slow
+        peers rather than ask it (a trickling peer was asked its pieces again and again)."""
+        with self._lock:
+            peer = self._average("peer", rate)
+            store = self._per_request.get("origin")
+            throttled = time.monotonic() - self._throttled_at < THROTTLE_MEMORY
+            if store is not None and not throttled and store >= ROOM_FACTOR * peer:
+                self._view = StoreView(True, self._view.window, self._view.ahead)
+
+    def _average(self, kind: str, rate: float) -> float:
+        """Count a request's rate into its kind's moving average; returns the average."""
+        old = self._per_request.get(kind)
+        new = self._per_request[kind] = rate if old is None else old + EWMA * (rate - old)
+        return new
 
     def failed(self, error: BaseException) -> BaseException | None:
         """A request to the store failed: what ends the download, if anything. A refusal
