@@ -45,15 +45,15 @@ from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings
 from weightcache.node import peerserver
-from weightcache.node.peers import Peers
-from weightcache.node.peerserver import PeerServer, encode_pieces
+from weightcache.node.peerpieces import encode_pieces
+from weightcache.node.peers import HELD_ONLY, PIECE_SIZE, PIECES, STREAMING, Peers
+from weightcache.node.peerserver import PeerServer
 from weightcache.node.serve import Limits, LoopThread
 from weightcache.node.swarm import Bitmap
 from weightcache.ops.devstore import free_port
 from weightcache.transfer.parts import PartState
 
 TOKEN = "peer-token-for-tests-0123456789"
-PIECES, PIECE_SIZE, HELD_ONLY = peerserver.PIECES, peerserver.PIECE_SIZE, peerserver.HELD_ONLY
 PEER_BYTES = 'weightcache_bytes_total{source="peer"}'
 ORIGIN_BYTES = 'weightcache_bytes_total{source="origin"}'
 UPLOADED = "weightcache_peer_upload_bytes_total"
@@ -831,7 +831,7 @@ def test_a_piece_coming_from_the_store_is_passed_on_as_it_arrives(served: Served
     before the piece is complete, and the rest, once written, from the file."""
     sha256, live = streaming(served)
     status, _, headers = peer_get(served.port, f"/blobs/sha256/{sha256}", method="HEAD")
-    assert (status, headers[peerserver.STREAMING]) == (200, Bitmap.of(4, [1]).encode())
+    assert (status, headers[STREAMING]) == (200, Bitmap.of(4, [1]).encode())
     live.arrive(100 << 10)
     resp = open_piece(served, sha256, 1)
     assert resp.status == 206

@@ -18,6 +18,13 @@ from weightcache import cli
 from weightcache.config import PeerSettings, format_hostport, parse_hostport
 from weightcache.errors import UsageError
 from weightcache.node.metrics import BAD_PEER_REASONS
+from weightcache.node.peerpieces import (
+    Pieces,
+    encode_pieces,
+    parse_pieces,
+    partial_pieces,
+    partial_prefix,
+)
 from weightcache.node.peers import (
     BAD_PEER_SECONDS,
     BLOB_PATH,
@@ -32,15 +39,7 @@ from weightcache.node.peers import (
     peer_url,
     regrid,
 )
-from weightcache.node.peerserver import (
-    Pieces,
-    encode_pieces,
-    parse_pieces,
-    parse_range,
-    partial_pieces,
-    partial_prefix,
-    refusal,
-)
+from weightcache.node.peerserver import parse_range, refusal
 from weightcache.node.swarm import Bitmap
 from weightcache.options import env, peer_settings
 from weightcache.transfer.parts import PartState

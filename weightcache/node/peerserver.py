@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import re
@@ -27,7 +26,6 @@ import stat
 import threading
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
@@ -36,22 +34,10 @@ from aiohttp import web
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings, format_hostport
 from weightcache.errors import UsageError
-from weightcache.node.peers import (
-    ASKER,
-    BLOB_PATH,
-    FETCHING,
-    HELD_ONLY,
-    LOAD,
-    PIECE_SIZE,
-    PIECES,
-    STREAMING,
-    Peers,
-)  # fmt: skip
+from weightcache.node.peerpieces import Pieces, advertise, partial_pieces
+from weightcache.node.peers import ASKER, BLOB_PATH, HELD_ONLY, LOAD, Peers
 from weightcache.node.serve import HttpServer, Limits
-from weightcache.node.swarm import Bitmap
-from weightcache.smallfile import read_small
 from weightcache.transfer.pacing import TokenBucket
-from weightcache.transfer.parts import MAX_STATE_BYTES, PartState
 from weightcache.transfer.sources import READ_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -120,84 +106,6 @@ def refusal(authorization: str | None, token: str) -> str | None:
     except UnicodeEncodeError:  # a byte aiohttp could not decode: not our token
         return "bad_token"
     return None if scheme.lower() == "bearer" and ok else "bad_token"
-
-
-ALL = "all"  # the pieces header of a complete blob
-
-
-def encode_pieces(held: list[bool]) -> str:
-    """The pieces header for a bitmap (`swarm.Bitmap.encode`: base64 of ceil(n / 8) bytes,
-    piece i in bit i % 8 of byte i // 8)."""
-    return Bitmap.of(len(held), (i for i, h in enumerate(held) if h)).encode()
-
-
-def parse_pieces(text: str, count: int) -> list[bool]:
-    """The pieces held, from a pieces header for a blob of `count` pieces (`all`, or what
-    `encode_pieces` writes). Raises ValueError (`BitmapError`) for anything else."""
-    if text == ALL:
-        return [True] * count
-    held = Bitmap.decode(count, text)
-    return [i in held for i in range(count)]
-
-
-@dataclass(frozen=True)
-class Pieces:
-    """Which pieces of a blob this node holds: every byte (`held` None: a complete blob),
-    or the pieces of `piece_size` bytes (the last one shorter) marked in `held`."""
-
-    size: int
-    piece_size: int = 0
-    held: tuple[bool, ...] | None = None
-    fetching: Bitmap | None = None  # in flight, when a running swarm download says
-    streaming: Bitmap | None = None  # of those, the ones it passes on as they arrive
-
-    def streamed_piece(self, start: int, end: int) -> int | None:
-        """The piece that [start, end) lies in, if that piece is streamed (not held)."""
-        if self.streaming is None or not self.piece_size or end <= start:
-            return None
-        piece = start // self.piece_size
-        last = (end - 1) // self.piece_size
-        return piece if piece == last and piece in self.streaming else None
-
-    def header(self) -> str:
-        return ALL if self.held is None else encode_pieces(list(self.held))
-
-    def run_end(self, pos: int) -> int:
-        """End of the run of held bytes from `pos` (`pos` itself: its piece is not held)."""
-        if self.held is None:
-            return self.size
-        i = pos // self.piece_size
-        while i < len(self.held) and self.held[i]:
-            i += 1
-        return max(pos, min(self.size, i * self.piece_size))
-
-    def covers(self, start: int, end: int) -> bool:
-        """Whether every byte of [start, end) is in a held piece."""
-        pos = start
-        while pos < end:
-            run = self.run_end(pos)
-            if run == pos:
-                return False
-            pos = run
-        return True
-
-
-def partial_pieces(state_path: Path, size: int) -> Pieces:
-    """The pieces of a partial blob its downloader recorded as written: the parts of its
-    part state (weightcache/transfer/parts.py), a part held once done. The one place that
-    reads a part state here."""
-    try:
-        part_size = int(json.loads(read_small(state_path, MAX_STATE_BYTES))["part_size"])
-    except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
-        return Pieces(size, max(size, 1), (False,))
-    if part_size < 4096:  # not what the downloader writes; never plan millions of parts
-        return Pieces(size, max(size, 1), (False,))
-    return Pieces(size, part_size, tuple(PartState.load(state_path, size, part_size).done))
-
-
-def partial_prefix(state_path: Path, size: int) -> int:
-    """Bytes at the start of a partial blob that its downloader recorded as written."""
-    return partial_pieces(state_path, size).run_end(0)
 
 
 #: Peer connections: more than MAX_REQUESTS so that HEADs still get in while uploads run;
@@ -288,7 +196,7 @@ class PeerServer:
         except ValueError:
             return self._refuse(416, "bad_range", head, {"Content-Range": f"bytes */{size}"})
         start, end = wanted or (0, size)
-        advertised = _advertise(pieces)
+        advertised = advertise(pieces)
         covered = pieces.covers(start, end)
         streamed = None if covered else pieces.streamed_piece(start, end)
         if request.headers.get(HELD_ONLY) == "1" and not covered and streamed is None:
@@ -471,18 +379,6 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
     """Retrieve a cancelled send's outcome (asyncio would log it as never retrieved)."""
     if not task.cancelled():
         task.exception()
-
-
-def _advertise(pieces: Pieces) -> dict[str, str]:
-    """The response headers that say which pieces this node holds."""
-    if pieces.held is None:
-        return {PIECES: ALL}
-    headers = {PIECES: pieces.header(), PIECE_SIZE: str(pieces.piece_size)}
-    if pieces.fetching is not None:
-        headers[FETCHING] = pieces.fetching.encode()
-    if pieces.streaming is not None:
-        headers[STREAMING] = pieces.streaming.encode()
-    return headers
 
 
 def _open_regular(path: Path) -> BinaryIO:
