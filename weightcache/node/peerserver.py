@@ -65,8 +65,10 @@ MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retri
 #: sent, judged every SEND_RECHECK seconds; never below SEND_TRICKLE), or the response is
 #: cut: a receiver that stops reading would otherwise hold one of the MAX_REQUESTS slots,
 #: and a file, for good (16 MiB alone: 94 s). Shared: a 12.5 mbit uplink serving 60
-#: pieces gives each 25 kB/s; at a fixed 256 KiB/s each one node cut 237 honest uploads
-#: in a 16-node round and the swarm stalled (benchmarks/RESULTS.md).
+#: pieces gives each 25 kB/s; at a fixed 256 KiB/s each, one node cut 237 honest uploads
+#: in a 16-node round and the swarm stalled (benchmarks/RESULTS.md). The price: with 16 or
+#: more responses a receiver that stops reading keeps its slot up to 30 s + 256 s for a
+#: 4 MiB piece (46 s alone).
 SEND_GRACE, SEND_MIN_RATE, SEND_TRICKLE, SEND_RECHECK = READ_TIMEOUT, 256 << 10, 16 << 10, 0.5
 
 
