@@ -263,15 +263,21 @@ class PeerServer:
         if transport is None:
             raise _Abort()
         loop = asyncio.get_running_loop()
+
+        async def chunk(f: BinaryIO, pos: int, n: int) -> int:
+            # checked in the step that starts the send (a task's first step comes later):
+            # asyncio's sendfile raises RuntimeError on a closing transport
+            if self.stopping.is_set() or transport.is_closing():
+                raise _Abort()
+            return await loop.sendfile(transport, f, pos, n)
+
         with await asyncio.to_thread(_open_regular, path) as f:
             pos = start
             while pos < end:
                 n = min(self._sendfile_chunk(), end - pos)
                 if self.limiter is not None:
                     await asyncio.sleep(self.limiter.reserve(n))
-                if self.stopping.is_set() or transport.is_closing():
-                    raise _Abort()  # (asyncio's sendfile raises RuntimeError on a closing one)
-                sent = await self._in_time(loop.sendfile(transport, f, pos, n), n)
+                sent = await self._in_time(chunk(f, pos, n), n)
                 self.observer.peer_uploaded(sent)
                 if sent != n:  # the file is shorter than it was: never pad
                     raise _Abort()
