@@ -375,7 +375,7 @@ class SwarmDownload:
                         floor = self._slow_floor(streamed)
                         elapsed = time.monotonic() - began
                         if too_slow(elapsed, len(data), floor):
-                            self.store.too_slow(pos / elapsed)
+                            self.store.peer_too_slow(pos / elapsed)
                             raise RetryRange(f"too slow: {pos} of {len(data)} bytes, less "
                                              f"than {floor / 1024:.0f} KiB/s")  # fmt: skip
                     n = reader.readinto(view[pos:])

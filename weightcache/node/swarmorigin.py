@@ -81,16 +81,13 @@ class StoreGate:
             self._average(kind, rate)
             if kind != "origin":
                 return
-            peer = self._per_request.get("peer")
-            now = time.monotonic()
-            alone = alone and now - self._started >= ALONE_GRACE
-            faster = rate >= ROOM_FACTOR * peer if peer is not None else alone
-            room = now - self._throttled_at >= THROTTLE_MEMORY and faster
+            alone = alone and time.monotonic() - self._started >= ALONE_GRACE
+            room = self._room(rate, self._per_request.get("peer"), alone)
             window = next_window(self._view.window, room, self.limits)
             ahead = math.ceil(self.lag * self._per_request["origin"] * window / self.piece_size)
             self._view = StoreView(room, window, ahead)
 
-    def too_slow(self, rate: float) -> None:
+    def peer_too_slow(self, rate: float) -> None:
         """A peer's piece was given up after arriving at `rate` bytes/s: the peers' pace
         counts it (not only the pieces that landed), and if a request to the store is
         ROOM_FACTOR times as fast as one to a peer now, the store has room at once, not at
@@ -99,15 +96,21 @@ class StoreGate:
         with self._lock:
             peer = self._average("peer", rate)
             store = self._per_request.get("origin")
-            throttled = time.monotonic() - self._throttled_at < THROTTLE_MEMORY
-            if store is not None and not throttled and store >= ROOM_FACTOR * peer:
+            if store is not None and self._room(store, peer, alone=False):
                 self._view = StoreView(True, self._view.window, self._view.ahead)
+
+    def _room(self, store: float, peer: float | None, alone: bool) -> bool:
+        """Whether a store request at `store` bytes/s shows room (`measured`): no throttle
+        in the last THROTTLE_MEMORY seconds, and ROOM_FACTOR times a peer's `peer` (not
+        measured yet: if `alone`)."""
+        faster = store >= ROOM_FACTOR * peer if peer is not None else alone
+        return faster and time.monotonic() - self._throttled_at >= THROTTLE_MEMORY
 
     def _average(self, kind: str, rate: float) -> float:
         """Count a request's rate into its kind's moving average; returns the average."""
         old = self._per_request.get(kind)
-        new = self._per_request[kind] = rate if old is None else old + EWMA * (rate - old)
-        return new
+        self._per_request[kind] = rate if old is None else old + EWMA * (rate - old)
+        return self._per_request[kind]
 
     def failed(self, error: BaseException) -> BaseException | None:
         """A request to the store failed: what ends the download, if anything. A refusal
