@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from weightcache.errors import TransientError
-from weightcache.transfer.httprange import HttpRanges, S3Revision
+from weightcache.transfer.httprange import HttpRanges
+from weightcache.transfer.s3revision import S3Revision
 
 SLOW = 1 << 20  # bytes of /slow, sent 2 KiB every 2 ms (about 1 MB/s)
 FAST = 200 << 10  # bytes of /fast, sent at once

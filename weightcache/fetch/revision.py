@@ -108,7 +108,8 @@ def open_revision(
         from weightcache.transfer.azure import AzureRevision
 
         return AzureRevision(source.url, source.bucket, source.prefix, timeout)
-    from weightcache.transfer.httprange import HttpRanges, S3Revision
+    from weightcache.transfer.httprange import HttpRanges
+    from weightcache.transfer.s3revision import S3Revision
 
     if source.scheme == "hf":
         from weightcache.transfer.hub import HubRevision

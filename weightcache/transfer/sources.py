@@ -14,7 +14,7 @@ a local file (`FileBlob`, below).
 One level up, a `RevisionSource` is a revision's directory at its origin, whatever the
 scheme: it lists the files' sizes, reads the manifest, and hands out each file as a
 `BlobSource` (design §4, Revision sources). `DirectoryRevision` (below) is a directory on
-a mounted filesystem (a PVC, NFS); `S3Revision` (httprange.py) is an s3:// prefix;
+a mounted filesystem (a PVC, NFS); `S3Revision` (s3revision.py) is an s3:// prefix;
 `HubRevision` (hub.py) a Hugging Face Hub repository at a revision.
 """
 
