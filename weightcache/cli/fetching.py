@@ -180,17 +180,17 @@ def _fetch_miss(
     # SIGTERM (the kubelet deleting the Pod): the downloads stop after their current read,
     # the part states are saved, and the fetch says so on its way out (exit 143).
     import signal
-    import threading
 
-    main = threading.current_thread() is threading.main_thread()  # (signal's rule)
-    default = signal.signal(signal.SIGTERM, lambda *_: fetcher.interrupt()) if main else None
+    from weightcache.cli.signals import calling_on
+
     # Fetching alone: the node daemon counts us through the cache dir (design §6).
     try:
-        with registered(layout, src.name, src.revision, lambda: progress.inflight):
+        with (
+            calling_on((signal.SIGTERM,), fetcher.interrupt),
+            registered(layout, src.name, src.revision, lambda: progress.inflight),
+        ):
             return fetcher.fetch(src, pod_uid)
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, default)
         progress.close()
 
 

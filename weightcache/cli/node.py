@@ -83,7 +83,8 @@ def daemon(cache_dir: Path, **kw: Any) -> None:
     """Run the node agent: prefetch, evict, coordinate fetches, serve metrics and peers."""
     import signal
 
+    from weightcache.cli.signals import calling_on
+
     agent = _daemon(cache_dir, kw)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
-    signal.signal(signal.SIGINT, lambda *_: agent.stop())
-    agent.run()
+    with calling_on((signal.SIGTERM, signal.SIGINT), agent.stop):
+        agent.run()

@@ -201,8 +201,7 @@ class Daemon:
         ]
         for worker in self._workers:
             worker.start()
-        while not self.stopping.wait(interval):  # wake up: signal handlers run in this thread
-            pass
+        self.stopping.wait()  # until stop(): SIGTERM calls it from a thread (cli/signals.py)
         self._shutdown()
 
     def converge_step(self) -> None:

@@ -32,6 +32,9 @@ SHARDS = 4
 #: `DevStore.stop` to go; what it holds is the demo's own data, and a user waits for the
 #: prompt.
 STORE_STOP_GRACE = 2.0
+#: Seconds the demo's node daemon gets to stop on SIGTERM (it promises its `grace` of 25 s)
+#: before it is killed: the demo ends either way, with a line saying so.
+DAEMON_STOP_WAIT = 30.0
 
 
 def generate_model(root: Path, size: int) -> None:
@@ -211,7 +214,9 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
     models = base / "models.yaml"
     models.write_text(f"models:\n  - source: {source}\n    pin: true\n")
     port = free_port()
-    _say(f"node daemon on a second, empty cache ({node}); metrics on 127.0.0.1:{port}")
+    log = base / "daemon.log"
+    _say(f"node daemon on a second, empty cache ({node}); metrics on 127.0.0.1:{port}; "
+         f"its log: {log}")  # fmt: skip
     args = [
         *wc,
         "daemon",
@@ -225,7 +230,8 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
         f"127.0.0.1:{port}",
     ]
     print("$ " + shown(args), flush=True)
-    daemon = subprocess.Popen(args, env=env, stderr=subprocess.DEVNULL)
+    with open(log, "wb") as stderr:
+        daemon = subprocess.Popen(args, env=env, stderr=stderr)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_prefetched(url)
@@ -240,4 +246,10 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
                     print(line)
     finally:
         daemon.terminate()
-        daemon.wait(30)
+        try:
+            daemon.wait(DAEMON_STOP_WAIT)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+            print(f"weightcache: the demo's daemon did not stop {DAEMON_STOP_WAIT:g}s after "
+                  f"SIGTERM and was killed; see {log}", file=sys.stderr)  # fmt: skip
