@@ -12,7 +12,7 @@ Every node calls the exact pure function the daemons use, with what a daemon's d
 a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
 - *Blobs one after another* (`Params.blobs`, as `fetch/blobs.py` brings them; the command
   line simulates one blob of `--size`), each in pieces of `--piece` or, with 0, of the
-  daemons' own size (`piece_size_for`: 2 MiB for a 64 MiB shard, 256 KiB for a small file).
+  daemons' own size (`piece_size_for`: 1 MiB for a 64 MiB shard, 256 KiB for a small file).
   A node's download of a blob starts with a HEAD round to its peers (one RTT) before its
   first choice. Its swarm is the peers that advertise the blob: those on it (bitmaps of the
   pieces held, in flight, and in flight from the store: those it passes on as they arrive,

@@ -431,8 +431,11 @@ def test_claims_are_released_only_by_their_owner(tmp_path: Path) -> None:
 def test_piece_size_gives_enough_pieces_within_bounds() -> None:
     from weightcache.node.swarm import piece_size_for
 
+    assert piece_size_for(512 << 20) == 4 << 20  # 128 pieces
     assert piece_size_for(256 << 20) == 4 << 20  # 64 pieces
-    assert piece_size_for(64 << 20) == 2 << 20  # 32 pieces
+    assert piece_size_for(64 << 20) == 1 << 20  # 64 pieces
+    assert piece_size_for(48 << 20) == 1 << 20  # 48 pieces: not below 1 MiB for 64
+    assert piece_size_for(16 << 20) == 512 << 10  # 32 pieces
     assert piece_size_for(1000) == 256 << 10  # one piece, never below the minimum
     assert piece_size_for(140 << 30) == 4 << 20  # never above the maximum
     assert piece_size_for(10_000_000) % (64 << 10) == 0

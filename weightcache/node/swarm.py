@@ -98,13 +98,21 @@ class BitmapError(ValueError):
 
 
 PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
-PIECES_WANTED = 32  # pieces per blob at least, blob size allowing: enough to spread early
+#: Pieces per blob at least, blob size allowing: enough to spread early (32), and more (64)
+#: while they stay at least SPLIT_MIN: the store's last pieces, held by their claimants
+#: alone, then pass on to every node sooner (a 64 MiB shard in 1 MiB pieces: with 2 MiB, 16
+#: nodes at 12.5 mbit waited 3.6-28 s on them; benchmarks/RESULTS.md). Smaller pieces cost
+#: more than they spread (a request, a choice, an advertisement each; the simulator's small
+#: shards at 400 mbit came later in 256 KiB pieces than in 512 KiB).
+PIECES_WANTED, PIECES_SPLIT, SPLIT_MIN = 32, 64, 1 << 20
 
 
 def piece_size_for(size: int) -> int:
-    """The piece size of a blob shared with peers: at least PIECES_WANTED pieces, each
-    PIECE_MIN..PIECE_MAX bytes, a multiple of 64 KiB (every node computes the same)."""
-    want = -(-size // PIECES_WANTED)
+    """The piece size of a blob shared with peers: PIECES_SPLIT pieces, or fewer of
+    SPLIT_MIN, but at least PIECES_WANTED; each PIECE_MIN..PIECE_MAX bytes, a multiple of
+    64 KiB (every node computes the same)."""
+    split = max(SPLIT_MIN, -(-size // PIECES_SPLIT))
+    want = min(split, -(-size // PIECES_WANTED))
     want = -(-want // (64 << 10)) * (64 << 10)
     return max(PIECE_MIN, min(PIECE_MAX, want))
 
