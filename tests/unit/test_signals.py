@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -93,3 +94,39 @@ def test_another_signal_with_a_handler_of_its_own_does_not_call() -> None:
         signal.signal(signal.SIGUSR2, before)
     assert seen == [signal.SIGUSR2]
     assert calls == []
+
+
+def test_a_signal_right_after_its_handler_is_installed_still_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No window where the handler does nothing and no number is written."""
+    install = signal.signal
+    called = threading.Event()
+
+    def install_then_signal(signum: int, handler: Any) -> Any:
+        old = install(signum, handler)
+        if signum == signal.SIGUSR1 and callable(handler) and old is not handler:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return old
+
+    monkeypatch.setattr(signal, "signal", install_then_signal)
+    with calling_on((signal.SIGUSR1,), called.set):
+        assert called.wait(5)
+
+
+def test_a_call_that_fails_does_not_deafen_the_next_signal() -> None:
+    """A stop that raised once (logged) must not leave SIGTERM doing nothing for good."""
+    calls: list[int] = []
+
+    def flaky() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("the first try fails")
+
+    with calling_on((signal.SIGUSR1,), flaky):
+        for expected in (1, 2):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            deadline = time.monotonic() + 5
+            while len(calls) < expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert len(calls) == 2

@@ -14,10 +14,13 @@ the C handler, in whichever thread got it) to a thread that makes the call.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -35,20 +38,24 @@ def calling_on(signals: Iterable[signal.Signals], call: Callable[[], None]) -> I
     def relay() -> None:
         while numbers := os.read(read_end, 64):  # b"": the write end closed on leaving
             if wanted.intersection(numbers):  # not SIGINT's KeyboardInterrupt, say
-                call()
+                try:
+                    call()
+                except Exception:  # the next signal must still be heard
+                    log.exception("stopping on a signal failed")
 
     thread = threading.Thread(target=relay, name="signals", daemon=True)
     thread.start()
-    # A handler of Python's own, so that the C one writes the number (and not the default
-    # action); it does nothing else.
-    previous = {s: signal.signal(s, lambda *_: None) for s in signals}
+    # The wakeup fd before the handlers and after them on leaving: a signal handled by the
+    # no-op handler always has its number written. The handler is Python's own, so that
+    # the C one writes the number (and not the default action); it does nothing else.
     previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    previous = {s: signal.signal(s, lambda *_: None) for s in signals}
     try:
         yield
     finally:
-        signal.set_wakeup_fd(previous_fd)
         for s, old in previous.items():
             signal.signal(s, old)
+        signal.set_wakeup_fd(previous_fd)
         os.close(write_end)
         thread.join()
         os.close(read_end)
