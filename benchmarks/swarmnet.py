@@ -179,8 +179,8 @@ class Params:
     limits: Limits = field(default_factory=Limits)
     cpu: Cpu = field(default_factory=Cpu)  # the host's CPU (swarmnet.py); off by default
     blobs: tuple[int, ...] = ()  # the blobs' sizes in the daemons' order; () = one of `size`
-    # blobs a node brings at once at most (1 or 2): the next starts when the last one started has
-    # nothing left to request (every missing piece in flight), as fetch/blobs.py does
+    # blobs a node brings at once at most (1 or 2): the next starts when every piece of the last
+    # one started is held or asked for, here or by a peer in view, as fetch/blobs.py does
     pipeline: int = 2
     dead: int = 0  # nodes (a random few) listed as members that never start
     # peers advertise the pieces they receive from the store and pass them on as they arrive

@@ -21,9 +21,10 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   blob takes only its stripe from the store, not the whole blob); a joining node's HEAD
   makes it a member at once (`PeerViews.joined`).
   *Two blobs at once* (`--pipeline 2`, the default, as fetch/blobs.py does): a node starts
-  its next blob as soon as its current one has nothing left to request (every missing
-  piece in flight, its end game), so that its link does not idle while the last pieces
-  come; it starts a third only when the first is complete. `--pipeline 1`: one at a time.
+  its next blob as soon as every piece of its current one is held or asked for, here or
+  by a peer in view (all claimed), so that neither the store nor its link idles while the
+  last pieces come; it starts a third only when the first is complete. `--pipeline 1`:
+  one at a time.
   `--model-bytes` simulates benchmarks/swarm.py's model (its blobs in the daemons' order).
 - *Views* are refreshed by HEAD rounds every `--refresh` seconds from the blob's start (0.5:
   the daemons' VIEW_EVERY), skipping peers that answered a piece request within a round,
@@ -319,16 +320,16 @@ class Swarm:
             self.nodes[i], self.ahead[i] = current, dl
 
     def _pipeline(self, i: int) -> None:
-        """Start node `i`'s next blob if its current one has nothing left to request
-        (every missing piece in flight), it has no other in progress, and `Params.pipeline`
-        allows two."""
+        """Start node `i`'s next blob if every piece of its current one is held or asked
+        for, here or by a peer in view (`SwarmDownload`'s `all_claimed`), it has no other
+        in progress, and `Params.pipeline` allows two."""
         node = self.nodes[i]
         if self.p.pipeline < 2 or self.ahead[i] is not None or node.ready is not None:
             return
         if not node.started or not node.joined or node.blob + 1 >= len(self.blobs):
             return
-        missing = ((1 << self.counts[node.blob]) - 1) & ~node.have
-        if missing & ~node.fetching:
+        claimed, _ = in_view(list(node.view.values()))
+        if ((1 << self.counts[node.blob]) - 1) & ~(node.have | node.fetching | claimed):
             return
         ahead = Node(node.blob + 1, started=True, watches=node.watches, seen=node.seen)
         self.ahead[i] = ahead

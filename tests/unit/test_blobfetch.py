@@ -2,7 +2,7 @@
 origin, blobs brought by the node's swarm (a stand-in here: the swarm itself is tested with
 real daemons in tests/integration/test_swarm.py), a swarm copy that does not verify even
 after its re-check, an origin that serves wrong bytes twice (exit 4, nothing published),
-and the swarm's blobs two at once: the next from the end game of the one before."""
+and the swarm's blobs two at once: the next once every piece of the one before is claimed."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class FakePeers:
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        downloader: RangedDownloader, all_claimed: threading.Event | None = None,
         cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Swarmed:  # fmt: skip
         self.swarmed.append(sha256)
@@ -190,9 +190,9 @@ def test_an_origin_serving_wrong_bytes_twice_is_an_integrity_error(
 
 
 class PipelinedPeers(FakePeers):
-    """A swarm whose every blob reports its end game at once, then waits (up to `hold`
-    seconds) for the blob after the next to start, or for `cancel`; the order of starts
-    and ends goes into `events`. Blob `fail` raises TransientError after that wait."""
+    """A swarm whose every blob reports all its pieces claimed at once, then waits (up to
+    `hold` seconds) for the blob after the next to start, or for `cancel`; the order of
+    starts and ends goes into `events`. Blob `fail` raises TransientError after that wait."""
 
     def __init__(self, order: list[str], hold: float, fail: str | None = None) -> None:
         super().__init__({})
@@ -204,14 +204,14 @@ class PipelinedPeers(FakePeers):
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        downloader: RangedDownloader, all_claimed: threading.Event | None = None,
         cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Swarmed:  # fmt: skip
         with self.lock:
             self.events.append(("start", label))
         self.started[sha256].set()
-        if endgame is not None:
-            endgame.set()
+        if all_claimed is not None:
+            all_claimed.set()
         k = self.order.index(sha256)
         until = time.monotonic() + self.hold
         while time.monotonic() < until:
@@ -238,11 +238,11 @@ def three_blobs(tmp_path: Path) -> Origin:
     return Origin(tmp_path / "origin3", {"a.bin": 100 * KiB, "b.bin": 50 * KiB, "c.bin": 70 * KiB})
 
 
-def test_the_swarm_brings_two_blobs_at_once_the_next_from_the_end_game_of_the_one_before(
+def test_the_swarm_brings_two_blobs_at_once_the_next_once_the_one_before_is_all_claimed(
     layout: Layout, tmp_path: Path
 ) -> None:
-    """b starts while a is still in its end game; c only once a has ended (two at most),
-    though b is in its end game already; every blob published, each claim released."""
+    """b starts while a is still running, all claimed; c only once a has ended (two at most),
+    though b is all claimed already; every blob published, each claim released."""
     origin = three_blobs(tmp_path)
     order = [e.sha256 for e in origin.manifest.entries]
     peers = PipelinedPeers(order, hold=0.5)
@@ -258,7 +258,7 @@ def test_the_swarm_brings_two_blobs_at_once_the_next_from_the_end_game_of_the_on
 def test_a_swarm_download_failing_stops_the_other_one_in_progress(
     layout: Layout, tmp_path: Path
 ) -> None:
-    """a fails while b (started at a's end game) runs: b is cancelled, both claims are
+    """a fails while b (started once a was all claimed) runs: b is cancelled, both claims are
     released, a's error is the fetch's, nothing of b is published (its partial is kept)."""
     origin = three_blobs(tmp_path)
     order = [e.sha256 for e in origin.manifest.entries]
@@ -272,9 +272,9 @@ def test_a_swarm_download_failing_stops_the_other_one_in_progress(
 
 
 class FailingPeers(FakePeers):
-    """A swarm in which blob `fail` raises TransientError at once (before its end game) and
-    every other blob is in its end game at once and takes `hold` seconds (stopped by
-    `cancel`)."""
+    """A swarm in which blob `fail` raises TransientError at once (before all its pieces
+    are claimed) and every other blob is all claimed at once and takes `hold` seconds
+    (stopped by `cancel`)."""
 
     def __init__(self, fail: str, hold: float) -> None:
         super().__init__({})
@@ -283,14 +283,14 @@ class FailingPeers(FakePeers):
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        downloader: RangedDownloader, all_claimed: threading.Event | None = None,
         cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Swarmed:  # fmt: skip
         self.started.append(sha256)
         if sha256 == self.fail:
             raise TransientError(f"giving up on {label}")
-        if endgame is not None:  # the next may start at once
-            endgame.set()
+        if all_claimed is not None:  # the next may start at once
+            all_claimed.set()
         if cancel is not None and cancel.wait(self.hold):
             raise Interrupted("download interrupted")
         return super().swarm(sha256, size, partial, label, origin, downloader)

@@ -4,10 +4,11 @@ Each blob is claimed by its lock (one download per node; a blob another process 
 downloading is waited for, bounded by that process's progress, then re-checked). In the
 daemon, each blob is downloaded by the node's swarm (`NodePeers.swarm`, weightcache/node/
 swarmfetch.py: pieces from several peers and the origin at once), two blobs at once at
-most: the next starts when the one before has nothing left to request (its end game), so
-that the links do not idle between blobs; without peers, or for a private partial, by the
-ranged downloader from the origin alone. Every blob is verified against the manifest's
-sha256 before it is published, whatever its source.
+most: the next starts once every piece of the one before is held or asked for, here or by
+a peer (all claimed), so that the store and the links do not idle between blobs; without
+peers, or for a private partial, by the ranged downloader from the origin alone. Every
+blob is verified against the manifest's sha256 before it is published, whatever its
+source.
 """
 
 from __future__ import annotations
@@ -97,13 +98,13 @@ class NodePeers(Protocol[ClaimT]):
         label: str,
         origin: BlobSource,
         downloader: RangedDownloader,
-        endgame: threading.Event | None = None,
+        all_claimed: threading.Event | None = None,
         cancel: threading.Event | None = None,
         members: SwarmMembers | None = None,
     ) -> Swarmed:
-        """Download one blob into `partial`; set `endgame` once no piece of it is left to
-        request; stop (Interrupted) once `cancel` is set; `members`: the revision's swarm
-        so far, added to as peers advertise the blob."""
+        """Download one blob into `partial`; set `all_claimed` once every piece of it is
+        held or asked for, here or by a peer; stop (Interrupted) once `cancel` is set;
+        `members`: the revision's swarm so far, added to as peers advertise the blob."""
 
     def mark_bad(self, peer: str, why: str) -> None: ...
 
@@ -125,12 +126,12 @@ class Wanted:
 
 @dataclass
 class _Swarming:
-    """One blob the swarm brings in a worker thread: its claim, and its end game (set too
-    when the download ends, however)."""
+    """One blob the swarm brings in a worker thread: its claim, and its `all_claimed` (set
+    too when the download ends, however)."""
 
     wanted: Wanted
     claim: Any
-    endgame: threading.Event
+    all_claimed: threading.Event
     cancel: threading.Event
     future: Future[Swarmed]
 
@@ -244,11 +245,11 @@ class BlobFetch:
 
     def _from_swarm(self, source: Source, todo: list[Wanted]) -> tuple[int, list[Wanted]]:
         """(bytes from the origin, the blobs not published) of `todo` brought by the swarm,
-        two at once at most: each starts once the one before has nothing left to request
-        (or ended), and after the one before that has ended (design §8, Swarm). Each blob
-        is claimed (so that peers may fetch its pieces from us while we download it) until
-        it is published or dropped. On an error, the other download is stopped first, and
-        no blob is started after one that failed."""
+        two at once at most: each starts once every piece of the one before is held or
+        asked for, here or by a peer (or it ended), and after the one before that has ended
+        (design §8, Swarm). Each blob is claimed (so that peers may fetch its pieces from
+        us while we download it) until it is published or dropped. On an error, the other
+        download is stopped first, and no blob is started after one that failed."""
         # imported here: a fetch without peers reaches its first GET without it (design §4)
         from concurrent.futures import ThreadPoolExecutor
 
@@ -260,7 +261,7 @@ class BlobFetch:
                     if len(running) == 2:
                         fetched += self._finish(running.popleft(), failed)
                     if running:
-                        running[-1].endgame.wait()
+                        running[-1].all_claimed.wait()
                         if _raised(running[-1]):  # its error now: nothing more is started
                             self._finish(running.pop(), failed)
                     running.append(self._begin(pool, source, w, members))
@@ -277,18 +278,18 @@ class BlobFetch:
         assert self.peers is not None
         peers = self.peers
         origin, downloader = self._origin_blob(source, w.entry), self._downloader()
-        endgame, cancel = threading.Event(), threading.Event()
+        all_claimed, cancel = threading.Event(), threading.Event()
         claim = peers.claim(w.sha256, w.partial, w.entry.size)
         try:
             future = pool.submit(peers.swarm, w.sha256, w.entry.size, w.partial, w.entry.path,
-                                 origin, downloader, endgame=endgame, cancel=cancel,
+                                 origin, downloader, all_claimed=all_claimed, cancel=cancel,
                                  members=members)  # fmt: skip
         except BaseException:
             peers.release(w.sha256, claim)
             raise
         # once the download has ended, if not before: its outcome is then readable (`_raised`)
-        future.add_done_callback(lambda _: endgame.set())
-        return _Swarming(w, claim, endgame, cancel, future)
+        future.add_done_callback(lambda _: all_claimed.set())
+        return _Swarming(w, claim, all_claimed, cancel, future)
 
     def _finish(self, s: _Swarming, failed: list[Wanted]) -> int:
         """Wait for one swarm download, publish its blob if it verifies (else add it to

@@ -389,17 +389,19 @@ class Peers:
 
     def swarm(
         self, sha256: str, size: int, partial: Path, label: str, origin: BlobSource,
-        downloader: RangedDownloader, endgame: threading.Event | None = None,
+        downloader: RangedDownloader, all_claimed: threading.Event | None = None,
         cancel: threading.Event | None = None, members: SwarmMembers | None = None,
     ) -> Outcome:  # fmt: skip
         """Download one blob piece by piece from the peers and the store into `partial`
-        (weightcache/node/swarmfetch.py); the fetch layer sees only this method. `endgame`
-        is set once no piece is left to request; `cancel` stops the download; `members`:
-        the peers seen swarming the revision's other blobs (`SwarmMembers`)."""
+        (weightcache/node/swarmfetch.py); the fetch layer sees only this method.
+        `all_claimed` is set once every piece is held or asked for, here or by a peer;
+        `cancel` stops the download; `members`: the peers seen swarming the revision's
+        other blobs (`SwarmMembers`)."""
         from weightcache.node.swarmfetch import SwarmDownload
 
         return SwarmDownload(self, sha256, size, partial, label, origin, downloader,
-                             endgame=endgame, cancel=cancel, members=members).run()  # fmt: skip
+                             all_claimed=all_claimed, cancel=cancel,
+                             members=members).run()  # fmt: skip
 
 
 class PeerBlob:

@@ -19,10 +19,11 @@ the peers and of the store, and runs each request in a worker thread:
   piece that did not come from the store in this run is fetched again from the store and
   compared: a peer whose piece differs is marked bad, the store's bytes are kept, and the
   blob is hashed again. At most once; the caller decides what a second mismatch means.
-- **End game.** Once no piece is left to request (every missing piece is in flight), the
-  download sets its `endgame` event: the caller may start the next blob meanwhile, so
-  that the links do not idle while the last pieces come (fetch/blobs.py). Its `cancel`
-  event stops it (Interrupted), partial kept.
+- **The next blob.** Once every piece is held or asked for, here or by a peer in view
+  (nothing is left for this node to claim from the store), the download sets its
+  `all_claimed` event: the caller may start the next blob meanwhile (fetch/blobs.py), so
+  that neither the store nor the links idle while this blob's last pieces come. Its
+  `cancel` event stops it (Interrupted), partial kept.
 """
 
 from __future__ import annotations
@@ -113,11 +114,11 @@ class SwarmDownload:
     def __init__(
         self, peers: Peers, sha256: str, size: int, partial: Path, label: str,
         origin: BlobSource, downloader: RangedDownloader, limits: Limits | None = None,
-        endgame: threading.Event | None = None, cancel: threading.Event | None = None,
+        all_claimed: threading.Event | None = None, cancel: threading.Event | None = None,
         members: SwarmMembers | None = None,
     ) -> None:  # fmt: skip
         self.peers, self.sha256, self.size, self.label = peers, sha256, size, label
-        self.endgame, self.cancel = endgame, cancel
+        self.all_claimed, self.cancel = all_claimed, cancel
         self.partial_path, self.origin, self.downloader = partial, origin, downloader
         self.observer = downloader.observer
         self.limits = limits or Limits()
@@ -190,17 +191,17 @@ class SwarmDownload:
                 with self.lock:
                     self.inflight.setdefault(request.piece, set()).add(request.source)
                 pool.submit(self._fetch, request)
-            self._note_endgame()
             with contextlib.suppress(queue.Empty):
                 self.events.get(timeout=TICK)
 
-    def _note_endgame(self) -> None:
-        """Set `endgame` once every missing piece is in flight (none left to request)."""
-        if self.endgame is None or self.endgame.is_set():
-            return
-        _, held, fetching, _ = self.pieces()
-        if held.bits | fetching.bits == (1 << self.count) - 1:
-            self.endgame.set()
+    def _note_claimed(self, pieces: int) -> None:
+        """Set `all_claimed` once `pieces` (held or asked for, here or by a peer in view)
+        are all of them. The store's last pieces of this blob are then in flight to their
+        claimants, and the next blob's claims keep it busy meanwhile: waiting until every
+        missing piece is in flight here (the end game) left the store's link idle for
+        several seconds at each blob (benchmarks/RESULTS.md)."""
+        if self.all_claimed is not None and pieces == (1 << self.count) - 1:
+            self.all_claimed.set()
 
     def _log_summary(self) -> None:
         with self.lock:
@@ -256,6 +257,8 @@ class SwarmDownload:
             requests = idle_requests(local, views, store, self.limits, self.rng, scope)
         if self.store.paused():
             requests = [r for r in requests if r.source != ORIGIN]
+        asked = fetching | sum(1 << r.piece for r in requests)
+        self._note_claimed(local.have.bits | asked | claimed)
         return requests
 
     def _held(self) -> Bitmap:
