@@ -1,7 +1,8 @@
 """The swarm's data plane in-process (weightcache/node/swarmfetch.py), on a node whose peers
 hold nothing, so that every piece comes from the store (a local file) through the swarm's
-loop: what ends a download that cannot make progress. Peers serving pieces are tested with
-real daemons in tests/integration/test_swarm.py."""
+loop: what ends a download that cannot make progress; and, from a view of a peer, when the
+next blob may start. Peers serving pieces are tested with real daemons in
+tests/integration/test_swarm.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
-from weightcache.node.swarm import piece_size_for
+from weightcache.node.swarm import Bitmap, PeerView, piece_size_for
 from weightcache.node.swarmfetch import SwarmDownload
 from weightcache.node.swarmpace import Rates
 from weightcache.sourceurl import Source
@@ -262,4 +263,35 @@ def test_a_peer_s_piece_is_judged_slow_against_this_node_s_share_of_its_link(
         assert floor(1_600_000, 16, streamed=True) == pytest.approx(10_000)
         assert floor(1_600_000, 16) == pytest.approx(25_000)  # a held piece: the link's share
     finally:
+        peers.close()
+
+
+@pytest.mark.parametrize(
+    ("peer_fetches", "claimed"), [(0, False), (1, True)], ids=["unclaimed", "claimed"]
+)
+def test_the_next_blob_may_start_once_a_peer_claims_what_this_node_has_not_asked_for(
+    tmp_path: Path, peer_fetches: int, claimed: bool
+) -> None:
+    """`all_claimed` (fetch/blobs.py starts the next blob on it) is set once every piece
+    is held or asked for by this node or a peer in view, though most are not in flight
+    here: the store's last pieces are then on their way to their claimants, and the next
+    blob's claims keep it busy. With pieces nobody has asked for, it is not set."""
+    downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
+    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+    size = 64 << 20
+    event = threading.Event()
+    swarm = SwarmDownload(peers, "0" * 64, size, tmp_path / "partial", "a.bin",
+                          FileBlob(tmp_path / "a.bin"), downloader,
+                          all_claimed=event)  # fmt: skip
+    swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
+    try:
+        count = swarm.count
+        fetching = Bitmap(count, ((1 << count) - 1) * peer_fetches)
+        view = PeerView("http://peer", Bitmap(count), fetching, 0, fetching)
+        swarm.views.current = lambda: ([view], 0, 2)  # type: ignore[method-assign]
+        requests = swarm._choose()
+        assert len(requests) < count  # most pieces are not asked for here
+        assert event.is_set() is claimed
+    finally:
+        swarm.file.close()
         peers.close()
