@@ -54,7 +54,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from weightcache.node.swarm import Limits, piece_size_for
+from weightcache.node.pieces import piece_size_for
+from weightcache.node.swarm import Limits
 from weightcache.node.swarmviews import VIEW_EVERY
 
 MiB = 1 << 20

@@ -123,17 +123,8 @@ from swarmnet import (  # the setting and closed forms live with the model; used
 )
 
 from weightcache.config import DEFAULT_PEER_VIEW
-from weightcache.node.swarm import (
-    ORIGIN,
-    Bitmap,
-    Limits,
-    Local,
-    PeerView,
-    StoreView,
-    choose,
-    next_window,
-    piece_count,
-)
+from weightcache.node.pieces import Bitmap, piece_count
+from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, StoreView, choose, next_window
 from weightcache.node.swarmfetch import IDLE_GRACE
 from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
 from weightcache.node.swarmviews import (

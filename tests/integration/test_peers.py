@@ -49,8 +49,8 @@ from weightcache.node import peerserver
 from weightcache.node.peerpieces import encode_pieces
 from weightcache.node.peers import HELD_ONLY, PIECE_SIZE, PIECES, STREAMING, Peers
 from weightcache.node.peerserver import PeerServer
+from weightcache.node.pieces import Bitmap
 from weightcache.node.serve import Limits, LoopThread
-from weightcache.node.swarm import Bitmap
 from weightcache.ops.devstore import free_port
 from weightcache.transfer.parts import PartState
 

@@ -43,7 +43,8 @@ from tests.integration.test_peers import (
 from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
 from weightcache.node.peers import STREAMING
-from weightcache.node.swarm import Bitmap, Limits, piece_size_for
+from weightcache.node.pieces import Bitmap, piece_size_for
+from weightcache.node.swarm import Limits
 
 STREAMED = "weightcache_peer_streamed_bytes_total"
 SUMMARY = re.compile(

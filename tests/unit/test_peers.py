@@ -40,7 +40,7 @@ from weightcache.node.peers import (
     regrid,
 )
 from weightcache.node.peerserver import parse_range, refusal
-from weightcache.node.swarm import Bitmap
+from weightcache.node.pieces import Bitmap
 from weightcache.options import env, peer_settings
 from weightcache.transfer.parts import PartState
 
@@ -429,7 +429,7 @@ def test_claims_are_released_only_by_their_owner(tmp_path: Path) -> None:
 
 
 def test_piece_size_gives_enough_pieces_within_bounds() -> None:
-    from weightcache.node.swarm import piece_size_for
+    from weightcache.node.pieces import piece_size_for
 
     assert piece_size_for(512 << 20) == 4 << 20  # 128 pieces
     assert piece_size_for(256 << 20) == 4 << 20  # 64 pieces

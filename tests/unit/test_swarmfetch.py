@@ -24,7 +24,8 @@ from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
 from weightcache.node.peers import Peers
-from weightcache.node.swarm import Bitmap, PeerView, piece_size_for
+from weightcache.node.pieces import Bitmap, piece_size_for
+from weightcache.node.swarm import PeerView
 from weightcache.node.swarmfetch import SwarmDownload
 from weightcache.node.swarmpace import Rates
 from weightcache.sourceurl import Source

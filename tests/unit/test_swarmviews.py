@@ -15,16 +15,8 @@ from weightcache.fetch.blobs import SwarmMembers
 from weightcache.node import swarmviews
 from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import PIECES, Peers
-from weightcache.node.swarm import (
-    ORIGIN,
-    Bitmap,
-    Limits,
-    Local,
-    PeerView,
-    Request,
-    StoreView,
-    stripe,
-)
+from weightcache.node.pieces import Bitmap
+from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, Request, StoreView, stripe
 from weightcache.node.swarmviews import (
     LATE_FACTOR,
     LATE_GRACE,

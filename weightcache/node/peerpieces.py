@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.node.peers import FETCHING, PIECE_SIZE, PIECES, STREAMING
-from weightcache.node.swarm import Bitmap
+from weightcache.node.pieces import Bitmap
 from weightcache.smallfile import read_small
 from weightcache.transfer.parts import MAX_STATE_BYTES, PartState
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from weightcache.config import PeerSettings, format_hostport
-from weightcache.node.swarm import Bitmap, BitmapError, PeerView, piece_count, piece_ranges
+from weightcache.node.pieces import Bitmap, BitmapError, piece_count, piece_ranges
+from weightcache.node.swarm import PeerView
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.sources import BlobSource, RangeReader
 

@@ -44,20 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weightcache.errors import Interrupted, TransientError, WeightcacheError
-
-# fmt: off
-from weightcache.node.swarm import (
-    ORIGIN,
-    Bitmap,
-    Limits,
-    Local,
-    Request,
-    choose,
-    piece_ranges,
-    piece_size_for,
-)
-
-# fmt: on
+from weightcache.node.pieces import Bitmap, piece_ranges, piece_size_for
+from weightcache.node.swarm import ORIGIN, Limits, Local, Request, choose
 from weightcache.node.swarmorigin import StoreGate
 from weightcache.node.swarmpace import PEER_TIMEOUT, RATE_WINDOW, Rates, slow_floor, too_slow
 from weightcache.node.swarmviews import (

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, TypeVar
 from weightcache.fetch.blobs import SwarmMembers
 from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import PIECES, parse_view
+from weightcache.node.pieces import Bitmap
 from weightcache.node.swarm import (
     ORIGIN,
-    Bitmap,
     Limits,
     Local,
     PeerView,
