@@ -223,6 +223,8 @@ class SwarmDownload:
     # -- choosing ----------------------------------------------------------------------------
 
     def _choose(self) -> list[Request]:
+        """The requests to start now (`swarm.choose` on the current views, then the idle
+        rule); with the same views, notes whether every piece is claimed (`all_claimed`)."""
         now = time.monotonic()
         with self.lock:
             inflight = {p: frozenset(s) for p, s in self.inflight.items()}
