@@ -130,8 +130,6 @@ def _dict(value: object, what: str) -> dict[str, Any]:
 
 
 def _list(value: object, what: str) -> list[Any]:
-    if value is None:
-        return []
     if not isinstance(value, list):
         raise _NotTheHub(f"{what} that is a {type(value).__name__}, not a list")
     return value
