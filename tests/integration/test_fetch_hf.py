@@ -232,6 +232,19 @@ def test_a_gated_repository_needs_hf_token(
     assert_revision_ok(cache_dir, repo_id.replace("/", "--"), commit, model)
 
 
+def test_an_hf_token_no_header_can_carry_is_exit_2_naming_it(
+    wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
+    cache_dir: Path,
+) -> None:  # fmt: skip
+    """Configuration to fix, not a Hub that is down (retried, then exit 6)."""
+    repo_id, _ = _repo(hub, uniq, _lfs_model(tmp_path, [100_000]))
+    env = {**hf_env, "HF_TOKEN": "hf_t\u00f6ken"}
+    proc = wc.fetch(f"hf://{repo_id}@main", cache_dir, "--no-daemon", env=env)
+    message = assert_fails(proc, 2)
+    assert "HF_TOKEN" in message and "ASCII" in message, message
+    assert "attempt" not in proc.stderr, proc.stderr
+
+
 def test_the_hubs_429_is_retried(
     wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
     cache_dir: Path,

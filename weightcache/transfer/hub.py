@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
+import os
 import re
 import threading
 import time
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from weightcache.config import check_endpoint_url
-from weightcache.errors import SourceError, TransientError
+from weightcache.errors import SourceError, TransientError, UsageError
 from weightcache.sourceurl import HUB_COMMIT
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.hubinfo import HubFile, HubListing, parse_info, parse_tree
@@ -128,6 +129,7 @@ class HubRevision:
 
     def _read_listing(self) -> HubListing:
         endpoint = check_endpoint_url(_hub().constants.ENDPOINT, "HF_ENDPOINT")
+        check_token(_hub())
         api = f"{endpoint}/api/models/{self.repo_id}"
         revision = urllib.parse.quote(self.revision, safe="")
         body, _ = self._api_get(f"{api}/revision/{revision}", {"blobs": "true"})
@@ -265,6 +267,21 @@ class HubBlob:
             if self._located is None:
                 self._located = locate(self._url, self._headers, timeout, self.where)
             return self._located
+
+
+def check_token(hub: Any) -> None:
+    """UsageError (exit 2) naming where the token comes from when no header can carry it:
+    a request would fail in the HTTP library, which reads as a network error."""
+    token = hub.get_token()
+    if not token or re.fullmatch(r"[\x21-\x7e]+", token):
+        return
+    where = next((f"the environment variable {name}" for name in ("HF_TOKEN",
+                  "HUGGING_FACE_HUB_TOKEN") if os.environ.get(name)),
+                 f"the token file {hub.constants.HF_TOKEN_PATH}")  # fmt: skip
+    raise UsageError(
+        f"the Hub token in {where} holds a space or a character outside ASCII; set it "
+        "to the token alone (hf_..., ASCII letters and digits)"
+    )
 
 
 def locate(
