@@ -176,6 +176,10 @@ def test_a_mirror_that_ignores_blobs_is_listed_by_its_tree(
     marker = json.loads((cache_dir / name / commit / ".weightcache").read_text())
     how = {p: f["verified"] for p, f in marker["files"].items()}
     assert set(how.values()) == {"hf:git-sha1", "hf:sha256"}, how
+    bare, _ = _repo(hub, f"{uniq}-bare", model, blobs=False, tree=False)
+    proc = wc.fetch(f"hf://{bare}@main", cache_dir, "--no-daemon", env=hf_env)
+    message = assert_fails(proc, 3)  # not retried as if the Hub were down (exit 6)
+    assert "?blobs=true" in message and "tree listing" in message, message
 
 
 def test_a_mirror_answering_another_commit_is_exit_3_naming_both(

@@ -21,7 +21,8 @@ bytes of data reads per path.
 
 Mirrors that answer otherwise, per repository (`add_commit`): `blobs=False` ignores
 ?blobs=true (no sizes in the model info, as olah's offline mirror: its tree listing has
-them), `main_only=True` answers main's commit whatever revision is asked for.
+them; `tree=False` has no tree listing either), `main_only=True` answers main's commit
+whatever revision is asked for.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class HubRepo:
     gated_token: str | None = None  # gated: only this token may read it
     blobs: bool = True  # False: ignores ?blobs=true, as olah's mirror of a local git repo
     main_only: bool = False  # True: answers main's commit for every revision (a bad mirror)
+    tree: bool = True  # False: no tree listing (404)
 
 
 class HubServer:
@@ -95,11 +97,13 @@ class HubServer:
         gated_token: str | None = None,
         blobs: bool = True,
         main_only: bool = False,
+        tree: bool = True,
     ) -> str:
         """Commit `files` (the whole tree) to `branch` of `repo_id`; return the commit id.
         LFS holds `lfs` if given, else every file of LFS_MIN bytes or more."""
         repo = self.repos.setdefault(repo_id, HubRepo())
         repo.gated_token, repo.blobs, repo.main_only = gated_token, blobs, main_only
+        repo.tree = tree
         commit = hashlib.sha1(
             json.dumps([repo_id, branch, len(repo.commits), sorted(files)]).encode()
         ).hexdigest()
@@ -190,6 +194,8 @@ class HubServer:
         if isinstance(found, web.Response):
             return found
         repo, commit = found
+        if not repo.tree:
+            return web.Response(status=404, text="Not Found")
         entries = []
         for path in sorted(repo.commits[commit]):
             s = self._sibling(repo, commit, path, True)

@@ -152,7 +152,13 @@ class HubRevision:
         files: dict[str, HubFile] = {}
         params = {"recursive": "true", "expand": "false"}
         for _ in range(MAX_TREE_PAGES):
-            body, following = self._api_get(url, params)
+            try:
+                body, following = self._api_get(url, params)
+            except SourceError as e:
+                raise SourceError(
+                    f"the model info from {endpoint} (HF_ENDPOINT) lists no file sizes (a "
+                    f"mirror that ignores ?blobs=true) and its tree listing failed: {e}"
+                ) from e
             page = parse_tree(body, what)
             if page.keys() & files.keys():
                 raise SourceError(f"{what} lists a file twice; point HF_ENDPOINT at a Hub")
