@@ -18,7 +18,7 @@ from weightcache.transfer.hubinfo import MAX_FILE_SIZE, HubFile, parse_info, par
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SHA = "ab" * 32
 BLOB = "cd" * 20
-EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _scalars = (
     st.none() | st.booleans() | st.text(max_size=30)
