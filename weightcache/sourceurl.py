@@ -45,6 +45,9 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
     the path is "" or starts with "/". A `file://` URL and a plain absolute path are the
     same source, of bucket "". The callers split the path and refuse bad segments."""
     text = text.strip()
+    scheme, sep, rest = text.partition("://")
+    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.\-]*", scheme):  # RFC 3986: any case
+        text = scheme.lower() + sep + rest
     m = re.fullmatch(_S3 + r"(/.*)?", text)
     if m is not None:
         return "s3", m.group(1), m.group(2) or ""
@@ -70,7 +73,10 @@ def _split_source(text: str) -> tuple[str, str, str] | None:
 def _what_is_wrong(url: str, split: tuple[str, str, str] | None, segments: list[str]) -> str:
     """What makes `url` no source, in words (Source.parse refused it)."""
     if split is None:
-        scheme = url.partition("://")[0] if "://" in url else ""
+        scheme = url.strip().partition("://")[0].lower() if "://" in url else ""
+        extra = _url_extras(scheme, url.strip().partition("://")[2])
+        if extra is not None:
+            return extra
         if scheme in ("s3", "gs", "az", "abfs"):
             bucket = url.partition("://")[2].partition("/")[0]
             return (f"{bucket!r} is no valid {scheme}:// bucket or container name (at least "
@@ -79,6 +85,33 @@ def _what_is_wrong(url: str, split: tuple[str, str, str] | None, segments: list[
     if _bad_segment(segments) and segments != [""]:
         return "an empty, '.' or '..' path segment"
     return "it does not end in <name>/<revision>"
+
+
+#: Where each scheme takes its credentials from, for a URL that carries them.
+_CREDENTIALS = {
+    "http": "put a bearer token in WEIGHTCACHE_HTTP_TOKEN",
+    "https": "put a bearer token in WEIGHTCACHE_HTTP_TOKEN",
+    "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile or a role) give them",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS (or the node's service account) gives them",
+    "az": "AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or an identity give them",
+}
+
+
+def _url_extras(scheme: str, rest: str) -> str | None:
+    """What a URL carries that no source takes (user info, a query, a fragment), in words,
+    or None. Credentials would be recorded in markers and logs; a query or fragment names
+    no directory of files."""
+    authority = rest.partition("/")[0]
+    if "@" in authority and scheme in _CREDENTIALS:
+        return f"credentials in the URL are not taken: {_CREDENTIALS[scheme]}"
+    if scheme not in ("http", "https", "hf"):
+        return None  # an object key or a path may hold ? and #
+    if "?" in rest:
+        return ("a query (?...) is not taken: give the revision's URL alone, and access in "
+                "the environment (WEIGHTCACHE_HTTP_TOKEN, HF_TOKEN)")  # fmt: skip
+    if "#" in rest:
+        return "a fragment (#...) is not taken: give the revision's URL alone"
+    return None
 
 
 def _bad_segment(segments: list[str] | tuple[str, ...]) -> bool:
@@ -130,6 +163,9 @@ class Source:
     @classmethod
     def _parse_hub(cls, url: str, path: str, name: str | None, revision: str | None) -> Source:
         """hf://org/repo[@revision]: the revision is `revision`, else the URL's, else main."""
+        extra = _url_extras("hf", path)
+        if extra is not None:
+            raise UsageError(f"invalid source {url!r}: {extra}; expected hf://org/repo@revision")
         repo, _, ref = path.partition("@")
         parts = repo.rstrip("/").split("/")
         ref = revision or ref or "main"

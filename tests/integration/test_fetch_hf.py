@@ -160,16 +160,46 @@ def test_a_missing_repository_or_revision_is_exit_3(
     assert markers(cache_dir) == []
 
 
-def test_a_hub_that_lists_no_sizes_is_exit_3_at_once(
+def test_a_mirror_that_ignores_blobs_is_listed_by_its_tree(
     wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
     cache_dir: Path,
 ) -> None:  # fmt: skip
-    # As olah's mirror of a local git repository answers: no sizes (it ignores ?blobs=true).
-    repo_id, _ = _repo(hub, uniq, _lfs_model(tmp_path, [100_000]), blobs=False)
-    proc = wc.fetch(f"hf://{repo_id}@main", cache_dir, "--no-daemon", env=hf_env)
+    """As olah's offline mirror answers: a model info without sizes or hashes (it ignores
+    ?blobs=true), a tree listing with them, which `hf download` reads too."""
+    model = make_model(tmp_path / "hub-src" / "tree", [200_000], small_files=True,
+                       manifest=False, seed="tree")  # fmt: skip
+    repo_id, commit = _repo(hub, uniq, model, blobs=False)
+    name = repo_id.replace("/", "--")
+    fetched = _fetch_json(wc, f"hf://{repo_id}@main", cache_dir, hf_env)
+    assert fetched["path"] == str(cache_dir / name / commit), fetched
+    assert_revision_ok(cache_dir, name, commit, model)
+    marker = json.loads((cache_dir / name / commit / ".weightcache").read_text())
+    how = {p: f["verified"] for p, f in marker["files"].items()}
+    assert set(how.values()) == {"hf:git-sha1", "hf:sha256"}, how
+    bare, _ = _repo(hub, f"{uniq}-bare", model, blobs=False, tree=False)
+    proc = wc.fetch(f"hf://{bare}@main", cache_dir, "--no-daemon", env=hf_env)
     message = assert_fails(proc, 3)  # not retried as if the Hub were down (exit 6)
-    assert "the Hub gave no size for" in message and "HF_ENDPOINT" in message, message
+    assert "?blobs=true" in message and "tree listing" in message, message
+
+
+def test_a_mirror_answering_another_commit_is_exit_3_naming_both(
+    wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
+    cache_dir: Path,
+) -> None:  # fmt: skip
+    """A mirror that answers main's model info whatever revision is asked for: a commit
+    must come back as itself (else its directory would hold another commit's bytes, and
+    every later fetch of it be an offline hit on them); a branch is the commit it answers."""
+    old = _lfs_model(tmp_path, [100_000], seed="asked")
+    repo_id, asked = _repo(hub, uniq, old)
+    new = _lfs_model(tmp_path, [120_000], seed="main")
+    _, head = _repo(hub, uniq, new, main_only=True)
+    proc = wc.fetch(f"hf://{repo_id}@{asked}", cache_dir, "--no-daemon", env=hf_env)
+    message = assert_fails(proc, 3)
+    assert asked in message and head in message and "HF_ENDPOINT" in message, message
     assert markers(cache_dir) == []
+    branch = _fetch_json(wc, f"hf://{repo_id}@v1", cache_dir, hf_env)
+    assert branch["path"] == str(cache_dir / repo_id.replace("/", "--") / head), branch
+    assert_revision_ok(cache_dir, repo_id.replace("/", "--"), head, new)
 
 
 def test_an_hf_endpoint_that_is_no_hub_is_said_at_once(
@@ -204,6 +234,19 @@ def test_a_gated_repository_needs_hf_token(
     right = _fetch_json(wc, source, cache_dir, {**hf_env, "HF_TOKEN": "hf_right"})
     assert right["bytes_from_origin"] == model.total_size, right
     assert_revision_ok(cache_dir, repo_id.replace("/", "--"), commit, model)
+
+
+def test_an_hf_token_no_header_can_carry_is_exit_2_naming_it(
+    wc: CLI, hub: HubServer, hf_env: dict[str, str | None], uniq: str, tmp_path: Path,
+    cache_dir: Path,
+) -> None:  # fmt: skip
+    """Configuration to fix, not a Hub that is down (retried, then exit 6)."""
+    repo_id, _ = _repo(hub, uniq, _lfs_model(tmp_path, [100_000]))
+    env = {**hf_env, "HF_TOKEN": "hf_t\u00f6ken"}
+    proc = wc.fetch(f"hf://{repo_id}@main", cache_dir, "--no-daemon", env=env)
+    message = assert_fails(proc, 2)
+    assert "HF_TOKEN" in message and "ASCII" in message, message
+    assert "attempt" not in proc.stderr, proc.stderr
 
 
 def test_the_hubs_429_is_retried(

@@ -209,6 +209,22 @@ def test_a_server_that_refuses_head_is_sized_by_a_ranged_get(
     assert _fetch_json(wc, url, cache_dir)["hit"] is True
 
 
+def test_a_server_that_gzips_its_answers_is_exit_3_naming_the_encoding(
+    wc: CLI, served: Path, uniq: str, cache_dir: Path
+) -> None:
+    """Its bytes are not the file's: no retry fixes it ('the file changed, run it again'
+    never helps), the server's configuration does."""
+    _model(served, f"gzip/{uniq}", [300_000])
+    server = NoRangeServer(served, gzips=True).start()
+    try:
+        proc = wc.fetch(f"{server.url}/gzip/{uniq}/llama/v1", cache_dir, "--no-daemon")
+    finally:
+        server.stop()
+    message = assert_fails(proc, 3)
+    assert "Content-Encoding: gzip" in message and "compression" in message, message
+    assert markers(cache_dir) == []
+
+
 def test_a_bearer_token_from_the_environment(
     wc: CLI, served: Path, nginx: Nginx, uniq: str, cache_dir: Path
 ) -> None:

@@ -18,6 +18,11 @@ without access 401/403 `GatedRepo`, a missing file 404 `EntryNotFound`. `throttl
 the next n data reads (ranged GETs of either host) answer 429. `corrupt(repo, path)` serves
 an LFS file with one byte flipped (its listed sha256 unchanged). `bytes_sent` counts body
 bytes of data reads per path.
+
+Mirrors that answer otherwise, per repository (`add_commit`): `blobs=False` ignores
+?blobs=true (no sizes in the model info, as olah's offline mirror: its tree listing has
+them; `tree=False` has no tree listing either), `main_only=True` answers main's commit
+whatever revision is asked for.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class HubRepo:
     refs: dict[str, str] = field(default_factory=dict)
     gated_token: str | None = None  # gated: only this token may read it
     blobs: bool = True  # False: ignores ?blobs=true, as olah's mirror of a local git repo
+    main_only: bool = False  # True: answers main's commit for every revision (a bad mirror)
+    tree: bool = True  # False: no tree listing (404)
 
 
 class HubServer:
@@ -89,11 +96,14 @@ class HubServer:
         lfs: set[str] | None = None,
         gated_token: str | None = None,
         blobs: bool = True,
+        main_only: bool = False,
+        tree: bool = True,
     ) -> str:
         """Commit `files` (the whole tree) to `branch` of `repo_id`; return the commit id.
         LFS holds `lfs` if given, else every file of LFS_MIN bytes or more."""
         repo = self.repos.setdefault(repo_id, HubRepo())
-        repo.gated_token, repo.blobs = gated_token, blobs
+        repo.gated_token, repo.blobs, repo.main_only = gated_token, blobs, main_only
+        repo.tree = tree
         commit = hashlib.sha1(
             json.dumps([repo_id, branch, len(repo.commits), sorted(files)]).encode()
         ).hexdigest()
@@ -158,7 +168,7 @@ class HubServer:
             return _error(404 if token else 401, "RepoNotFound", "Repository not found")
         if repo.gated_token is not None and token != repo.gated_token:
             return _error(403 if token else 401, "GatedRepo", "Access to model is restricted")
-        rev = request.match_info["rev"]
+        rev = "main" if repo.main_only else request.match_info["rev"]
         commit = rev if rev in repo.commits else repo.refs.get(rev)
         if commit is None:
             return _error(404, "RevisionNotFound", "Invalid rev id")
@@ -184,6 +194,8 @@ class HubServer:
         if isinstance(found, web.Response):
             return found
         repo, commit = found
+        if not repo.tree:
+            return web.Response(status=404, text="Not Found")
         entries = []
         for path in sorted(repo.commits[commit]):
             s = self._sibling(repo, commit, path, True)

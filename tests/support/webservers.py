@@ -5,13 +5,15 @@ with a temp prefix: one plain-http server honouring Range, its `/private/` files
 bearer token, its `/throttled/` files behind a request rate limit answering 429, its
 `/nohead/` files refusing HEAD (405), and the same root over https with a self-signed
 certificate. `NoRangeServer`: Python's SimpleHTTPRequestHandler, which ignores Range (200
-with the whole file), in a thread; with `head=False`, it implements GET only (HEAD: 501).
+with the whole file), in a thread; with `head=False`, it implements GET only (HEAD: 501);
+with `gzips=True`, it gzip-encodes files over 1 KiB even to a client asking for identity.
 `silent_server()`: one that accepts connections and never answers.
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
 import http.server
 import shutil
 import socket
@@ -136,6 +138,25 @@ class _GetOnly(_Quiet):
         self.send_error(501, f"Unsupported method ({self.command!r})")
 
 
+class _Gzips(_Quiet):
+    """Compresses every file over GZIP_MIN bytes whatever the client accepts, as a
+    misconfigured server or proxy does (HEAD: the file's own length)."""
+
+    GZIP_MIN = 1024
+
+    def do_GET(self) -> None:
+        path = Path(self.translate_path(self.path))
+        if not path.is_file() or path.stat().st_size <= self.GZIP_MIN:
+            super().do_GET()
+            return
+        body = gzip.compress(path.read_bytes(), compresslevel=1)
+        self.send_response(200)
+        self.send_header("Content-Encoding", "gzip")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
@@ -175,10 +196,12 @@ def web_page() -> Iterator[str]:
 
 class NoRangeServer:
     """Python's file server, which ignores Range, serving `root` from a thread; without
-    `head`, one that answers HEAD 501 (as a server implementing GET only)."""
+    `head`, one that answers HEAD 501 (as a server implementing GET only); with `gzips`,
+    one that gzip-encodes its files' bodies whatever the client accepts."""
 
-    def __init__(self, root: Path, head: bool = True) -> None:
-        handler = functools.partial(_Quiet if head else _GetOnly, directory=str(root))
+    def __init__(self, root: Path, head: bool = True, gzips: bool = False) -> None:
+        kind = _Gzips if gzips else _Quiet if head else _GetOnly
+        handler = functools.partial(kind, directory=str(root))
         self._server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

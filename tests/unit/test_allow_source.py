@@ -120,8 +120,29 @@ def test_a_bad_prefix_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
         ("s3://models/a//r1", "an empty, '.' or '..' path segment"),
         ("ftp://models/m/r1", "unknown scheme 'ftp'"),
         ("models/m/r1", "no scheme and not an absolute path"),
+        ("https://me:pw@host/m/r1", "credentials in the URL are not taken: put a bearer token "
+                                    "in WEIGHTCACHE_HTTP_TOKEN"),
+        ("http://me@host/m/r1", "credentials in the URL are not taken"),
+        ("s3://key:secret@models/m/r1", "credentials in the URL are not taken: AWS_ACCESS_KEY"),
+        ("https://host/m/r1?X-Amz-Signature=abc", "a query (?...) is not taken"),
+        ("https://host/m/r1#part", "a fragment (#...) is not taken"),
+        ("hf://org/m@main?x=1", "a query (?...) is not taken"),
     ],
-)
+)  # fmt: skip
 def test_an_invalid_source_says_what_is_wrong_before_the_forms(url: str, why: str) -> None:
     with pytest.raises(UsageError, match=rf"invalid source '{re.escape(url)}': {re.escape(why)}"):
         Source.parse(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "lower"),
+    [("HTTP://Models.Example.com/m/r1", "http://models.example.com/m/r1"),
+     ("Https://host:8443/m/r1", "https://host:8443/m/r1"), ("S3://models/m/r1", "s3://models/m/r1"),
+     ("HF://org/m@main", "hf://org/m@main"), ("FILE:///mnt/m/r1", "/mnt/m/r1"),
+     ("GS://models/m/r1", "gs://models/m/r1")],
+)  # fmt: skip
+def test_the_scheme_is_case_insensitive(url: str, lower: str) -> None:
+    assert Source.parse(url) == Source.parse(lower)
+    assert SourcePrefix.parse(url.rpartition("/")[0]) == SourcePrefix.parse(
+        lower.rpartition("/")[0]
+    )

@@ -221,3 +221,15 @@ def test_only_newline_separates_lines(sep: str) -> None:
         assert "line 1 has an unsafe path" in str(e)
     else:
         assert [(e.sha256, e.path) for e in m.entries] == [(H1, name)]
+
+
+def test_a_path_longer_than_any_store_key_is_one_clear_error() -> None:
+    """Every name within NAME_MAX, the path over what a cache directory can hold below
+    PATH_MAX: refused when the manifest is read, not an OSError when the file is written."""
+    path = "/".join(["d" * 200] * 21) + "/model.bin"
+    message = _error(f"{H1}  {path}\n")
+    assert "line 1 lists a path of 4230 bytes" in message and "\n" not in message, message
+    assert len(message) < 400, message
+    at_most = "/".join(["d" * 200] * 5) + "/" + "m" * 19
+    assert len(at_most) == 1024
+    assert _parse(f"{H1}  {at_most}\n").entries[0].path == at_most

@@ -77,8 +77,25 @@ def test_the_fields_of_a_page() -> None:
         b"<R><Contents><Key>k</Key><Size>12x</Size></Contents></R>",
         b"<html><body>It works!</body></html>",
         b"<?xml version='1.0'?><Error><Code>Oops</Code></Error>",
+        *(
+            f"<ListBucketResult><Contents><Key>k</Key><Size>{size}</Size></Contents>"
+            "</ListBucketResult>".encode()
+            for size in ("\u0661\u0662", "\uff11", " 12", "+12", "1_000", "-1", "")
+        ),
     ],
-    ids=["not-xml", "size-not-a-number", "html-well-formed", "another-document"],
+    ids=[
+        "not-xml",
+        "size-not-a-number",
+        "html-well-formed",
+        "another-document",
+        "size-arabic-indic-digits",
+        "size-fullwidth-digit",
+        "size-space",
+        "size-plus",
+        "size-underscore",
+        "size-negative",
+        "size-empty",
+    ],
 )
 def test_a_body_that_is_not_a_page_is_a_value_error(body: bytes) -> None:
     with pytest.raises(ValueError):

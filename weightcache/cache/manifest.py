@@ -20,6 +20,9 @@ _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
 #: No object of any store is larger (S3's and GCS's limit is 5 TiB): a size above it is a
 #: broken listing or header, not a disk too small (exit 3, not exit 5).
 MAX_OBJECT_SIZE = 1 << 50
+#: The longest path a manifest may list: the object stores' longest key, which leaves room
+#: for the cache directory, name and revision before it within PATH_MAX (4096).
+MAX_PATH_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,13 @@ def check_path(raw: str, where: str) -> str:
             f"{where} lists a path with a {len(long[0].encode())}-byte name "
             f"({long[0][:40]!r}...): no Linux filesystem holds a name over {NAME_MAX} bytes; "
             "rename the file in the model and publish it again"
+        )
+    if len(raw.encode()) > MAX_PATH_BYTES:
+        raise SourceError(
+            f"{where} lists a path of {len(raw.encode())} bytes ({raw[:40]!r}...): over "
+            f"{MAX_PATH_BYTES}, the longest key S3, GCS and Azure hold (with the cache "
+            "directory before it, Linux's PATH_MAX of 4096 would refuse it); shorten the "
+            "path in the model and publish it again"
         )
     if PurePosixPath(raw).parts[0] == MARKER:
         raise SourceError(f"{where} lists {raw!r}, a name weightcache reserves for its marker")

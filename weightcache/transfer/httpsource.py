@@ -91,12 +91,29 @@ def refusal(resp: http.client.HTTPResponse, method: str, where: str) -> Exceptio
     return SourceError(f"{method} {where}: unexpected HTTP {status}")
 
 
+def check_encoding(resp: http.client.HTTPResponse, where: str) -> None:
+    """SourceError (exit 3) for a success whose body is encoded (gzip, br): http.client
+    asks for identity and does not decode, so its bytes and length are not the file's,
+    and no retry changes that. (A store's object stored with a Content-Encoding is its
+    bytes as stored: only a web server's encoding is on the fly.)"""
+    encoding = (resp.getheader("Content-Encoding") or "identity").strip().lower()
+    if resp.status < 300 and encoding != "identity":
+        resp.close()
+        raise SourceError(
+            f"{where}: the server answered with Content-Encoding: {encoding[:40]} although "
+            "asked for identity, so its bytes are not the file's; turn compression off for "
+            "these files at the server (or the proxy before it)"
+        )
+
+
 def check_http_status(
     resp: http.client.HTTPResponse, start: int, end: int, size: int, where: str
 ) -> int:
     """A `StatusCheck` for web servers: a 206 must have exactly the Content-Range asked
     for; a 200 (Range ignored) must be the whole `size`-byte file, of which the first
-    `start` bytes are to be skipped. IntegrityError if the file's size changed."""
+    `start` bytes are to be skipped. IntegrityError if the file's size changed,
+    SourceError if its body is encoded."""
+    check_encoding(resp, f"GET {where}")
     if resp.status == 206:
         got = resp.getheader("Content-Range", "")
         if got == f"bytes {start}-{end - 1}/{size}":
@@ -271,6 +288,7 @@ class HttpRevision:
 
         def once() -> tuple[http.client.HTTPResponse, bytes]:
             got = self._http.request("GET", location, headers, self._timeout, None, body=False)
+            check_encoding(got[0], f"GET {location}")
             if got[0].status not in (200, 206, 416):
                 raise refusal(got[0], "GET", location)
             return got
@@ -312,6 +330,7 @@ class HttpRevision:
 
         def once() -> tuple[http.client.HTTPResponse, bytes]:
             resp, body = self._http.request(method, location, auth_headers(), self._timeout, None)
+            check_encoding(resp, f"{method} {location}")
             if resp.status in (404, 410) and missing:
                 raise SourceError(missing)
             if resp.status != 200 and resp.status not in allow:

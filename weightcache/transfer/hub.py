@@ -1,14 +1,16 @@
 """The Hugging Face Hub as an origin: hf://org/repo@revision (design §4, Revision sources).
 
-The metadata comes from huggingface_hub (`HfApi.model_info(files_metadata=True)`: the commit
-a branch or tag points at, every file's size, an LFS file's sha256, a small file's git blob
-id), so HF_ENDPOINT, HF_TOKEN (or the token `hf auth login` saved) and HF_HUB_OFFLINE mean
-here what they mean to huggingface_hub. The bytes do not go through it: each file is located
-once (`HEAD {endpoint}/{repo}/resolve/{commit}/{path}`, following the Hub's relative
-redirects; an LFS file's redirect to its storage is where its bytes are read, without the
-token, as huggingface_hub does), then read by parallel ranged GETs over the keep-alive
-connections of `HttpRanges`, like any other origin. The Hub's 429 and 5xx are retried and
-throttle the download (AIMD) like the S3 store's SlowDown.
+The metadata comes from the Hub's API, asked with huggingface_hub's session and headers (the
+model info with ?blobs=true: the commit a branch or tag points at, every file's size, an LFS
+file's sha256, a small file's git blob id; the tree listing, as `hf download` reads it, from
+a mirror whose model info has no sizes; hubinfo.py reads both), so HF_ENDPOINT, HF_TOKEN (or
+the token `hf auth login` saved) and HF_HUB_OFFLINE mean here what they mean to
+huggingface_hub. A commit asked for must be the commit answered. The bytes do not go
+through it: each file is located once (`HEAD {endpoint}/{repo}/resolve/{commit}/{path}`,
+following the Hub's relative redirects; an LFS file's redirect to its storage is where its
+bytes are read, without the token, as huggingface_hub does), then read by parallel ranged
+GETs over the keep-alive connections of `HttpRanges`, like any other origin. The Hub's 429
+and 5xx are retried and throttle the download (AIMD) like the S3 store's SlowDown.
 
 huggingface_hub is imported on a miss only (it takes most of a second).
 """
@@ -17,25 +19,27 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import logging
+import os
 import re
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from weightcache.config import check_endpoint_url
-from weightcache.errors import SourceError, TransientError
+from weightcache.errors import SourceError, TransientError, UsageError
 from weightcache.sourceurl import HUB_COMMIT
 from weightcache.transfer.httprange import HttpRanges
+from weightcache.transfer.hubinfo import HubFile, HubListing, parse_info, parse_tree
 from weightcache.transfer.pacing import Backoff, Retries, tries
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 #: Tries of one metadata call (the revision's listing) through 429, 5xx and network errors.
 API_ATTEMPTS = 6
+#: Pages of a tree listing read at most (the Hub's hold 1,000 files each).
+MAX_TREE_PAGES = 1000
 #: Same-host redirects followed to locate a file (a renamed repository answers with one).
 MAX_REDIRECTS = 5
 #: Pinned listings kept in the process: a commit's files never change, and a fetch opens
@@ -43,19 +47,7 @@ MAX_REDIRECTS = 5
 _PINNED_KEEP = 32
 _pinned: dict[tuple[str, str, str], HubListing] = {}
 _pinned_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class HubFile:
-    size: int
-    sha256: str | None  # an LFS file's, lowercase hex
-    blob_id: str | None  # its git blob id (an LFS file's is that of its pointer)
-
-
-@dataclass(frozen=True)
-class HubListing:
-    commit: str
-    files: dict[str, HubFile]
+log = logging.getLogger(__name__)
 
 
 class HubRevision:
@@ -136,36 +128,78 @@ class HubRevision:
         return listing
 
     def _read_listing(self) -> HubListing:
+        endpoint = check_endpoint_url(_hub().constants.ENDPOINT, "HF_ENDPOINT")
+        check_token(_hub())
+        api = f"{endpoint}/api/models/{self.repo_id}"
+        revision = urllib.parse.quote(self.revision, safe="")
+        body, _ = self._api_get(f"{api}/revision/{revision}", {"blobs": "true"})
+        commit, files = parse_info(body, f"the model info of {self.url} from {endpoint}")
+        if re.fullmatch(HUB_COMMIT, self.revision) and commit != self.revision:
+            raise SourceError(
+                f"{self.url}: the server at {endpoint} (HF_ENDPOINT) answered with commit "
+                f"{commit}, not {self.revision}: a mirror that ignores the revision asked "
+                "for, or one not to trust; point HF_ENDPOINT at the Hub or a faithful mirror"
+            )
+        if files is None:  # a mirror that ignores ?blobs=true: its tree has the sizes
+            log.info("%s: no sizes in the model info, reading the tree listing", self.url)
+            files = self._read_tree(f"{api}/tree/{commit}", endpoint)
+        return HubListing(commit, files)
+
+    def _read_tree(self, url: str, endpoint: str) -> dict[str, HubFile]:
+        """The files of the recursive tree listing at `url`, page after page (Link: next,
+        on the same host: the token goes with each page)."""
+        what = f"the tree listing of hf://{self.repo_id} from {endpoint}"
+        files: dict[str, HubFile] = {}
+        params = {"recursive": "true", "expand": "false"}
+        for _ in range(MAX_TREE_PAGES):
+            try:
+                body, following = self._api_get(url, params)
+            except SourceError as e:
+                raise SourceError(
+                    f"the model info from {endpoint} (HF_ENDPOINT) lists no file sizes (a "
+                    f"mirror that ignores ?blobs=true) and its tree listing failed: {e}"
+                ) from e
+            page = parse_tree(body, what)
+            if page.keys() & files.keys():
+                raise SourceError(f"{what} lists a file twice; point HF_ENDPOINT at a Hub")
+            files.update(page)
+            if following is None:
+                return files
+            nxt = urllib.parse.urljoin(url, following)
+            if urllib.parse.urlsplit(nxt).netloc != urllib.parse.urlsplit(url).netloc:
+                raise SourceError(f"{what} sends its next page to another host ({nxt})")
+            url, params = nxt, {}
+        raise SourceError(f"{what} has more than {MAX_TREE_PAGES} pages; is it a loop?")
+
+    def _api_get(self, url: str, params: dict[str, str]) -> tuple[bytes, str | None]:
+        """The body of the Hub's 200 to a GET of its API, and the URL of the next page
+        (Link) if any, with huggingface_hub's session and headers (HF_TOKEN). Retried
+        through 429, 5xx and network errors. Raises SourceError (refused, HF_HUB_OFFLINE),
+        TransientError (the Hub kept failing)."""
         hub = _hub()
-        endpoint = check_endpoint_url(hub.constants.ENDPOINT, "HF_ENDPOINT")
         began, attempt = time.monotonic(), 0
         while True:
             attempt += 1
             try:
-                info = hub.HfApi().model_info(
-                    self.repo_id, revision=self.revision, files_metadata=True,
+                r = hub.utils.get_session().get(
+                    url, headers=hub.utils.build_hf_headers(), params=params,
                     timeout=min(self._retries.budget, READ_TIMEOUT),
                 )  # fmt: skip
+                hub.utils.hf_raise_for_status(r)
+                following: str | None = r.links.get("next", {}).get("url")
+                return r.content, following
             except hub.errors.HfHubHTTPError as e:
                 status = getattr(e.response, "status_code", 0)
                 if status != 429 and status < 500:
                     raise self._refusal(e, hub) from e
                 last = f"HTTP {status}"
-            except Exception as e:  # requests' or httpx's (by version) network errors
+            except Exception as e:  # httpx's network errors
                 if isinstance(e, hub.errors.OfflineModeIsEnabled):
                     raise SourceError(
                         f"{self.url}: HF_HUB_OFFLINE is set, so the Hub cannot be asked; "
                         "unset it, or fetch a revision already in the cache by its commit"
                     ) from e
-                if isinstance(e, json.JSONDecodeError):  # a web page at HF_ENDPOINT
-                    raise SourceError(
-                        f"the server at {endpoint} (HF_ENDPOINT) answered the model info of "
-                        f"{self.url} with something that is not the Hub's JSON ({e}); point "
-                        "HF_ENDPOINT at a Hub or a mirror of it"
-                    ) from e
                 last = f"{type(e).__name__}: {e}"
-            else:  # an answer without what it must hold is the Hub's last word: no retry
-                return _listing_of(info, self.url)
             delay = self._retries.pause(attempt, began)
             if delay is None:
                 raise TransientError(
@@ -239,6 +273,21 @@ class HubBlob:
             if self._located is None:
                 self._located = locate(self._url, self._headers, timeout, self.where)
             return self._located
+
+
+def check_token(hub: Any) -> None:
+    """UsageError (exit 2) naming where the token comes from when no header can carry it:
+    a request would fail in the HTTP library, which reads as a network error."""
+    token = hub.get_token()
+    if not token or re.fullmatch(r"[\x21-\x7e]+", token):
+        return
+    where = next((f"the environment variable {name}" for name in ("HF_TOKEN",
+                  "HUGGING_FACE_HUB_TOKEN") if os.environ.get(name)),
+                 f"the token file {hub.constants.HF_TOKEN_PATH}")  # fmt: skip
+    raise UsageError(
+        f"the Hub token in {where} holds a space or a character outside ASCII; set it "
+        "to the token alone (hf_..., ASCII letters and digits)"
+    )
 
 
 def locate(
@@ -330,22 +379,6 @@ def _read_once(blob: HubBlob, size: int, timeout: float) -> bytes:
                 raise RetryRange(f"{blob.where}: truncated at byte {got} of {size}")
             got += n
     return bytes(buf)
-
-
-def _listing_of(info: Any, url: str) -> HubListing:
-    files: dict[str, HubFile] = {}
-    for s in info.siblings or ():
-        size = s.lfs.size if s.lfs is not None else s.size
-        if size is None:
-            raise SourceError(
-                f"{url}: the Hub gave no size for {s.rfilename}: a mirror that ignores "
-                "?blobs=true? Point HF_ENDPOINT at a Hub (or a mirror) that lists file sizes"
-            )
-        sha = s.lfs.sha256.lower() if s.lfs is not None else None
-        files[s.rfilename] = HubFile(int(size), sha, s.blob_id)
-    if not info.sha or not re.fullmatch(HUB_COMMIT, info.sha):
-        raise SourceError(f"{url}: the Hub gave no commit for it ({info.sha!r})")
-    return HubListing(info.sha, files)
 
 
 def _hub() -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 
+from weightcache.config import is_digits
 from weightcache.errors import (
     AccessDenied,
     SourceError,
@@ -51,7 +52,7 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
     other fields by name (IsTruncated, NextContinuationToken, EncodingType), whatever their
     namespace. Read with expat alone: ElementTree's import cost ~3 ms before a cold fetch's
     first GET. Raises ValueError for a body that is not such a page (not XML, another
-    document such as a web page, a Size that is not a number)."""
+    document such as a web page, a Size that is not ASCII digits)."""
     from xml.parsers import expat
 
     objects: list[tuple[str, int]] = []
@@ -70,7 +71,10 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
     def end(_: str) -> None:
         name = path.pop()
         if len(path) == 1 and name == "Contents":
-            objects.append((obj.get("Key", ""), int(obj.get("Size", "0"))))
+            size = obj.get("Size", "0")
+            if not is_digits(size):  # int() takes " 12", "+1", "1_0", "-1" and "١٢"
+                raise ValueError(f"the Size of {obj.get('Key')!r} is {size[:40]!r}")
+            objects.append((obj.get("Key", ""), int(size)))
             obj.clear()
         elif len(path) == 1:
             fields[name] = "".join(text)
