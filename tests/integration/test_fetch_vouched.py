@@ -112,6 +112,22 @@ def test_object_not_matching_its_checksum_is_exit_4_and_nothing_is_published(
 
 
 @pytest.mark.timeout(120)
+def test_object_not_matching_the_sha256_its_store_vouches_for_names_the_store_not_a_manifest(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy
+) -> None:
+    prefix = f"{uniq}/m/r1"
+    put_vouched(bare_s3, prefix, {"w.bin": (_bytes(MiB + 5, "w"), "SHA256")})
+    proxy.configure(corrupt_rate=1.0, scope="ranged")  # every byte range has one byte flipped
+
+    proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url)
+    message = assert_fails(proc, 4)
+    assert "sha256 mismatch for w.bin" in message, message
+    assert "SHA256SUMS" not in message, message  # the revision has none
+    assert "the sha256 its store recorded" in message, message
+    assert list(blobs_dir(cache_dir).iterdir()) == []
+
+
+@pytest.mark.timeout(120)
 def test_file_without_checksum_and_no_manifest_is_exit_3_naming_the_manifest_command(
     wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path
 ) -> None:

@@ -40,6 +40,8 @@ class Manifest:
 
     entries: tuple[ManifestEntry, ...]
     digest: str  # sha256 of the manifest bytes: the revision's content identity
+    #: What vouches for the entries' sha256, as a mismatch names it.
+    vouched_by: str = MANIFEST_NAME
 
     @property
     def total_size(self) -> int:
@@ -69,7 +71,7 @@ class Manifest:
                     "content has one size: re-upload the object that differs or regenerate "
                     f"{MANIFEST_NAME} with sha256sum"
                 )
-        return Manifest(entries, self.digest)
+        return Manifest(entries, self.digest, self.vouched_by)
 
 
 def parse(data: bytes, where: str) -> Manifest:

@@ -85,7 +85,8 @@ class VouchedPlan:
         entries.sort(key=lambda e: e.path)
         digest = hashlib.sha256(render([(e.sha256, e.path) for e in entries])).hexdigest()
         # with_sizes: two files vouched for by one sha256 at two sizes are exit 4
-        return Manifest(tuple(entries), digest).with_sizes({e.path: e.size for e in entries})
+        manifest = Manifest(tuple(entries), digest, "the sha256 its store recorded for it")
+        return manifest.with_sizes({e.path: e.size for e in entries})
 
 
 def plan_vouched(
