@@ -95,6 +95,23 @@ def test_s3_composite_checksums_are_vouched_with_their_part_count() -> None:
     )
 
 
+def test_a_multipart_objects_checksum_without_suffix_or_type_is_ambiguous() -> None:
+    etag = '"df8202e2cf2b70ff2e8576ce68638276-3"'  # the ETag of a 3-part upload
+    bare = {"ChecksumCRC32": "iH6F8A==", "ETag": etag}  # moto's HeadObject
+    assert s3_vouched(bare) == Vouch("crc32", "887e85f0", ambiguous=True)
+    # the type, once GetObjectAttributes tells it, decides; the ETag gives the part count
+    assert s3_vouched({**bare, "ChecksumType": "COMPOSITE"}) == Vouch("crc32-composite",
+                                                                     "887e85f0-3")  # fmt: skip
+    assert s3_vouched({**bare, "ChecksumType": "FULL_OBJECT"}) == Vouch("crc32", "887e85f0")
+    # not multipart: a full-object checksum, as before; COMPOSITE then has no part count
+    single = {"ChecksumCRC32": "iH6F8A==", "ETag": '"df8202e2cf2b70ff2e8576ce68638276"'}
+    assert s3_vouched(single) == Vouch("crc32", "887e85f0")
+    assert s3_vouched({**single, "ChecksumType": "COMPOSITE"}) is None
+    # S3 defines crc64nvme for full objects only: nothing to be unsure about
+    crc64 = {"ChecksumCRC64NVME": "Fg5AiE8Eaws=", "ETag": etag}
+    assert s3_vouched(crc64) == Vouch("crc64nvme", "160e40884f046b0b")
+
+
 MiB = 1024 * 1024
 
 
@@ -209,6 +226,14 @@ def test_marker_records_how_each_file_was_verified_and_reads_old_ones() -> None:
     old["files"]["a"]["verified"] = "../x"
     with pytest.raises(ValueError, match="verified by"):
         Marker.from_json(json.dumps(old))
+
+
+def test_plan_takes_an_ambiguous_sha256_as_pending_not_as_a_manifest_entry() -> None:
+    # Its mismatch must say "ambiguous", which only the vouched download knows to say.
+    plan = plan_vouched("s3://b/m/r", {"a": 10},
+                        {"a": Vouch("sha256", "ab" * 32, ambiguous=True)}, HINT)  # fmt: skip
+    assert plan.known == ()
+    assert plan.pending == (Vouched("a", 10, "sha256", "ab" * 32, ambiguous=True),)
 
 
 def test_plan_takes_a_composite_checksum_only_with_parts_that_make_up_the_file() -> None:
