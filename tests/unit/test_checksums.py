@@ -253,3 +253,25 @@ def test_plan_takes_a_composite_checksum_only_with_parts_that_make_up_the_file()
         with pytest.raises(SourceError, match=r"1 of its 2 file\(s\).*'a'"):
             plan_vouched("s3://b/m/r", {"a": 10, "b": 1}, {"a": bad, "b": ("crc32", "00" * 4)},
                          HINT)  # fmt: skip
+
+
+def test_plan_with_sha256_required_refuses_every_other_checksum() -> None:
+    sha = "ab" * 32
+    sha256s = {"a": ("sha256", sha), "b": Vouch("sha256-composite", f"{sha}-2", (6, 4))}
+    plan = plan_vouched("s3://b/m/r", {"a": 1, "b": 10}, sha256s, HINT, require_sha256=True)
+    assert plan.verified == {"a": "s3:sha256", "b": "s3:sha256-composite"}
+    for weak in (("crc32", "0123abcd"), ("md5", "00" * 16), ("sha1", "00" * 20),
+                 ("crc64nvme", "00" * 8), ("git-sha1", "00" * 20)):  # fmt: skip
+        with pytest.raises(SourceError) as e:
+            plan_vouched("s3://b/m/r", {"a": 1, "c": 2}, {**sha256s, "c": weak}, HINT,
+                         require_sha256=True)  # fmt: skip
+        message = str(e.value)
+        assert f"'c' with {weak[0]} only" in message and "--require-sha256" in message, message
+        assert message.endswith(HINT), message
+
+
+def test_marker_tells_the_files_verified_by_other_than_sha256() -> None:
+    files = {p: (f"{i}" * 64, 1) for i, p in enumerate("abcd", 1)}
+    verified = {"b": "s3:sha256-composite", "c": "s3:crc32", "d": "hf:sha256"}
+    marker = Marker("m", "r", "s3://b/m/r", "d" * 64, files, 0.0, verified)
+    assert marker.not_by_sha256() == {"c": "s3:crc32"}

@@ -36,6 +36,7 @@ from weightcache.cache.manifest import (
     render,
     select_files,
 )
+from weightcache.cache.marker import BY_SHA256
 from weightcache.cache.store import Cache
 from weightcache.errors import IntegrityError, NoSpaceError, SourceError
 from weightcache.fetch.blobs import LOCK_BATCH, holder_stalled
@@ -93,11 +94,13 @@ class VouchedPlan:
 
 
 def plan_vouched(
-    url: str, sizes: Mapping[str, int], vouches: Mapping[str, tuple[str, str] | Vouch], hint: str
-) -> VouchedPlan:
+    url: str, sizes: Mapping[str, int], vouches: Mapping[str, tuple[str, str] | Vouch], hint: str,
+    require_sha256: bool = False,
+) -> VouchedPlan:  # fmt: skip
     """The plan for the revision at `url` without SHA256SUMS, from its listing `sizes` and
     what its source vouches for. Raises SourceError (exit 3) naming a file vouched for by
-    nothing usable (and `hint`, what to do), or when the listing holds no file."""
+    nothing usable (and `hint`, what to do), or with `require_sha256`, by anything but a
+    sha256 (`BY_SHA256`); or when the listing holds no file."""
     scheme = url.partition("://")[0]
     if not any(_is_checksum(Vouch(*v), None) for v in vouches.values()):
         raise SourceError(f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}; {hint}")
@@ -118,6 +121,14 @@ def plan_vouched(
             f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}, and the store vouches for the "
             f"content of {len(unvouched)} of its {len(files)} file(s) with no checksum "
             f"weightcache can verify (e.g. {unvouched[0]!r}); {hint}"
+        )
+    weak = [v for v in pending if v.algorithm not in BY_SHA256]
+    if require_sha256 and weak:
+        raise SourceError(
+            f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}, and its store vouches for "
+            f"{len(weak)} file(s), e.g. {weak[0].path!r} with {weak[0].algorithm} only: a "
+            "checksum that catches accidents, not a forged object, and sha256 is required "
+            f"(--require-sha256); {hint}"
         )
     verified = {e.path: f"{scheme}:sha256" for e in known}
     verified.update({v.path: f"{scheme}:{v.algorithm}" for v in pending})
