@@ -6,6 +6,7 @@ multipart, and GetObjectAttributes tells the type."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,13 @@ def put_multipart(client: Any, key: str, data: bytes, algorithm: str) -> None:
     client.upload_fileobj(io.BytesIO(data), BUCKET, key, ExtraArgs=extra, Config=config)
 
 
+def _fetch(
+    wc: CLI, prefix: str, cache_dir: Path, proxy: FaultProxy
+) -> subprocess.CompletedProcess[str]:
+    return wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, "--part-size", "1M",
+                    endpoint=proxy.url, timeout=170)  # fmt: skip
+
+
 @pytest.fixture
 def moto_proxy(moto: Any, request: pytest.FixtureRequest) -> Any:
     """A fault proxy in front of moto (it counts the bytes the fetch downloads)."""
@@ -63,8 +71,7 @@ def test_composite_checksums_moto_heads_without_their_suffix_are_verified_at_one
     assert "-" not in head["ChecksumCRC32"] and "ChecksumType" not in head, head
     assert head["ETag"].endswith('-3"'), head  # multipart, 3 parts
 
-    miss = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, "--part-size", "1M", "--json",
-                    endpoint=moto_proxy.url, timeout=170)  # fmt: skip
+    miss = _fetch(wc, prefix, cache_dir, moto_proxy)
     assert miss.returncode == 0, describe(miss)
     root = cache_dir / "m" / "r1"
     for relpath, (data, _) in files.items():
@@ -90,9 +97,7 @@ def test_a_checksum_whose_type_the_store_does_not_tell_is_ambiguous_not_a_differ
     put_multipart(client, f"{prefix}/w.bin", data, "CRC32")
     moto_proxy.configure(unsupported=("attributes",))  # GetObjectAttributes refused
 
-    proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, "--part-size", "1M",
-                    endpoint=moto_proxy.url, timeout=170)  # fmt: skip
-    message = assert_fails(proc, 3)
+    message = assert_fails(_fetch(wc, prefix, cache_dir, moto_proxy), 3)
     assert "ambiguous checksum" in message and "'w.bin'" in message, message
     assert "differs" not in message, message
     assert f"weightcache manifest s3://{BUCKET}/{prefix}/ --write" in message, message
