@@ -271,8 +271,8 @@ def _ambiguous(source: Source, v: Vouched, got: str) -> SourceError:
     return SourceError(
         f"ambiguous checksum for {v.path!r} in {source.label}: its store gives a {v.algorithm} "
         f"of {v.digest} for this multipart object without saying whether it is of the whole "
-        f"object (the bytes downloaded give {got}) or of its parts' checksums, and does not "
-        f"answer GetObjectAttributes; write a {MANIFEST_NAME} (`weightcache manifest "
+        f"object (the bytes downloaded give {got}) or of its parts' checksums, nor does "
+        f"GetObjectAttributes; write a {MANIFEST_NAME} (`weightcache manifest "
         f"{source.url}/ --write`) so the download can be verified"
     )
 
