@@ -100,6 +100,17 @@ def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def moto(store: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """moto's S3 server (tests/support/motoserver.py) with the bucket "models", for the
+    session; the `store`'s credentials work on it (moto takes any)."""
+    from tests.support.motoserver import MotoServer
+
+    with MotoServer(tmp_path_factory.mktemp("moto")) as server:
+        server.client(store.env).create_bucket(Bucket=BUCKET)
+        yield server
+
+
+@pytest.fixture(scope="session")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One azurite-blob (tests/support/azurite.py) for the session, with the container
     "models"; skips when Azurite is not installed (.ci/run installs it from npm)."""

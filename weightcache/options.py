@@ -210,6 +210,7 @@ def node_options(fn: F) -> F:
                help="Read-only kubelet pod directories: a lease ends when its Pod's "
                "directory is gone."),
         min_free_option,
+        require_sha256_option,
     ])  # fmt: skip
 
 
@@ -223,6 +224,16 @@ def serving_options(fn: F) -> F:
         option("--interval", parse=positive_duration, default=format_duration(INTERVAL),
                help="How often to check the models file, leases and capacity."),
     ])  # fmt: skip
+
+
+def require_sha256_option(fn: F) -> F:
+    """--require-sha256: only bytes a sha256 verified (fetch, daemon, prefetch)."""
+    return option(
+        "--require-sha256", is_flag=True,
+        help="Refuse a revision whose files a SHA256SUMS or a sha256 of their store does not "
+        "verify: a CRC32, CRC32C, CRC64, MD5 or SHA-1 the store vouches with catches "
+        "accidents, not a forged object (exit 3).",
+    )(fn)  # fmt: skip
 
 
 def min_free_option(fn: F) -> F:
@@ -270,6 +281,7 @@ def daemon_settings(kw: dict[str, Any]) -> DaemonSettings:
         interval=kw.pop("interval", INTERVAL),
         node_name=kw.pop("node_name", None),
         allow_sources=kw.pop("allow_sources", None),
+        require_sha256=kw.pop("require_sha256"),
         peer=peer_settings(kw),
     )
 

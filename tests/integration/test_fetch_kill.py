@@ -171,6 +171,28 @@ def test_kill9_on_a_slow_link_resumes_every_part_where_it_was_written(
 
 
 @pytest.mark.timeout(240)
+def test_a_fetch_resumed_with_another_part_size_keeps_what_the_killed_one_wrote(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path
+) -> None:
+    pub = publish([8 * MiB], name="regrid", rev="r1")
+    size = pub.model.total_size
+    proxy.configure(rate_limit=4 * MiB)
+    running = wc.fetch_popen(pub.source, cache_dir, "--part-size", "1M", endpoint=proxy.url)
+    code = _run_until(running, proxy, 0, after_s=None, after_bytes=size // 2,
+                      then_sleep=3 * SAVE_INTERVAL)  # fmt: skip
+    assert code is None, running.finish().stderr
+    base = proxy.stats().body_bytes
+
+    proxy.configure(rate_limit=None)
+    again = wc.fetch(pub.source, cache_dir, "--part-size", "2M", endpoint=proxy.url)
+    assert_ok_path(again, pub.local_path(cache_dir))
+    assert _check_invariants(cache_dir, pub)
+    assert "resuming" in again.stderr, again.stderr
+    resent = proxy.stats().body_bytes - base
+    assert resent <= size - size // 4, f"{resent} of {size} bytes downloaded again"
+
+
+@pytest.mark.timeout(240)
 def test_kill9_near_completion_never_marks_bad_data(
     wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, tmp_path: Path
 ) -> None:

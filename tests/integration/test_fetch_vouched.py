@@ -96,19 +96,73 @@ def test_checksum_only_prefix_misses_then_hits(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("algorithm", "recorded"),
+    [("CRC64NVME", "the checksum its store recorded"),
+     # with no SHA256SUMS in the revision, its mismatch names the store's sha256, not one
+     ("SHA256", "the sha256 its store recorded")],
+)  # fmt: skip
 def test_object_not_matching_its_checksum_is_exit_4_and_nothing_is_published(
-    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy
-) -> None:
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy, algorithm: str,
+    recorded: str,
+) -> None:  # fmt: skip
     prefix = f"{uniq}/m/r1"
-    put_vouched(bare_s3, prefix, {"w.bin": (_bytes(MiB + 5, "w"), "CRC64NVME")})
+    put_vouched(bare_s3, prefix, {"w.bin": (_bytes(MiB + 5, "w"), algorithm)})
     proxy.configure(corrupt_rate=1.0, scope="ranged")  # every byte range has one byte flipped
 
     proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url)
     message = assert_fails(proc, 4)
-    assert "crc64nvme mismatch for w.bin" in message, message
+    assert f"{algorithm.lower()} mismatch for w.bin" in message, message
+    assert recorded in message and "SHA256SUMS" not in message, message
     assert not (cache_dir / "m" / "r1").exists()
     assert list(blobs_dir(cache_dir).iterdir()) == []
     assert not list((cache_dir / ".weightcache" / "tmp").glob("*.part*"))
+
+
+@pytest.mark.timeout(180)
+def test_require_sha256_takes_only_bytes_a_sha256_vouches_for(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, proxy: FaultProxy
+) -> None:
+    weak, strong = f"s3://{BUCKET}/{uniq}/m/r1", f"s3://{BUCKET}/{uniq}/m/r2"
+    put_vouched(bare_s3, f"{uniq}/m/r1",
+                {"a.bin": (b"a" * 100, "SHA256"), "b.bin": (b"b" * 100, "CRC32")})  # fmt: skip
+    put_vouched(bare_s3, f"{uniq}/m/r2", {"a.bin": (b"a" * 100, "SHA256")})
+
+    # Refused before a byte is downloaded: the store vouches for b.bin with a CRC only.
+    message = assert_fails(wc.fetch(weak, cache_dir, "--require-sha256", endpoint=proxy.url), 3)
+    assert "'b.bin' with crc32 only" in message and "--require-sha256" in message, message
+    assert f"weightcache manifest {weak}/ --write" in message, message
+    assert proxy.stats().ranged_gets == 0
+    assert not any(blobs_dir(cache_dir).glob("*"))
+    assert_ok_path(wc.fetch(strong, cache_dir, env={"WEIGHTCACHE_REQUIRE_SHA256": "1"}),
+                   cache_dir / "m" / "r2")  # fmt: skip
+
+    # Fetched without the policy, the revision is a hit that the policy still refuses.
+    assert_ok_path(wc.fetch(weak, cache_dir), cache_dir / "m" / "r1")
+    message = assert_fails(wc.fetch(weak, cache_dir, "--require-sha256"), 3)
+    assert "'b.bin' verified by s3:crc32" in message and "--require-sha256" in message, message
+
+
+@pytest.mark.timeout(180)
+def test_a_models_file_entry_may_require_sha256(
+    wc: CLI, bare_s3: Any, uniq: str, cache_dir: Path, tmp_path: Path
+) -> None:
+    put_vouched(bare_s3, f"{uniq}/weak/r1", {"b.bin": (b"b" * 100, "CRC32")})
+    put_vouched(bare_s3, f"{uniq}/other/r1", {"b.bin": (b"c" * 100, "CRC32")})
+    weak, other = f"s3://{BUCKET}/{uniq}/weak/r1", f"s3://{BUCKET}/{uniq}/other/r1"
+    models = tmp_path / "models.yaml"
+    models.write_text(f"models:\n  - source: {weak}\n    require_sha256: true\n"
+                      f"  - source: {other}\n")  # fmt: skip
+
+    proc = wc.run("prefetch", "--cache-dir", cache_dir, "--models", models)
+    assert proc.returncode == 3, describe(proc)
+    assert "'b.bin' with crc32 only" in proc.stderr, describe(proc)
+    assert not (cache_dir / "weak" / "r1").exists()
+    assert (cache_dir / "other" / "r1" / "b.bin").read_bytes() == b"c" * 100
+    # --require-sha256 on the daemon's command line holds for every entry
+    again = wc.run("prefetch", "--cache-dir", cache_dir, "--models", models, "--require-sha256")
+    assert again.returncode == 3, describe(again)
+    assert "'b.bin' verified by s3:crc32" in again.stderr, describe(again)
 
 
 @pytest.mark.timeout(120)

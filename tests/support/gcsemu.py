@@ -7,12 +7,10 @@ server's log to nobody: a chatty run would fill the pipe and block the server.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tests.support.serverproc import ServerProcess, free_port
 
 
 def _binary() -> Path:
@@ -22,54 +20,26 @@ def _binary() -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class FakeGcs:
     """One fake-gcs-server over HTTP; `url` is what STORAGE_EMULATOR_HOST takes."""
 
     def __init__(self, workdir: Path, backend: str = "memory") -> None:
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.backend = backend
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._server = ServerProcess("fake-gcs-server")
 
     def start(self) -> FakeGcs:
         self.workdir.mkdir(parents=True, exist_ok=True)
         argv = [str(_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port",
                 str(self.port), "-external-url", self.url, "-backend", self.backend,
                 "-filesystem-root", str(self.workdir / "data"), "-log-level", "warn"]  # fmt: skip
-        with open(self.workdir / "server.log", "wb") as log:
-            self._proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        self._wait_ready(20.0)
+        self._server.spawn(argv, self.workdir / "server.log", f"{self.url}/storage/v1/b", 20.0)
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self._proc is not None and self._proc.poll() is None, "fake-gcs-server died"
-            try:
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"fake-gcs-server did not answer on {self.url}")
-
     def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
+        self._server.stop()
 
     def fs(self) -> Any:
         """A synchronous gcsfs filesystem on this server (the tests' uploads)."""

@@ -95,6 +95,23 @@ def test_s3_composite_checksums_are_vouched_with_their_part_count() -> None:
     )
 
 
+def test_a_multipart_objects_checksum_without_suffix_or_type_is_ambiguous() -> None:
+    etag = '"df8202e2cf2b70ff2e8576ce68638276-3"'  # the ETag of a 3-part upload
+    bare = {"ChecksumCRC32": "iH6F8A==", "ETag": etag}  # moto's HeadObject
+    assert s3_vouched(bare) == Vouch("crc32", "887e85f0", ambiguous=True)
+    # the type, once GetObjectAttributes tells it, decides; the ETag gives the part count
+    assert s3_vouched({**bare, "ChecksumType": "COMPOSITE"}) == Vouch("crc32-composite",
+                                                                     "887e85f0-3")  # fmt: skip
+    assert s3_vouched({**bare, "ChecksumType": "FULL_OBJECT"}) == Vouch("crc32", "887e85f0")
+    # not multipart: a full-object checksum, as before; COMPOSITE then has no part count
+    single = {"ChecksumCRC32": "iH6F8A==", "ETag": '"df8202e2cf2b70ff2e8576ce68638276"'}
+    assert s3_vouched(single) == Vouch("crc32", "887e85f0")
+    assert s3_vouched({**single, "ChecksumType": "COMPOSITE"}) is None
+    # S3 defines crc64nvme for full objects only: nothing to be unsure about
+    crc64 = {"ChecksumCRC64NVME": "Fg5AiE8Eaws=", "ETag": etag}
+    assert s3_vouched(crc64) == Vouch("crc64nvme", "160e40884f046b0b")
+
+
 MiB = 1024 * 1024
 
 
@@ -211,6 +228,14 @@ def test_marker_records_how_each_file_was_verified_and_reads_old_ones() -> None:
         Marker.from_json(json.dumps(old))
 
 
+def test_plan_takes_an_ambiguous_sha256_as_pending_not_as_a_manifest_entry() -> None:
+    # Its mismatch must say "ambiguous", which only the vouched download knows to say.
+    plan = plan_vouched("s3://b/m/r", {"a": 10},
+                        {"a": Vouch("sha256", "ab" * 32, ambiguous=True)}, HINT)  # fmt: skip
+    assert plan.known == ()
+    assert plan.pending == (Vouched("a", 10, "sha256", "ab" * 32, ambiguous=True),)
+
+
 def test_plan_takes_a_composite_checksum_only_with_parts_that_make_up_the_file() -> None:
     vouch = Vouch("crc32c-composite", "0123abcd-2", (6, 4))
     plan = plan_vouched("s3://b/m/r", {"a": 10}, {"a": vouch}, HINT)
@@ -228,3 +253,25 @@ def test_plan_takes_a_composite_checksum_only_with_parts_that_make_up_the_file()
         with pytest.raises(SourceError, match=r"1 of its 2 file\(s\).*'a'"):
             plan_vouched("s3://b/m/r", {"a": 10, "b": 1}, {"a": bad, "b": ("crc32", "00" * 4)},
                          HINT)  # fmt: skip
+
+
+def test_plan_with_sha256_required_refuses_every_other_checksum() -> None:
+    sha = "ab" * 32
+    sha256s = {"a": ("sha256", sha), "b": Vouch("sha256-composite", f"{sha}-2", (6, 4))}
+    plan = plan_vouched("s3://b/m/r", {"a": 1, "b": 10}, sha256s, HINT, require_sha256=True)
+    assert plan.verified == {"a": "s3:sha256", "b": "s3:sha256-composite"}
+    for weak in (("crc32", "0123abcd"), ("md5", "00" * 16), ("sha1", "00" * 20),
+                 ("crc64nvme", "00" * 8), ("git-sha1", "00" * 20)):  # fmt: skip
+        with pytest.raises(SourceError) as e:
+            plan_vouched("s3://b/m/r", {"a": 1, "c": 2}, {**sha256s, "c": weak}, HINT,
+                         require_sha256=True)  # fmt: skip
+        message = str(e.value)
+        assert f"'c' with {weak[0]} only" in message and "--require-sha256" in message, message
+        assert message.endswith(HINT), message
+
+
+def test_marker_tells_the_files_verified_by_other_than_sha256() -> None:
+    files = {p: (f"{i}" * 64, 1) for i, p in enumerate("abcd", 1)}
+    verified = {"b": "s3:sha256-composite", "c": "s3:crc32", "d": "hf:sha256"}
+    marker = Marker("m", "r", "s3://b/m/r", "d" * 64, files, 0.0, verified)
+    assert marker.not_by_sha256() == {"c": "s3:crc32"}

@@ -52,6 +52,19 @@ def test_parse_binary_marker_blank_lines_crlf_and_uppercase_hex() -> None:
     assert [(e.path, e.sha256) for e in m.entries] == [("a.bin", H1), ("b.bin", H2)]
 
 
+def test_parse_bsd_tag_lines_as_sha256sum_check_reads_them() -> None:
+    # `sha256sum --tag` writes these and `sha256sum -c` accepts them, mixed with the other form.
+    m = _parse(f"SHA256 (a.bin) = {H1}\nSHA256 (dir/b (1).bin) = {H2.upper()}\n{H3}  c.bin\n")
+    assert [(e.path, e.sha256) for e in m.entries] == [
+        ("a.bin", H1), ("dir/b (1).bin", H2), ("c.bin", H3),
+    ]  # fmt: skip
+
+
+def test_a_bsd_tag_path_may_hold_the_separator_itself() -> None:
+    m = _parse(f"SHA256 (a) = b.bin) = {H1}\n")
+    assert [(e.path, e.sha256) for e in m.entries] == [("a) = b.bin", H1)]
+
+
 def test_parse_keeps_manifest_order_and_paths_with_spaces() -> None:
     m = _parse(f"{H2}  z.bin\n{H1}  a dir/with space.bin\n")
     assert [e.path for e in m.entries] == ["z.bin", "a dir/with space.bin"]
@@ -105,7 +118,10 @@ def test_with_sizes_same_sha256_different_sizes_is_an_integrity_error() -> None:
         (f"{'g' * 64}  a.bin\n", 1),
         (f"{H1}  \n", 1),
         (f"\n\n{H1}  a.bin\n{H2}\n", 4),  # blank lines count towards the line number
-        (f"SHA256 (a.bin) = {H1}\n", 1),  # BSD --tag format
+        (f"SHA256 (a.bin) = {H1[:63]}\n", 1),  # BSD --tag format, a short digest
+        (f"SHA256 (a.bin)= {H1}\n", 1),
+        (f"SHA1 (a.bin) = {H1}\n", 1),  # another algorithm's tag
+        (f"SHA256 () = {H1}\n", 1),
         (f"\\{H1}  a\\\\b\n", 1),  # sha256sum's escaped-name form
     ],
 )

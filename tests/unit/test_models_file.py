@@ -265,6 +265,7 @@ def test_a_number_revision_is_refused_not_renamed(tmp_path: Path, written: str) 
         pytest.param({"source": SRC, "extra": 1}, id="extra-key"),
         pytest.param({"source": SRC, "pin": "false"}, id="pin-str"),
         pytest.param({"source": SRC, "pin": 0}, id="pin-zero"),
+        pytest.param({"source": SRC, "require_sha256": "yes"}, id="require-sha256-str"),
         # Empty, not absent: refused rather than replaced by the URL's segment.
         pytest.param({"source": SRC, "name": ""}, id="empty-name"),
         pytest.param({"source": SRC, "revision": " "}, id="blank-revision"),
@@ -285,3 +286,8 @@ def test_parse_entry_defaults_to_unpinned_and_the_url_segments() -> None:
     spec = parse_entry({"source": SRC})
     assert (spec.pin, spec.source.name, spec.source.revision) == (False, "llama", "v1")
     assert parse_entry({"source": SRC, "pin": True}).pin is True
+
+
+def test_an_entry_may_require_sha256_verified_bytes() -> None:
+    assert parse_entry({"source": SRC}).require_sha256 is False
+    assert parse_entry({"source": SRC, "require_sha256": True}).require_sha256 is True

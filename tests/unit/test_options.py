@@ -48,6 +48,11 @@ def test_the_option_defaults_are_the_settings_defaults() -> None:
     assert settings.metrics_addr == ("0.0.0.0", 9402)
 
 
+@pytest.mark.parametrize("command", ["daemon", "prefetch"])
+def test_the_node_commands_take_require_sha256(command: str) -> None:
+    assert daemon_settings(params(command, "--require-sha256")).require_sha256 is True
+
+
 def test_prefetch_leaves_what_it_does_not_take_at_its_default() -> None:
     kw = params("prefetch")
     origin_settings(kw)

@@ -122,13 +122,65 @@ def test_load_missing_file_is_fresh(tmp_path: Path) -> None:
     assert state.done == [False, False, False]
 
 
-@pytest.mark.parametrize(("size", "part_size"), [(11, 4), (10, 5), (10, 2)])
-def test_load_mismatched_geometry_is_fresh(tmp_path: Path, size: int, part_size: int) -> None:
+@pytest.mark.parametrize("size", [11, 9])
+def test_load_another_size_is_fresh(tmp_path: Path, size: int) -> None:
     path = tmp_path / "x.part.json"
     _state(10, 4, {0, 1}).save(path)
-    state = PartState.load(path, size, part_size)
-    assert state.parts == plan_parts(size, part_size)
+    state = PartState.load(path, size, 4)
+    assert state.parts == plan_parts(size, 4)
     assert state.done == [False] * len(state.parts)
+
+
+@pytest.mark.parametrize(
+    ("part_size", "written"),
+    [
+        (5, [5, 3]),  # [0, 8) written: part 0 whole, part 1 up to 8
+        (2, [2, 2, 2, 2, 0]),
+        (3, [3, 3, 2, 0]),  # part 2 is [6, 9): 6 and 7 written
+        (10, [8]),
+        (16, [8]),
+    ],
+)
+def test_a_state_saved_with_another_part_size_keeps_its_bytes(
+    tmp_path: Path, part_size: int, written: list[int]
+) -> None:
+    # A fetch resumed with another --part-size: the bytes on disk are the same bytes.
+    path = tmp_path / "x.part.json"
+    _state(10, 4, {0, 1}).save(path)  # [0, 8) written
+    state = PartState.load(path, 10, part_size)
+    assert state.parts == plan_parts(10, part_size)
+    assert state.snapshot() == written
+    assert state.bytes_done() == sum(written)
+    assert state.contiguous_end() == 8
+
+
+def test_another_part_size_keeps_only_the_written_start_of_each_new_part(tmp_path: Path) -> None:
+    path = tmp_path / "x.part.json"
+    old = PartState(12, 4)
+    old.note_written(0, 2)  # [0, 2)
+    old.done[1] = True  # [4, 8)
+    old.note_written(2, 10)  # [8, 10)
+    old.save(path)
+    # parts of 6: [0, 6) holds [0, 2) at its start (4 and 5 cannot count: 2 and 3 are
+    # missing before them); [6, 12) holds [6, 10), the rest of the run [4, 10)
+    assert PartState.load(path, 12, 6).snapshot() == [2, 4]
+    # parts of 3: [0,3) 2, [3,6) 0 (4 and 5 are written, 3 is not), [6,9) 3, [9,12) 1
+    assert PartState.load(path, 12, 3).snapshot() == [2, 0, 3, 1]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"version": 2, "size": 10, "part_size": 0, "written": [4, 0, 0]}',
+        '{"version": 2, "size": 10, "part_size": -4, "written": [4, 0, 0]}',
+        '{"version": 2, "size": 10, "part_size": 1, "written": [1]}',  # not its part count
+        '{"version": 2, "size": 10, "part_size": 5, "written": [5, 6]}',  # past its part
+    ],
+)
+def test_a_malformed_state_of_another_part_size_is_fresh(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "x.part.json"
+    path.write_text(content)
+    assert PartState.load(path, 10, 4).snapshot() == [0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -273,3 +325,10 @@ def test_load_a_state_planted_as_no_regular_file_or_too_large_is_fresh(tmp_path:
     assert PartState.load(path, 10, 4).done == [True, True, True]
     path.write_text(complete + " " * MAX_STATE_BYTES)  # well formed, but not from save()
     assert PartState.load(path, 10, 4).done == [False, False, False]
+
+
+def test_a_state_claiming_more_parts_than_its_file_could_hold_is_fresh(tmp_path: Path) -> None:
+    # Its part size alone would plan ten billion parts before its counts were read.
+    path = tmp_path / "x.part.json"
+    path.write_text('{"version": 2, "size": 10000000000, "part_size": 1, "written": [1]}')
+    assert PartState.load(path, 10**10, 10**9).snapshot() == [0] * 10

@@ -1,7 +1,9 @@
 """SHA256SUMS: parsing and validation of the manifest that is the source of truth (§2.1).
 
 Format: coreutils `sha256sum` output, one `<64 hex>  <relative path>` per line (`*` for
-binary mode is accepted too). Every listed file is downloaded and verified; nothing else is.
+binary mode is accepted too), or `SHA256 (<relative path>) = <64 hex>` as `sha256sum --tag`
+writes it (both are what `sha256sum -c` checks). Every listed file is downloaded and
+verified; nothing else is.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from weightcache.errors import IntegrityError, SourceError
 
 MANIFEST_NAME = "SHA256SUMS"
 _LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
+_TAG_LINE = re.compile(r"SHA256 \((.+)\) = ([0-9a-fA-F]{64})")
 
 #: No object of any store is larger (S3's and GCS's limit is 5 TiB): a size above it is a
 #: broken listing or header, not a disk too small (exit 3, not exit 5).
@@ -40,6 +43,8 @@ class Manifest:
 
     entries: tuple[ManifestEntry, ...]
     digest: str  # sha256 of the manifest bytes: the revision's content identity
+    #: What vouches for the entries' sha256, as a mismatch names it.
+    vouched_by: str = MANIFEST_NAME
 
     @property
     def total_size(self) -> int:
@@ -69,7 +74,7 @@ class Manifest:
                     "content has one size: re-upload the object that differs or regenerate "
                     f"{MANIFEST_NAME} with sha256sum"
                 )
-        return Manifest(entries, self.digest)
+        return Manifest(entries, self.digest, self.vouched_by)
 
 
 def parse(data: bytes, where: str) -> Manifest:
@@ -86,22 +91,31 @@ def parse(data: bytes, where: str) -> Manifest:
         line = line.removesuffix("\r")
         if not line.strip():
             continue
-        m = _LINE.fullmatch(line)
-        if m is None:
-            raise SourceError(
-                f"{where} line {lineno} is malformed ({line[:80]!r}); each line must be "
-                "'<64 hex digits>  <relative path>' as written by sha256sum"
-            )
+        sha256, raw = _split_line(line, f"{where} line {lineno}")
         # `find . -exec sha256sum {} +` writes ./model.safetensors: same file.
-        path = check_path(m.group(2).removeprefix("./"), f"{where} line {lineno}")
+        path = check_path(raw.removeprefix("./"), f"{where} line {lineno}")
         if path in seen:
             raise SourceError(f"{where} lists {path!r} twice (line {lineno}); list each file once")
         seen.add(path)
-        entries.append(ManifestEntry(path, m.group(1).lower()))
+        entries.append(ManifestEntry(path, sha256.lower()))
     if not entries:
         raise SourceError(f"{where} lists no files; publish the model with its weight files")
     _check_no_file_dir_clash(seen, where)
     return Manifest(tuple(entries), hashlib.sha256(data).hexdigest())
+
+
+def _split_line(line: str, where: str) -> tuple[str, str]:
+    """(sha256, raw path) of a line in either of sha256sum's forms; SourceError if neither."""
+    m = _LINE.fullmatch(line)
+    if m is not None:
+        return m.group(1), m.group(2)
+    m = _TAG_LINE.fullmatch(line)  # the greedy path keeps a ") = " inside a file name
+    if m is not None:
+        return m.group(2), m.group(1)
+    raise SourceError(
+        f"{where} is malformed ({line[:80]!r}); each line must be '<64 hex digits>  "
+        "<relative path>' as written by sha256sum, or 'SHA256 (<path>) = <64 hex digits>'"
+    )
 
 
 def check_path(raw: str, where: str) -> str:

@@ -21,6 +21,9 @@ MARKER_VERSION = 1
 #: How a file listed in the revision's SHA256SUMS was verified; a file of a revision without
 #: one was verified by its source's checksum, "<scheme>:<algorithm>" ("s3:crc64nvme").
 BY_MANIFEST = "sha256sums"
+#: The source checksums that verify bytes against an adversary too (`--require-sha256`): a
+#: sha256, or S3's sha256 of its parts' sha256s. A CRC, MD5 or SHA-1 catches accidents only.
+BY_SHA256 = ("sha256", "sha256-composite")
 _VERIFIED = re.compile(r"sha256sums|[a-z][a-z0-9+.-]*:[a-z0-9-]+")
 
 
@@ -40,6 +43,11 @@ class Marker:
     def how_verified(self, path: str) -> str:
         """BY_MANIFEST, or the source checksum "<scheme>:<algorithm>" that verified `path`."""
         return self.verified.get(path, BY_MANIFEST)
+
+    def not_by_sha256(self) -> dict[str, str]:
+        """{path: how} of the files verified by anything but a sha256 (`BY_SHA256`)."""
+        return {path: how for path, how in self.verified.items()
+                if how != BY_MANIFEST and how.partition(":")[2] not in BY_SHA256}  # fmt: skip
 
     def verification(self) -> dict[str, int]:
         """{how: number of files verified that way}, e.g. {"sha256sums": 4} (`ls --json`)."""

@@ -20,6 +20,7 @@ from weightcache.options import (
     option,
     origin_settings,
     positive_duration,
+    require_sha256_option,
     store_options,
 )
 from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL
@@ -45,6 +46,7 @@ log = logging.getLogger("weightcache")
     help="Revision (default: SOURCE's last segment; hf://: after the @).",
 )
 @store_options
+@require_sha256_option
 @option(
     "--json",
     "as_json",
@@ -81,6 +83,7 @@ def fetch(
     pod_uid: str | None,
     use_daemon: bool,
     progress_interval: float | None,
+    require_sha256: bool,
     **store: Any,
 ) -> None:
     """Make SOURCE ready in the cache and print its local path (InitContainer mode).
@@ -94,7 +97,7 @@ def fetch(
     gc.disable()
     try:
         result = _ready(source, cache_dir, name, revision, pod_uid, use_daemon,
-                        progress_interval, store)  # fmt: skip
+                        progress_interval, require_sha256, store)  # fmt: skip
         if as_json:
             click.echo(json.dumps(result.to_dict()))
         else:
@@ -129,9 +132,11 @@ def _ready(
     pod_uid: str | None,
     use_daemon: bool,
     progress_interval: float | None,
+    require_sha256: bool,
     store: dict[str, Any],
 ) -> FetchResult:
-    """The revision made ready (a hit, or a miss fetched): its FetchResult."""
+    """The revision made ready (a hit, or a miss fetched): its FetchResult. With
+    `require_sha256`, SourceError unless a sha256 verified every file, however it came."""
     from weightcache.cache.layout import Layout, check_revision
     from weightcache.fetch import check_hit
 
@@ -149,7 +154,12 @@ def _ready(
 
         notify_hit(layout.socket, src, pod_uid)
     if result is None:
-        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon, progress_interval)
+        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon, progress_interval,
+                             require_sha256)  # fmt: skip
+    if require_sha256:  # a hit, or the daemon's fetch, knew nothing of this policy
+        from weightcache.fetch import refuse_unless_sha256
+
+        refuse_unless_sha256(layout, src)
     return result
 
 
@@ -160,6 +170,7 @@ def _fetch_miss(
     pod_uid: str | None,
     use_daemon: bool,
     progress_interval: float | None,
+    require_sha256: bool,
 ) -> FetchResult:
     from weightcache.cache.alone import registered
     from weightcache.fetch import Fetcher, FetchResult
@@ -189,7 +200,7 @@ def _fetch_miss(
             calling_on((signal.SIGTERM,), fetcher.interrupt),
             registered(layout, src.name, src.revision, lambda: progress.inflight),
         ):
-            return fetcher.fetch(src, pod_uid)
+            return fetcher.fetch(src, pod_uid, require_sha256)
     finally:
         progress.close()
 

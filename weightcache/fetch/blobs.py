@@ -118,6 +118,7 @@ class Wanted:
     entry: ManifestEntry
     partial: Path
     private: bool
+    vouched_by: str = MANIFEST_NAME  # what a mismatch names (Manifest.vouched_by)
 
     @property
     def sha256(self) -> str:
@@ -191,9 +192,9 @@ class BlobFetch:
             batch, pending = pending[:LOCK_BATCH], pending[LOCK_BATCH:]
             locks, theirs = self._lock_batch(batch, wait=not pending)
             try:
-                has = self.cache.has_blob
+                has, by = self.cache.has_blob, manifest.vouched_by
                 todo = [
-                    Wanted(e, self.layout.partial(e.sha256, lock is None), lock is None)
+                    Wanted(e, self.layout.partial(e.sha256, lock is None), lock is None, by)
                     for e, lock in locks
                     if not has(e.sha256, e.size)
                 ]
@@ -368,7 +369,7 @@ class BlobFetch:
             raise IntegrityError(
                 f"sha256 mismatch for {e.path} in {source.label}: expected {e.sha256}, "
                 f"got {got}; the object in {source.url}/{e.path} differs from "
-                f"{MANIFEST_NAME} (checked twice)"
+                f"{w.vouched_by} (checked twice)"
             )
 
     def _check_space(self, entries: list[ManifestEntry]) -> None:

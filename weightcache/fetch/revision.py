@@ -87,6 +87,24 @@ def check_hit(layout: Layout, source: Source, pod_uid: str | None = None) -> Fet
     return FetchResult(path, True, 0, time.monotonic() - start)
 
 
+def refuse_unless_sha256(layout: Layout, source: Source) -> None:
+    """Raise SourceError (exit 3) when the cached revision of `source` holds a file
+    verified by anything but a sha256 (`--require-sha256`): fetched without the policy,
+    by its store's CRC, MD5 or SHA-1."""
+    marker = Cache(layout).read_marker(source.name, source.revision)
+    weak = sorted(marker.not_by_sha256().items()) if marker is not None else []
+    if weak:
+        path, how = weak[0]
+        root = layout.revision_dir(source.name, source.revision)
+        raise SourceError(
+            f"{source.label} in the cache holds {len(weak)} file(s) verified by a checksum "
+            f"that catches accidents, not a forged object, e.g. {path!r} verified by {how}, "
+            f"and sha256 is required (--require-sha256); publish a {MANIFEST_NAME} at "
+            f"{source.url}/ (`weightcache manifest {source.url}/ --write`) and remove the "
+            f"cached revision (rm -rf {root}) to fetch it again"
+        )
+
+
 def open_revision(
     source: Source, origin: Callable[[], Origin], http: HttpRanges | None, timeout: float
 ) -> RevisionSource:
@@ -281,19 +299,26 @@ class Fetcher:
             if client is not None:
                 client.interrupt()
 
-    def fetch(self, source: Source, pod_uid: str | None = None) -> FetchResult:
+    def fetch(
+        self, source: Source, pod_uid: str | None = None, require_sha256: bool = False
+    ) -> FetchResult:
         """Make the revision ready; raises a WeightcacheError subclass on failure: a full
         cache disk wherever it shows (a marker, the index, a link) is NoSpaceError, as in
-        the CLI, for the daemon's callers too (prefetch, the Pods it fetches for)."""
+        the CLI, for the daemon's callers too (prefetch, the Pods it fetches for). With
+        `require_sha256`, a file verified by anything but a sha256 is SourceError (exit 3),
+        before its download, or on a hit (`refuse_unless_sha256`)."""
         try:
-            return self._fetch(source, pod_uid)
+            result = self._fetch(source, pod_uid, require_sha256)
+            if require_sha256 and result.hit:
+                refuse_unless_sha256(self.layout, source)
+            return result
         except OSError as e:
             full = no_space(e)
             if full is None:
                 raise
             raise full from e
 
-    def _fetch(self, source: Source, pod_uid: str | None) -> FetchResult:
+    def _fetch(self, source: Source, pod_uid: str | None, require_sha256: bool) -> FetchResult:
         start = time.monotonic()
         if not source.pinned:  # the caller resolves it: the cache's revision is a commit
             raise UsageError(f"{source.url}: fetch its commit, not a branch or tag")
@@ -312,7 +337,7 @@ class Fetcher:
             hit = self._hit_under_lock(source, start)
             if hit is not None:
                 return hit
-            manifest, verified, fetched = self.read_contents(source, lock)
+            manifest, verified, fetched = self.read_contents(source, lock, require_sha256)
             if lock.held:  # spares the blobs we are about to link (Cache.orphans)
                 lock.note("".join(f"{e.sha256}\n" for e in manifest.entries))
             fetched += self.blobs.bring(source, manifest)
@@ -384,7 +409,9 @@ class Fetcher:
             f"(rm -rf {root})"
         )
 
-    def read_contents(self, source: Source, lock: FileLock) -> tuple[Manifest, dict[str, str], int]:
+    def read_contents(
+        self, source: Source, lock: FileLock, require_sha256: bool = False
+    ) -> tuple[Manifest, dict[str, str], int]:
         """(the manifest with each file's size from the listing, {path: how verified} of the
         files not verified by SHA256SUMS, bytes downloaded to learn it).
 
@@ -412,7 +439,8 @@ class Fetcher:
             )
         from weightcache.fetch.vouched import plan_vouched
 
-        plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint)
+        plan = plan_vouched(revision.url, sizes, revision.vouches(), revision.manifest_hint,
+                            require_sha256)  # fmt: skip
 
         def note(hashes: list[str]) -> None:
             if lock.held:  # spares the blobs published so far (Cache.orphans)

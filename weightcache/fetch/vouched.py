@@ -4,15 +4,17 @@
 Deciding (`plan_vouched`, pure): every file a fetch would take (`select_files`, the same
 selection as `weightcache manifest`) must be vouched for by its source with an algorithm
 computable here, else the fetch is exit 3 naming the command that writes a manifest. Files
-vouched for by sha256 are ordinary manifest entries. The others are `Vouched`: their sha256,
-the blob store's key, is known only once their bytes have landed. A composite checksum (of
-an S3 multipart upload) comes with its part sizes, and is computed part by part.
+vouched for by sha256 (not ambiguously) are ordinary manifest entries. The others are
+`Vouched`: their sha256, the blob store's key, is known only once their bytes have landed.
+A composite checksum (of an S3 multipart upload) comes with its part sizes, and is
+computed part by part.
 
 Doing (`VouchedFetch.bring`): each such file is downloaded like any blob (parallel ranged
 reads, resumable) into a partial named by its vouched checksum, with that checksum computed
 beside the sha256 as the prefix grows; a mismatch is downloaded once more and is exit 4 the
-second time (nothing published, the partial discarded); a match is published under the
-computed sha256, so the same content from any scheme, or from a SHA256SUMS, is stored once.
+second time (nothing published, the partial discarded), but a mismatch of an ambiguous
+checksum (`Vouch.ambiguous`) is exit 3 at once; a match is published under the computed
+sha256, so the same content from any scheme, or from a SHA256SUMS, is stored once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from weightcache.cache.manifest import (
     render,
     select_files,
 )
+from weightcache.cache.marker import BY_SHA256
 from weightcache.cache.store import Cache
 from weightcache.errors import IntegrityError, NoSpaceError, SourceError
 from weightcache.fetch.blobs import LOCK_BATCH, holder_stalled
@@ -62,6 +65,7 @@ class Vouched:
     algorithm: str
     digest: str  # lowercase hex; a composite one "<hex>-<parts>"
     parts: tuple[int, ...] = ()  # a composite one's part sizes
+    ambiguous: bool = False  # maybe a composite checksum instead (Vouch.ambiguous)
 
     @property
     def key(self) -> str:
@@ -85,15 +89,18 @@ class VouchedPlan:
         entries.sort(key=lambda e: e.path)
         digest = hashlib.sha256(render([(e.sha256, e.path) for e in entries])).hexdigest()
         # with_sizes: two files vouched for by one sha256 at two sizes are exit 4
-        return Manifest(tuple(entries), digest).with_sizes({e.path: e.size for e in entries})
+        manifest = Manifest(tuple(entries), digest, "the sha256 its store recorded for it")
+        return manifest.with_sizes({e.path: e.size for e in entries})
 
 
 def plan_vouched(
-    url: str, sizes: Mapping[str, int], vouches: Mapping[str, tuple[str, str] | Vouch], hint: str
-) -> VouchedPlan:
+    url: str, sizes: Mapping[str, int], vouches: Mapping[str, tuple[str, str] | Vouch], hint: str,
+    require_sha256: bool = False,
+) -> VouchedPlan:  # fmt: skip
     """The plan for the revision at `url` without SHA256SUMS, from its listing `sizes` and
     what its source vouches for. Raises SourceError (exit 3) naming a file vouched for by
-    nothing usable (and `hint`, what to do), or when the listing holds no file."""
+    nothing usable (and `hint`, what to do), or with `require_sha256`, by anything but a
+    sha256 (`BY_SHA256`); or when the listing holds no file."""
     scheme = url.partition("://")[0]
     if not any(_is_checksum(Vouch(*v), None) for v in vouches.values()):
         raise SourceError(f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}; {hint}")
@@ -105,7 +112,7 @@ def plan_vouched(
         vouch = Vouch(*vouches.get(path, ("", "")))
         if not _is_checksum(vouch, size):
             unvouched.append(path)
-        elif vouch.algorithm == "sha256":
+        elif vouch.algorithm == "sha256" and not vouch.ambiguous:
             known.append(ManifestEntry(path, vouch.digest, size))
         else:
             pending.append(Vouched(path, size, *vouch))
@@ -115,6 +122,14 @@ def plan_vouched(
             f"content of {len(unvouched)} of its {len(files)} file(s) with no checksum "
             f"weightcache can verify (e.g. {unvouched[0]!r}); {hint}"
         )
+    weak = [v for v in pending if v.algorithm not in BY_SHA256]
+    if require_sha256 and weak:
+        raise SourceError(
+            f"no {MANIFEST_NAME} at {url}/{MANIFEST_NAME}, and its store vouches for "
+            f"{len(weak)} file(s), e.g. {weak[0].path!r} with {weak[0].algorithm} only: a "
+            "checksum that catches accidents, not a forged object, and sha256 is required "
+            f"(--require-sha256); {hint}"
+        )
     verified = {e.path: f"{scheme}:sha256" for e in known}
     verified.update({v.path: f"{scheme}:{v.algorithm}" for v in pending})
     return VouchedPlan(tuple(known), tuple(pending), verified)
@@ -123,7 +138,7 @@ def plan_vouched(
 def _is_checksum(vouch: Vouch, size: int | None) -> bool:
     """A digest of an algorithm computable here, of that algorithm's length; a composite
     one with as many parts as its digest says, their sizes adding up to `size` (if given)."""
-    algorithm, digest, parts = vouch
+    algorithm, digest, parts, _ = vouch
     if algorithm.endswith(COMPOSITE_SUFFIX):
         if composite_parts(digest) != len(parts) or min(parts) < 0:
             return False
@@ -211,6 +226,8 @@ class VouchedFetch:
                     sha256s[v.key] = self._publish(partials[v.key], done.digests[v.path], v.size)
                     continue
                 self.cache.discard_partial(partials[v.key])
+                if v.ambiguous:  # downloading it again would prove nothing more
+                    raise _ambiguous(source, v, got)
                 self._verify_failed()
                 self._strike(source, v, got, strikes)
                 bad.append(v)
@@ -248,6 +265,16 @@ class VouchedFetch:
                 f"download needs {human(need)} more; free space or evict old revisions "
                 "(weightcache gc)"
             )
+
+
+def _ambiguous(source: Source, v: Vouched, got: str) -> SourceError:
+    return SourceError(
+        f"ambiguous checksum for {v.path!r} in {source.label}: its store gives a {v.algorithm} "
+        f"of {v.digest} for this multipart object without saying whether it is of the whole "
+        f"object (the bytes downloaded give {got}) or of its parts' checksums, nor does "
+        f"GetObjectAttributes; write a {MANIFEST_NAME} (`weightcache manifest "
+        f"{source.url}/ --write`) so the download can be verified"
+    )
 
 
 def _allocated(partial: Path, size: int) -> int:

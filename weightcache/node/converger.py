@@ -54,8 +54,11 @@ class Converger:
         fetch: Callable[[Source], object],
         stopping: threading.Event,
         node_name: str | None = None,
+        require_sha256: bool = False,
     ) -> None:
-        """`node_name`: label that node with the ready revisions (needs RBAC)."""
+        """`node_name`: label that node with the ready revisions (needs RBAC);
+        `require_sha256`: a revision cached with a file no sha256 verified is not ready, for
+        every entry (`fetch` refuses it); an entry's own `require_sha256` does so for it."""
         self.models_file = models_file
         self.cache = cache
         self.index = index
@@ -63,6 +66,7 @@ class Converger:
         self.fetch = fetch
         self.stopping = stopping
         self.node_name = node_name
+        self.require_sha256 = require_sha256
         self.desired = DesiredState(())
         self.failures: dict[RevisionKey, WeightcacheError] = {}
         #: (failures in a row, monotonic time of the next attempt) of failing entries
@@ -140,15 +144,17 @@ class Converger:
                 return
             key = (spec.source.name, spec.source.revision)
             if self._retry.get(key, (0, now))[1] <= now:
-                self._converge_entry(spec.source, retries)
+                strict = self.require_sha256 or spec.require_sha256
+                self._converge_entry(spec.source, retries, strict)
         self._update_labels()
 
-    def _converge_entry(self, source: Source, retries: bool = True) -> None:
+    def _converge_entry(self, source: Source, retries: bool = True, strict: bool = False) -> None:
         key = (source.name, source.revision)
         try:
             marker = self.cache.ready(*key)
-            # Cached from another source: the Fetcher proves it the same or refuses it.
-            if marker is None or marker.source != source.url:
+            # Cached from another source: the Fetcher proves it the same or refuses it; and
+            # one verified by less than a sha256 that `strict` requires, it refuses.
+            if marker is None or marker.source != source.url or (strict and marker.not_by_sha256()):
                 self.fetch(source)
         except Exception as e:
             if isinstance(e, Interrupted) and self.stopping.is_set():  # SIGTERM: no failure

@@ -98,6 +98,9 @@ class DaemonSettings:
     #: Where the daemon fetches for Pods (`--allow-source`); None: under the parent of
     #: every source of the models file (any revision of a listed model).
     allow_sources: tuple[SourcePrefix, ...] | None = None
+    #: Fetch only bytes a sha256 verifies (`--require-sha256`); a models-file entry's
+    #: `require_sha256` asks it for that revision alone.
+    require_sha256: bool = False
 
 
 class Daemon:
@@ -140,6 +143,7 @@ class Daemon:
         self.converger = Converger(
             settings.models_file, self.cache, self.index, self.metrics,
             self.coordinator.wait, self.stopping, settings.node_name,
+            settings.require_sha256,
         )  # fmt: skip
         self.leases = LeaseReaper(self.index, settings.kubelet_pods_dir, settings.lease_max_age)
         handler = FetchSocketHandler(
@@ -153,7 +157,12 @@ class Daemon:
         self._workers: list[Worker] = []
 
     def _fetch(self, source: Source, pod_uid: str | None) -> FetchResult:
-        result = self.fetcher.fetch(source, pod_uid)
+        key = (source.name, source.revision)
+        strict = self.settings.require_sha256 or any(
+            m.require_sha256 for m in self.converger.desired.models
+            if (m.source.name, m.source.revision) == key
+        )  # fmt: skip
+        result = self.fetcher.fetch(source, pod_uid, require_sha256=strict)
         self.capacity.measure()
         return result
 

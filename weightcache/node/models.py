@@ -6,6 +6,7 @@ models:
     name: qwen3-70b        # optional
     revision: 2026-10-01   # optional
     pin: true              # never evicted while listed
+    require_sha256: true   # optional: only bytes a sha256 verifies
 ```
 A bad entry is reported and skipped; the valid ones still converge.
 """
@@ -21,7 +22,7 @@ from weightcache.cache.layout import check_revision
 from weightcache.errors import UsageError
 from weightcache.sourceurl import Source
 
-_KEYS = {"source", "name", "revision", "pin"}
+_KEYS = {"source", "name", "revision", "pin", "require_sha256"}
 #: A ConfigMap holds at most 1 MiB: a larger file is the wrong one (a model shard, a log),
 #: and is refused unread rather than parsed at every --interval.
 MAX_BYTES = 1 << 20
@@ -31,6 +32,7 @@ MAX_BYTES = 1 << 20
 class ModelSpec:
     source: Source
     pin: bool = False
+    require_sha256: bool = False  # refuse bytes no sha256 verifies (`--require-sha256`)
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,10 @@ def parse_entry(raw: Any) -> ModelSpec:
     unknown = set(raw) - _KEYS
     if unknown:
         raise UsageError(f"unknown key(s) {sorted(map(str, unknown))}; allowed: {sorted(_KEYS)}")
-    pin = raw.get("pin", False)
-    if not isinstance(pin, bool):
-        raise UsageError(f"'pin' must be true or false, not {pin!r}")
+    pin, strict = raw.get("pin", False), raw.get("require_sha256", False)
+    for key, flag in (("pin", pin), ("require_sha256", strict)):
+        if not isinstance(flag, bool):
+            raise UsageError(f"'{key}' must be true or false, not {flag!r}")
     name, revision = _text(raw, "name"), _text(raw, "revision")
     source = Source.parse(str(raw["source"]), name, revision)
     if not source.pinned:  # a prefetch keeps one content per entry: no moving branch
@@ -121,7 +124,7 @@ def parse_entry(raw: Any) -> ModelSpec:
             "not a branch or tag"
         )
     check_revision(source.name, source.revision)
-    return ModelSpec(source, pin)
+    return ModelSpec(source, pin, strict)
 
 
 def _text(raw: dict[str, Any], key: str) -> str | None:

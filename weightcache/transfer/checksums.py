@@ -39,11 +39,14 @@ _COMPOSITE_DIGEST = re.compile(r"([0-9a-f]+)-([1-9][0-9]*)")
 
 class Vouch(NamedTuple):
     """What a source vouches for a file's content with: `digest` by `algorithm`, lowercase
-    hex; a composite one is "<hex>-<number of parts>" with `parts`, each part's size."""
+    hex; a composite one is "<hex>-<number of parts>" with `parts`, each part's size. An
+    `ambiguous` one may be either a full-object or a composite checksum (its store did not
+    say which): a mismatch then proves nothing about the object."""
 
     algorithm: str
     digest: str
     parts: tuple[int, ...] = ()
+    ambiguous: bool = False
 
 
 class Hasher(Protocol):
@@ -182,6 +185,7 @@ _S3_CHECKSUMS = (
     ("ChecksumCRC32C", "crc32c"), ("ChecksumSHA1", "sha1"), ("ChecksumCRC32", "crc32"),
 )  # fmt: skip
 _COMPOSITE = re.compile(r"(.*)-([1-9][0-9]*)")  # "<base64>-<parts>": of the parts' checksums
+_MULTIPART_ETAG = re.compile(r'"?[0-9a-fA-F]+-([1-9][0-9]*)"?')  # a multipart upload's ETag
 #: S3's limit on the parts of a multipart upload: a composite checksum claiming more is a
 #: store's garbage, and believing it would plan a request (a part HEAD) per claimed part.
 S3_MAX_PARTS = 10_000
@@ -193,24 +197,33 @@ def s3_vouched(headers: Mapping[str, str]) -> Vouch | None:
     binary checksums, "<base64>-<parts>") as ("<algorithm>-composite", "<hex>-<parts>"),
     whose part sizes the caller must learn, of at most S3_MAX_PARTS parts. A store that
     sends no ChecksumType (SeaweedFS) has a composite checksum when the value has the
-    "-<parts>" suffix."""
+    "-<parts>" suffix. A value without it, of a multipart object (its ETag ends in
+    "-<parts>"), with no ChecksumType (moto) is `ambiguous`: the caller should learn the
+    type (GetObjectAttributes) and ask again with it; COMPOSITE then takes the ETag's part
+    count."""
     kind = headers.get("ChecksumType")
+    etag = _MULTIPART_ETAG.fullmatch(headers.get("ETag", ""))
     for field, algorithm in _S3_CHECKSUMS:
         value = headers.get(field)
         if not value:
             continue
         composite = _COMPOSITE.fullmatch(value)
-        if kind not in (None, "COMPOSITE" if composite else "FULL_OBJECT"):
+        count = composite.group(2) if composite else None
+        if kind == "COMPOSITE" and not composite and etag and algorithm != "crc64nvme":
+            count = etag.group(1)  # the value without its suffix: the ETag's count
+        if kind not in (None, "COMPOSITE" if count else "FULL_OBJECT"):
             continue  # the value contradicts its type: a store's garbage
-        if composite and int(composite.group(2)) > S3_MAX_PARTS:
+        if count and int(count) > S3_MAX_PARTS:
             continue  # more parts than S3 allows: garbage too
-        if composite:
-            algorithm, value = f"{algorithm}{COMPOSITE_SUFFIX}", composite.group(1)
+        if count:
+            algorithm = f"{algorithm}{COMPOSITE_SUFFIX}"
+            value = composite.group(1) if composite else value
         if not available(algorithm):
             continue
         try:
             digest = b64_to_hex(value)
         except ValueError:
             continue  # a store's garbage is "not vouched", never a crash
-        return Vouch(algorithm, f"{digest}-{composite.group(2)}" if composite else digest)
+        unsure = not count and kind is None and etag is not None and algorithm != "crc64nvme"
+        return Vouch(algorithm, f"{digest}-{count}" if count else digest, ambiguous=unsure)
     return None

@@ -15,12 +15,14 @@ before publishing catches (design §4, Resume).
 Format (version 2): `{"version": 2, "size": N, "part_size": P, "written": [n0, n1, ...]}`,
 one count per part, each within its part. Version 1 (no "version" key) listed the indices
 of complete parts under "done"; it is still read: those parts are complete, the others
-start over. Anything else (unknown version, wrong types, a count outside its part, another
-geometry) is untrusted and reads as a fresh state.
+start over. A state of another part size is read in this one (`in_parts_of`). Anything
+else (unknown version, wrong types, a count outside its part, another size) is untrusted
+and reads as a fresh state.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import threading
@@ -117,16 +119,42 @@ class PartState:
 
     @classmethod
     def load(cls, path: Path, size: int, part_size: int) -> PartState:
-        """The saved state if it is well formed and matches this size and part size, else
-        a fresh one (never raises on what the file holds)."""
+        """The saved state if it is well formed and of this size, else a fresh one (never
+        raises on what the file holds). A state saved with another part size (a download
+        resumed with another --part-size) keeps its written bytes, in this part size."""
         state = cls(size, part_size)
         try:
             data = json.loads(read_small(path, MAX_STATE_BYTES))
         except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply
             return state
-        if not isinstance(data, dict) or not _matches(data, size, part_size):
+        saved = _saved_part_size(data, size) if isinstance(data, dict) else None
+        if saved is None:
             return state
+        if saved != part_size:
+            old = cls(size, saved)
+            return old.in_parts_of(part_size) if old.restore(data) else state
         return state if state.restore(data) else cls(size, part_size)
+
+    def in_parts_of(self, part_size: int) -> PartState:
+        """The same written bytes in parts of `part_size`: each new part is written up to
+        the end of the written run its start begins (a new part resumes from its start)."""
+        runs: list[list[int]] = []  # [start, end) of the written runs, merged, in order
+        for i, (start, _) in enumerate(self.parts):
+            end = start + self.filled(i)
+            if end == start:
+                continue
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = end
+            else:
+                runs.append([start, end])
+        state = PartState(self.size, part_size)
+        starts = [run[0] for run in runs]
+        for i, (start, end) in enumerate(state.parts):
+            k = bisect.bisect_right(starts, start) - 1
+            if k >= 0 and runs[k][1] > start:
+                state.note_written(i, min(runs[k][1], end))
+                state.done[i] = runs[k][1] >= end and end > start
+        return state
 
     def restore(self, data: dict[str, Any]) -> bool:
         """Take the per-part progress from a parsed file of either version; False (and
@@ -161,7 +189,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _matches(data: dict[str, Any], size: int, part_size: int) -> bool:
-    """The file is for this geometry (`true` is not 1 here)."""
-    fields = (data.get("size"), data.get("part_size"))
-    return all(_is_int(v) for v in fields) and fields == (size, part_size)
+def _saved_part_size(data: dict[str, Any], size: int) -> int | None:
+    """The part size of a state file for a blob of `size` bytes (`true` is not 1 here);
+    None when it is for another size, or its part count could not fit in a state file."""
+    saved, part_size = data.get("size"), data.get("part_size")
+    if not (_is_int(saved) and isinstance(part_size, int) and _is_int(part_size)):
+        return None
+    if saved != size or part_size <= 0 or -(-size // part_size) > MAX_STATE_BYTES // 2:
+        return None  # the last: each count of the file takes 2 bytes or more
+    return part_size

@@ -189,14 +189,28 @@ class Origin:
         return self.call(f"LIST s3://{bucket}/{prefix}", list_all)
 
     def head_checksums(self, bucket: str, key: str) -> dict[str, str]:
-        """The object's checksums as HeadObject with ChecksumMode=ENABLED returns them:
-        {"ChecksumSHA256": base64, "ChecksumType": "FULL_OBJECT", ...} (none: {})."""
+        """The object's checksums as HeadObject with ChecksumMode=ENABLED returns them, and
+        its ETag: {"ChecksumSHA256": base64, "ChecksumType": "FULL_OBJECT", "ETag": ...}."""
 
         def head() -> dict[str, str]:
             resp = self._client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-            return {k: str(v) for k, v in resp.items() if k.startswith("Checksum")}
+            return {k: str(v) for k, v in resp.items() if k.startswith("Checksum") or k == "ETag"}
 
         return self.call(f"HEAD s3://{bucket}/{key}", head)
+
+    def checksum_type(self, bucket: str, key: str) -> str | None:
+        """The object's ChecksumType ("COMPOSITE" or "FULL_OBJECT") as GetObjectAttributes
+        tells it, for a store whose HeadObject does not; None when it does not either, or
+        the store or the credentials refuse it. Raises TransientError."""
+
+        def attributes() -> str | None:
+            resp = self._client.get_object_attributes(
+                Bucket=bucket, Key=key, ObjectAttributes=["Checksum"]
+            )
+            kind = resp.get("Checksum", {}).get("ChecksumType")
+            return str(kind) if kind else None
+
+        return self._unless_refused(f"GetObjectAttributes s3://{bucket}/{key}", attributes)
 
     def listed_part_sizes(self, bucket: str, key: str, count: int) -> tuple[int, ...] | None:
         """The sizes of a multipart object's `count` parts, in order, as GetObjectAttributes

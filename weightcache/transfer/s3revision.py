@@ -95,10 +95,15 @@ class S3Revision:
         return {p: v for p, v in found.items() if v is not None}
 
     def _vouch(self, relpath: str) -> Vouch | None:
-        """The object's vouch; a composite one with the parts GetObjectAttributes lists, or
-        with no parts when it does not (for `_headed_parts`)."""
+        """The object's vouch, its type asked of GetObjectAttributes when HeadObject leaves
+        it ambiguous; a composite one with the parts GetObjectAttributes lists, or with no
+        parts when it does not (for `_headed_parts`)."""
         key = f"{self.prefix}/{relpath}"
-        vouch = s3_vouched(self._origin.head_checksums(self.bucket, key))
+        headers = self._origin.head_checksums(self.bucket, key)
+        vouch = s3_vouched(headers)
+        if vouch is not None and vouch.ambiguous:  # the store's HeadObject omits the type
+            kind = self._origin.checksum_type(self.bucket, key)
+            vouch = s3_vouched({**headers, "ChecksumType": kind}) if kind else vouch
         count = composite_parts(vouch.digest) if vouch is not None else None
         if vouch is None or count is None:
             return vouch
