@@ -47,7 +47,13 @@ from weightcache.errors import Interrupted, TransientError, WeightcacheError
 from weightcache.node.pieces import Bitmap, piece_ranges, piece_size_for
 from weightcache.node.swarm import ORIGIN, Limits, Local, Request, choose
 from weightcache.node.swarmorigin import StoreGate
-from weightcache.node.swarmpace import PEER_TIMEOUT, RATE_WINDOW, Rates, slow_floor, too_slow
+from weightcache.node.swarmpace import (
+    PEER_TIMEOUT,
+    RATE_WINDOW,
+    Rates,
+    slow_floor,
+    too_slow,
+)
 from weightcache.node.swarmviews import (
     VIEW_EVERY,
     VIEW_LAG,
@@ -79,6 +85,15 @@ class _Stream:
 
     data: bytearray
     received: int = 0
+
+
+class _TooSlow(RetryRange):
+    """A peer's piece given up for its pace (`swarmpace.too_slow`), after arriving at
+    `rate` bytes/s."""
+
+    def __init__(self, reason: str, rate: float) -> None:
+        super().__init__(reason)
+        self.rate = rate
 
 
 class _Dropped(Exception):
@@ -346,7 +361,7 @@ class SwarmDownload:
         data = bytearray(end - start)
         view, pos = memoryview(data), 0
         began = time.monotonic()
-        judge_at = float("inf")  # when the piece's rate is next compared (`_too_slow`)
+        judge_at = float("inf")  # when the piece is next judged (`_judge`)
         if source == ORIGIN:
             blob, timeout = self.origin, self.downloader.read_timeout
         else:
@@ -363,14 +378,9 @@ class SwarmDownload:
                 while pos < len(data):
                     if self.stop.is_set() or self._stopping() or (done[piece] and not recheck):
                         raise _Dropped()  # through the source's context: it drops the connection
-                    if time.monotonic() >= judge_at:  # the piece must average `floor`
+                    if time.monotonic() >= judge_at:
                         judge_at = time.monotonic() + RATE_WINDOW
-                        floor = self._slow_floor(streamed)
-                        elapsed = time.monotonic() - began
-                        if too_slow(elapsed, len(data), floor):
-                            self.store.peer_too_slow(pos / elapsed)
-                            raise RetryRange(f"too slow: {pos} of {len(data)} bytes, less "
-                                             f"than {floor / 1024:.0f} KiB/s")  # fmt: skip
+                        self._judge(piece, source, streamed, pos, len(data), began)
                     n = reader.readinto(view[pos:])
                     if not n:
                         raise RetryRange(f"the body ended {len(data) - pos} bytes short")
@@ -384,6 +394,16 @@ class SwarmDownload:
         finally:
             self.observer.request_finished(kind)
         return data
+
+    def _judge(self, piece: int, source: str, streamed: bool, pos: int, size: int,
+               began: float) -> None:  # fmt: skip
+        """Raise _TooSlow if a peer's piece, `pos` of `size` bytes since `began`, is too
+        slow (it must average `_slow_floor`)."""
+        elapsed = time.monotonic() - began
+        floor = self._slow_floor(streamed)
+        if too_slow(elapsed, size, floor):
+            raise _TooSlow(f"too slow: {pos} of {size} bytes, less than "
+                           f"{floor / 1024:.0f} KiB/s", pos / elapsed)  # fmt: skip
 
     def _slow_floor(self, streamed: bool) -> float:
         """The bytes/s below which a piece from a peer is given up (swarmpace.py)."""
@@ -427,6 +447,7 @@ class SwarmDownload:
             log.info("peer %s failed a piece of %s it %s (%s); choosing again", source,
                      self.label, how, error)  # fmt: skip
             self.views.shun(source)
+            self.store.peer_failed(error.rate if isinstance(error, _TooSlow) else 0.0)
             return
         fatal = self.store.failed(error)
         if fatal is not None:
