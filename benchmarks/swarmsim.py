@@ -43,8 +43,11 @@ members that do not advertise the blob for MEMBER_TTL are replaced (found gone: 
 stripes orphaned) and one of which, not serving it pieces, is rotated each round, as
 `swarmviews.watch` does for the daemons; rarity is then local, as in BitTorrent, and its
 stripe is among all N nodes. `--dead` members (a random few) never start.
+A peer's claim expires as the daemons' do (`swarmviews.Claims`, `swarmpace.claim_wait`):
+its piece is the store's again.
 Not modelled: the daemon's 0.1 s loop tick (a node chooses at each event), a HEAD's
-RTT (the round's answers are its peers' state at the round), failures (but `--dead`).
+RTT (the round's answers are its peers' state at the round), failures (but `--dead`),
+a request to a peer given up (too slow, or its claim expired).
 
 The network (benchmarks/swarmnet.py): every node has an uplink and a downlink (`--link`,
 the same both ways; times `--efficiency`, the payload share of a shaped link: 0.95 for
@@ -127,15 +130,18 @@ from weightcache.node.pieces import Bitmap, piece_count
 from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, StoreView, choose, next_window
 from weightcache.node.swarmfetch import IDLE_GRACE
 from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
+from weightcache.node.swarmpace import claim_wait
 from weightcache.node.swarmviews import (
     GONE_SECONDS,
     MEMBER_TTL,
     ROTATE,
+    Claims,
     Late,
     idle_requests,
     idle_scope,
     in_view,
     orphaned,
+    unclaim,
     watch,
 )
 
@@ -172,6 +178,8 @@ class Node:
     advertised: dict[int, float] = field(default_factory=dict)  # last advertisement, by peer
     gone: dict[int, float] = field(default_factory=dict)  # watched peer found gone -> until
     late: Late = field(default_factory=lambda: Late(0.0, 0))
+    claims: Claims = field(default_factory=Claims)  # the peers' claims, for their expiry
+    expired: dict[str, int] = field(default_factory=dict)  # ... those expired, by peer
     seen: set[int] = field(default_factory=set)  # peers seen swarming the revision
 
 
@@ -319,7 +327,7 @@ class Swarm:
             return
         if not node.started or not node.joined or node.blob + 1 >= len(self.blobs):
             return
-        claimed, _ = in_view(list(node.view.values()))
+        claimed, _ = in_view(self._views(node))
         if ((1 << self.counts[node.blob]) - 1) & ~(node.have | node.fetching | claimed):
             return
         ahead = Node(node.blob + 1, started=True, watches=node.watches, seen=node.seen)
@@ -364,6 +372,7 @@ class Swarm:
         node.store, node.per_request, node.best = StoreView(), {}, 0.0
         node.began = node.idle_since = now
         node.late, node.advertised = Late(now, self.counts[node.blob]), {}
+        node.claims, node.expired = Claims(), {}
         node.watched_at = dict.fromkeys(node.watches, now)
         self.net.at(now + self.p.rtt, JOIN, i, node.blob)
         self.net.at(now + self.p.refresh, REFRESH, i, node.blob)
@@ -482,7 +491,8 @@ class Swarm:
             nodes=len(members),
             spare=not node.inflight or inflow < SPARE * node.best,
         )
-        views, limits = list(node.view.values()), self.p.limits
+        self._expire(node)
+        views, limits = self._views(node), self.p.limits
         claimed, held = in_view(views)
         node.late.saw(claimed | node.have | node.fetching, held | node.have, now)
         requests = choose(local, views, node.store, limits, self.rng)
@@ -508,6 +518,23 @@ class Swarm:
             node.inflight.setdefault(r.piece, []).append(f)
             node.fetching |= 1 << r.piece
             self.net.at(now + self.p.rtt, BEGIN, f, f.ver)
+
+    def _expire(self, node: Node) -> None:
+        """`SwarmDownload._unclaimed`: the peers' claims older than `claim_wait` (a store
+        piece's time here: its measured pace, or its oldest request's age) expire. Nothing
+        fails here: a claim expires only when the store is that much slower for its
+        claimant."""
+        now = self.net.now
+        node.claims.saw(list(node.view.values()), now)
+        oldest = min((f.made for fs in node.inflight.values() for f in fs if f.src == self.store),
+                     default=now)  # fmt: skip
+        piece = self.blobs[node.blob][1]
+        wait = claim_wait(piece, node.per_request.get("origin"), now - oldest)
+        node.expired = node.claims.expired(now, wait)
+
+    def _views(self, node: Node) -> list[PeerView]:
+        """The node's views of its peers without their expired claims."""
+        return unclaim(list(node.view.values()), node.expired)
 
     def _source(self, f: Flow) -> str:
         return ORIGIN if f.src == self.store else str(f.src)

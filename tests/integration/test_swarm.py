@@ -7,13 +7,12 @@ line per blob it swarmed:
 
 from __future__ import annotations
 
-import http.server
 import itertools
 import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from tests.integration.test_peers import (
     start,
 )
 from tests.support.faultproxy import FaultProxy
+from tests.support.hostilepeer import HostilePeer
 from weightcache.cache.layout import Layout
 from weightcache.node.peers import STREAMING
 from weightcache.node.pieces import Bitmap, piece_size_for
@@ -415,44 +415,9 @@ def test_peers_cutting_or_trickling_every_piece_are_left_for_the_store(
     assert proxy.stats().bytes_for(label) >= pub.model.total_size
 
 
-class _Refuser(http.server.BaseHTTPRequestHandler):
-    """A peer that advertises every piece (HEAD, and its refusals) but refuses each one
-    asked for (416 `not_held`): an advertisement it does not keep."""
-
-    protocol_version = "HTTP/1.1"
-    gets = 0
-
-    def do_HEAD(self) -> None:
-        self._answer(200)
-
-    def do_GET(self) -> None:
-        type(self).gets += 1
-        self._answer(416)
-
-    def _answer(self, status: int) -> None:
-        self.send_response(status)
-        self.send_header(PIECES, "all")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def refuser() -> Iterator[str]:
-    """The host:port of a `_Refuser`."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refuser)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
 @pytest.mark.timeout(150)
 def test_a_peer_refusing_the_pieces_it_advertises_is_left_for_the_store(
-    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, refuser: str,
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy,
     tmp_path: Path, daemons: Daemons,  # noqa: F811
 ) -> None:  # fmt: skip
     """The one peer advertises every piece, and still does in the 416 it answers each piece
@@ -460,11 +425,12 @@ def test_a_peer_refusing_the_pieces_it_advertises_is_left_for_the_store(
     the store never asked), and the node finishes from the store."""
     pub = one_blob(publish, 2 * MiB, "refused")
     (cold,) = make_nodes(tmp_path, 1)
-    start(daemons, cold, tmp_path, proxy.url, [refuser])
-    _Refuser.gets = 0
+    with HostilePeer(pub.model.total_size, "fails", failures=("416",)) as refuser:
+        start(daemons, cold, tmp_path, proxy.url, [refuser.addr])
 
-    fetch_all(wc, pub, [cold], proxy.url)
+        fetch_all(wc, pub, [cold], proxy.url)
 
+        gets = refuser.gets
     assert_node_ok(cold, pub)
-    print(f"refused: {_Refuser.gets} piece requests to the refusing peer")
-    assert 1 <= _Refuser.gets <= 100, _Refuser.gets
+    print(f"refused: {gets} piece requests to the refusing peer")
+    assert 1 <= gets <= 100, gets

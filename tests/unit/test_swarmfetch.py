@@ -23,11 +23,13 @@ from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
+from weightcache.node import swarmfetch
+from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import Peers
 from weightcache.node.pieces import Bitmap, piece_size_for
-from weightcache.node.swarm import PeerView
+from weightcache.node.swarm import ORIGIN, PeerView, stripe
 from weightcache.node.swarmfetch import SwarmDownload
-from weightcache.node.swarmpace import Rates
+from weightcache.node.swarmpace import CLAIM_GRACE, Rates
 from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
@@ -293,6 +295,36 @@ def test_the_next_blob_may_start_once_a_peer_claims_what_this_node_has_not_asked
         requests = swarm._choose()
         assert len(requests) < count  # most pieces are not asked for here
         assert event.is_set() is claimed
+    finally:
+        swarm.file.close()
+        peers.close()
+
+
+def test_a_peer_s_claims_that_do_not_become_pieces_expire_and_the_store_is_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer advertising every piece in flight and none held (stuck, or hostile): its
+    claims are left to it for CLAIM_GRACE, then expire, and this node asks the store for
+    its own stripe."""
+    downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
+    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+    size = 64 << 20
+    swarm = SwarmDownload(peers, "0" * 64, size, tmp_path / "partial", "a.bin",
+                          FileBlob(tmp_path / "a.bin"), downloader)  # fmt: skip
+    swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
+    now = [time.monotonic()]
+    monkeypatch.setattr(swarmfetch.time, "monotonic", lambda: now[0])
+    try:
+        count = swarm.count
+        view = PeerView("http://peer", Bitmap(count), Bitmap.full(count))
+        swarm.views.current = lambda: ([view], 0, 2)  # type: ignore[method-assign]
+        assert swarm._choose() == []
+        now[0] += CLAIM_GRACE - 0.1
+        assert swarm._choose() == []
+        now[0] += 0.1
+        asked = swarm._choose()
+        assert asked and all(r.source == ORIGIN for r in asked)
+        assert {r.piece for r in asked} <= set(iter_bits(stripe(0, 2, count)))
     finally:
         swarm.file.close()
         peers.close()

@@ -94,17 +94,32 @@ def test_a_peer_piece_given_up_as_too_slow_gives_a_fast_store_room_at_once(
     flight to show its room: the give-up itself must, or the peer is asked again."""
     g, _ = gate()
     g.measured("peer", 20e6, alone=False)
-    g.peer_too_slow(2e3)  # the peers' pace 14.0e6; the store unmeasured: nothing known of its room
+    g.peer_failed(2e3)  # the peers' pace 14.0e6; the store unmeasured: nothing known of its room
     assert room_window(g) == (False, 1)
     g.measured("origin", 40e6, alone=False)  # under ROOM_FACTOR x 14.0e6: no room
     assert room_window(g) == (False, 1)
-    g.peer_too_slow(2e3)  # 9.8e6: still no room
+    g.peer_failed(2e3)  # 9.8e6: still no room
     assert room_window(g) == (False, 1)
-    g.peer_too_slow(2e3)  # 6.9e6: room, at once (the window moves only as store pieces land)
+    g.peer_failed(2e3)  # 6.9e6: room, at once (the window moves only as store pieces land)
     assert room_window(g) == (True, 1)
     g.failed(RetryRange("503 SlowDown", throttle=True))
     g.measured("origin", 40e6, alone=False)
-    g.peer_too_slow(2e3)  # right after a throttle: no room
+    g.peer_failed(2e3)  # right after a throttle: no room
+    assert room_window(g)[0] is False
+
+
+def test_a_peer_failing_every_piece_leaves_the_store_its_room_and_window(clock: Clock) -> None:
+    """A peer that advertises every piece and fails each (416, 503, a cut body): no piece
+    from any peer is ever measured, the node is not alone; its failures count as pieces
+    that delivered nothing, so the store has room and its window grows."""
+    g, _ = gate()
+    g.peer_failed(0.0)  # before any piece from the store: nothing known of its room
+    assert room_window(g) == (False, 1)
+    for window in range(2, 6):
+        g.measured("origin", 5e6, alone=False)
+        assert room_window(g) == (True, window)
+    g.measured("peer", 10e6, alone=False)  # a peer delivering again: the store at 1/2 of it
+    g.measured("origin", 5e6, alone=False)
     assert room_window(g)[0] is False
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from weightcache.node import swarmpace
-from weightcache.node.swarmpace import PEER_MIN_RATE, PEER_TIMEOUT, TRICKLE_RATE, Rates
+from weightcache.node.swarmpace import (
+    CLAIM_FACTOR,
+    CLAIM_GRACE,
+    PEER_MIN_RATE,
+    PEER_TIMEOUT,
+    TRICKLE_RATE,
+    Rates,
+    claim_wait,
+)
 
 
 def test_rates_count_the_last_window_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,3 +50,13 @@ def test_a_piece_is_too_slow_after_the_timeout_and_past_its_size_at_the_floor() 
     at_floor = size / 25_000  # 84 s for 2 MiB at 25 kB/s
     assert not swarmpace.too_slow(at_floor, size, 25_000)
     assert swarmpace.too_slow(at_floor + 0.1, size, 25_000)
+
+
+def test_a_claim_lasts_a_few_store_pieces_times_and_a_grace_at_least() -> None:
+    mib = 1 << 20
+    assert claim_wait(mib, None, 0.0) == CLAIM_GRACE  # nothing asked of the store yet
+    assert claim_wait(mib, 100 * mib, 0.0) == CLAIM_GRACE  # a fast store: 10 ms a piece
+    assert claim_wait(mib, mib / 10, 0.0) == CLAIM_FACTOR * 10  # a crowded store: 10 s
+    # a request to the store in flight for 20 s: its pieces take that long at least
+    assert claim_wait(mib, None, 20.0) == CLAIM_FACTOR * 20
+    assert claim_wait(mib, mib / 10, 20.0) == CLAIM_FACTOR * 20

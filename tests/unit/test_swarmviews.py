@@ -21,11 +21,13 @@ from weightcache.node.swarmviews import (
     LATE_FACTOR,
     LATE_GRACE,
     MEMBER_TTL,
+    Claims,
     Late,
     PeerViews,
     idle_requests,
     idle_scope,
     orphaned,
+    unclaim,
     watch,
 )
 
@@ -84,6 +86,37 @@ def test_one_watched_peer_not_serving_pieces_is_rotated_out_each_round() -> None
 def test_fewer_than_the_bound_when_the_others_are_all_dropped() -> None:
     members = [f"p{i}" for i in range(10)]
     assert sorted(watch(members, [], members[3:], 4, random.Random(1))) == members[:3]
+
+
+# -- claims that do not become pieces ------------------------------------------------------------
+
+
+def test_a_claim_expires_unless_it_becomes_a_piece_and_each_peer_s_claim_is_its_own() -> None:
+    claims = Claims()
+    claims.saw([peer("a", fetching=[1, 2, 3]), peer("b", have=[5], fetching=[5])], 100.0)
+    assert claims.expired(103.9, 4.0) == {}
+    claims.saw([peer("a", have=[1], fetching=[2, 3, 4]), peer("b", fetching=[2])], 102.0)
+    # a's 1 became a piece; its 2 and 3 are 4 s old; its 4 and b's 2 (claimed after a's
+    # expired) are their own, younger; b's 5 is held: no claim
+    assert claims.expired(104.0, 4.0) == {"a": bits([2, 3])}
+    assert claims.expired(106.0, 4.0) == {"a": bits([2, 3, 4]), "b": bits([2])}
+    claims.saw([peer("b")], 106.0)  # a out of view (left out): its claims are kept
+    assert claims.expired(106.0, 4.0) == {"a": bits([2, 3, 4])}
+
+
+def test_unclaimed_views_neither_fetch_nor_stream_their_expired_claims() -> None:
+    a = PeerView("a", Bitmap.of(N, [0]), Bitmap.of(N, [1, 2]), 3, Bitmap.of(N, [1, 2]))
+    b = peer("b", fetching=[1])
+    out = unclaim([a, b], {"a": bits([1])})
+    assert out[0] == PeerView("a", Bitmap.of(N, [0]), Bitmap.of(N, [2]), 3, Bitmap.of(N, [2]))
+    assert out[1] is b
+    # the store's again: a node whose stripe a claimed asks for it
+    local = Local(Bitmap(N), {}, rank=0, nodes=3)
+    asked = swarmviews.choose(local, out, StoreView(), Limits(), random.Random(0))
+    assert Request(0, "a") in asked and Request(1, ORIGIN) not in asked  # b still claims 1
+    asked = swarmviews.choose(local, unclaim(out, {"b": bits([1])}), StoreView(), Limits(),
+                              random.Random(0))  # fmt: skip
+    assert Request(1, ORIGIN) in asked
 
 
 # -- the idle rule with a partial view -----------------------------------------------------------

@@ -9,6 +9,8 @@ the peers and of the store, and runs each request in a worker thread:
   background); every response to a piece request updates the view too (the
   peer server advertises held and in-flight pieces on every answer, refusals included).
   A peer that does not answer, or cuts a piece short, is left out until it answers again.
+  A peer's claim that does not become a piece in time expires (`_unclaimed`): the store
+  is asked for that piece.
 - **Requests.** A piece asked of a peer carries `Held-Only`: a 416 only updates the view. A
   piece asked of the store goes through the origin's `BlobSource`, at most the store
   window in flight (`next_window`, measured at each piece the store delivers). A piece is
@@ -45,17 +47,26 @@ from typing import TYPE_CHECKING
 
 from weightcache.errors import Interrupted, TransientError, WeightcacheError
 from weightcache.node.pieces import Bitmap, piece_ranges, piece_size_for
-from weightcache.node.swarm import ORIGIN, Limits, Local, Request, choose
+from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, Request, choose
 from weightcache.node.swarmorigin import StoreGate
-from weightcache.node.swarmpace import PEER_TIMEOUT, RATE_WINDOW, Rates, slow_floor, too_slow
+from weightcache.node.swarmpace import (
+    PEER_TIMEOUT,
+    RATE_WINDOW,
+    Rates,
+    claim_wait,
+    slow_floor,
+    too_slow,
+)
 from weightcache.node.swarmviews import (
     VIEW_EVERY,
     VIEW_LAG,
+    Claims,
     Late,
     PeerViews,
     idle_requests,
     idle_scope,
     in_view,
+    unclaim,
 )
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
@@ -79,6 +90,16 @@ class _Stream:
 
     data: bytearray
     received: int = 0
+    began: float = field(default_factory=time.monotonic)
+
+
+class _TooSlow(RetryRange):
+    """A peer's piece given up for its pace (`swarmpace.too_slow`, or its claim expired
+    meanwhile), after arriving at `rate` bytes/s."""
+
+    def __init__(self, reason: str, rate: float) -> None:
+        super().__init__(reason)
+        self.rate = rate
 
 
 class _Dropped(Exception):
@@ -126,6 +147,8 @@ class SwarmDownload:
                                VIEW_LAG)  # fmt: skip
         self.idle_since = time.monotonic()
         self.late = Late(self.idle_since, self.count)
+        self.claims = Claims()
+        self.expired: dict[str, int] = {}  # peer -> its claims expired (`_unclaimed`)
         self.errors: list[BaseException] = []
         self.last_progress = time.monotonic()
         self.events: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -230,6 +253,7 @@ class SwarmDownload:
             inflight = {p: frozenset(s) for p, s in self.inflight.items()}
         store = self.store.view()
         views, rank, members = self.views.current()
+        views = self._unclaimed(views, now)
         spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
         local = Local(self._held(), inflight, rank, members, spare)
         fetching = sum(1 << p for p in inflight)
@@ -250,6 +274,17 @@ class SwarmDownload:
         asked = fetching | sum(1 << r.piece for r in requests)
         self._note_claimed(local.have.bits | asked | claimed)
         return requests
+
+    def _unclaimed(self, views: list[PeerView], now: float) -> list[PeerView]:
+        """`views` without the claims that have expired (`Claims`, `claim_wait`): those
+        pieces are the store's again, and a piece this node is asking of a peer that
+        streams it is given up (`_read`)."""
+        self.claims.saw(views, now)
+        with self.lock:
+            oldest = min((s.began for s in self.streams.values()), default=now)
+        wait = claim_wait(self.piece_size, self.store.per_request(), now - oldest)
+        self.expired = self.claims.expired(now, wait)
+        return unclaim(views, self.expired)
 
     def _held(self) -> Bitmap:
         assert self.file is not None
@@ -346,7 +381,7 @@ class SwarmDownload:
         data = bytearray(end - start)
         view, pos = memoryview(data), 0
         began = time.monotonic()
-        judge_at = float("inf")  # when the piece's rate is next compared (`_too_slow`)
+        judge_at = float("inf")  # when the piece is next judged (`_judge`)
         if source == ORIGIN:
             blob, timeout = self.origin, self.downloader.read_timeout
         else:
@@ -363,14 +398,9 @@ class SwarmDownload:
                 while pos < len(data):
                     if self.stop.is_set() or self._stopping() or (done[piece] and not recheck):
                         raise _Dropped()  # through the source's context: it drops the connection
-                    if time.monotonic() >= judge_at:  # the piece must average `floor`
+                    if time.monotonic() >= judge_at:
                         judge_at = time.monotonic() + RATE_WINDOW
-                        floor = self._slow_floor(streamed)
-                        elapsed = time.monotonic() - began
-                        if too_slow(elapsed, len(data), floor):
-                            self.store.peer_too_slow(pos / elapsed)
-                            raise RetryRange(f"too slow: {pos} of {len(data)} bytes, less "
-                                             f"than {floor / 1024:.0f} KiB/s")  # fmt: skip
+                        self._judge(piece, source, streamed, pos, len(data), began)
                     n = reader.readinto(view[pos:])
                     if not n:
                         raise RetryRange(f"the body ended {len(data) - pos} bytes short")
@@ -384,6 +414,20 @@ class SwarmDownload:
         finally:
             self.observer.request_finished(kind)
         return data
+
+    def _judge(self, piece: int, source: str, streamed: bool, pos: int, size: int,
+               began: float) -> None:  # fmt: skip
+        """Raise _TooSlow if a peer's piece, `pos` of `size` bytes since `began`, is too
+        slow (it must average `_slow_floor`), or if it is streamed and the peer's claim of
+        it has expired (`_unclaimed`): the store is asked for it instead."""
+        elapsed = time.monotonic() - began
+        floor = self._slow_floor(streamed)
+        if too_slow(elapsed, size, floor):
+            raise _TooSlow(f"too slow: {pos} of {size} bytes, less than "
+                           f"{floor / 1024:.0f} KiB/s", pos / elapsed)  # fmt: skip
+        if streamed and self.expired.get(source, 0) >> piece & 1:
+            raise _TooSlow(f"its claim expired: {pos} of {size} bytes in {elapsed:.0f}s",
+                           pos / elapsed)  # fmt: skip
 
     def _slow_floor(self, streamed: bool) -> float:
         """The bytes/s below which a piece from a peer is given up (swarmpace.py)."""
@@ -419,14 +463,15 @@ class SwarmDownload:
 
     def _failed(self, source: str, error: BaseException, piece: int, streamed: bool) -> None:
         refused = source != ORIGIN and getattr(self.local, "status", 0) == 416
-        if refused and not self.views.holds(source, piece):
-            return  # not held (any more, or yet): its advertisement updated the view
-        # a failure, as is a refusal still advertising the piece (else asked again at once)
+        if refused and not self.views.offers(source, piece):
+            return  # not held or streamed (any more, or yet): its advertisement updated the view
+        # a failure, as is a refusal still offering the piece (else asked again at once)
         if source != ORIGIN:
             how = "streams from the store" if streamed else "holds"
             log.info("peer %s failed a piece of %s it %s (%s); choosing again", source,
                      self.label, how, error)  # fmt: skip
             self.views.shun(source)
+            self.store.peer_failed(error.rate if isinstance(error, _TooSlow) else 0.0)
             return
         fatal = self.store.failed(error)
         if fatal is not None:

@@ -87,12 +87,16 @@ class StoreGate:
             ahead = math.ceil(self.lag * self._per_request["origin"] * window / self.piece_size)
             self._view = StoreView(room, window, ahead)
 
-    def peer_too_slow(self, rate: float) -> None:
-        """A peer's piece was given up after arriving at `rate` bytes/s: the peers' pace
+    def peer_failed(self, rate: float) -> None:
+        """A peer's piece was given up after arriving at `rate` bytes/s (too slow: what
+        came; cut, refused or otherwise failed: 0, it delivered nothing): the peers' pace
         counts it (not only the pieces that landed), and if a request to the store is
         ROOM_FACTOR times as fast as one to a peer now, the store has room at once, not at
         its next piece: the node may have none in flight to it, and would wait for slow
-        peers rather than ask it (a trickling peer was asked its pieces again and again)."""
+        peers rather than ask it (a trickling peer was asked its pieces again and again).
+        A failure counts as a slow piece: else a peer failing every piece would leave the
+        store without room, its window at one piece, as if that peer were the faster source.
+        """
         with self._lock:
             peer = self._average("peer", rate)
             store = self._per_request.get("origin")

@@ -10,6 +10,11 @@ ever, its bytes keeping the download from stalling, and the store never asked fo
 Not a fixed rate alone: on a slow or crowded link every request is slow; at 12.5 mbit, 16
 nodes, honest peers' pieces of 2 MiB were cut at 95-98% (more than 150 in one run), their
 peers shunned and the pieces asked again: the last node ready at 2.2x the link's time.
+
+A peer's claim of a piece (in flight there, not held) expires after `claim_wait`: CLAIM_FACTOR
+times as long as a piece takes from the store here, at least CLAIM_GRACE. A stuck or hostile
+peer claiming pieces it never gets would otherwise have every other node leave them to it
+and never ask the store (swarmviews.Claims).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
 PEER_MIN_RATE, TRICKLE_RATE, SLOW_SHARE = 64 << 10, 8 << 10, 4
 RATE_WINDOW = 1.0  # seconds of received bytes the rates are measured over
+CLAIM_GRACE, CLAIM_FACTOR = 4.0, 4.0
 
 
 class Rates:
@@ -65,3 +71,12 @@ def slow_floor(
 def too_slow(elapsed: float, size: int, floor: float) -> bool:
     """A piece of `size` bytes asked `elapsed` seconds ago should have arrived by now."""
     return elapsed > max(PEER_TIMEOUT, size / floor)
+
+
+def claim_wait(piece_size: int, store_rate: float | None, store_oldest: float) -> float:
+    """Seconds a peer's claim of a piece may last before it expires (module doc): the time
+    a piece takes from the store here is `piece_size` at `store_rate` bytes/s per request
+    (None: not measured yet), and at least `store_oldest`, the age of the oldest request in
+    flight to it (the store may be slower than measured, or not measured: the start)."""
+    took = max(store_oldest, piece_size / store_rate if store_rate else 0.0)
+    return max(CLAIM_GRACE, CLAIM_FACTOR * took)

@@ -19,6 +19,9 @@ The stripes are then cut over that whole membership (every node's discovery give
 list), not over the advertisers in view (each node's differ: each group would take its own
 copy from the store), and an idle node asks the store only for the pieces `idle_scope`
 says. With the whole membership in view (N <= view + 1) everything is as without a bound.
+
+A peer's claims (pieces in flight there, not held) expire when they do not become pieces in
+time (`Claims`, `unclaim`): the policy then sees those pieces as nobody's.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import random
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 from weightcache.fetch.blobs import SwarmMembers
@@ -134,6 +137,50 @@ class Late:
             if periods >= 1 and (rank - owner) % nodes <= 2 ** (periods - 1):
                 bits |= 1 << piece
         return bits
+
+
+@dataclass
+class Claims:
+    """Since when each peer has claimed each piece it advertises in flight and not held, for
+    their expiry (swarmpace.claim_wait): a claim that does not become a piece in time is
+    a stuck or hostile peer's (or one whose link to the store trickles), and the piece is
+    asked of the store (`unclaim`). Per peer: a fresh claim of the same piece by another
+    node (which took it from the store once the first expired) is its own. Pure: the
+    caller passes the clock."""
+
+    since: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def saw(self, views: Sequence[PeerView], now: float) -> None:
+        """The claims in `views` now (those of peers out of view are kept as they were)."""
+        for view in views:
+            old = self.since.get(view.url, {})
+            claims = view.fetching.bits & ~view.have.bits
+            self.since[view.url] = {p: old.get(p, now) for p in iter_bits(claims)}
+
+    def expired(self, now: float, wait: float) -> dict[str, int]:
+        """The claims older than `wait`, by peer (peers without one left out)."""
+        out: dict[str, int] = {}
+        for url, claims in self.since.items():
+            bits = sum(1 << p for p, t in claims.items() if now - t >= wait)
+            if bits:
+                out[url] = bits
+        return out
+
+
+def unclaim(views: Sequence[PeerView], expired: Mapping[str, int]) -> list[PeerView]:
+    """`views` without their `expired` claims: not in flight, not streamed, for the policy."""
+    out = []
+    for view in views:
+        gone = expired.get(view.url, 0)
+        if gone:
+            count = view.fetching.count
+            streaming = view.streaming
+            if streaming is not None:
+                streaming = Bitmap(count, streaming.bits & ~gone)
+            view = replace(view, fetching=Bitmap(count, view.fetching.bits & ~gone),
+                           streaming=streaming)  # fmt: skip
+        out.append(view)
+    return out
 
 
 def in_view(views: Sequence[PeerView]) -> tuple[int, int]:
@@ -258,6 +305,12 @@ class PeerViews:
         with self.lock:
             view = self.views.get(peer)
             return view is not None and piece in view.have
+
+    def offers(self, peer: str, piece: int) -> bool:
+        """Whether `peer` advertised `piece` as held or streamed, last we heard."""
+        with self.lock:
+            view = self.views.get(peer)
+            return view is not None and bool(view.offers() >> piece & 1)
 
     def alone(self) -> bool:
         with self.lock:
