@@ -62,10 +62,21 @@ class DesiredState:
 def load(path: Path) -> DesiredState:
     """Read and validate the models file. A missing or unparsable file is a UsageError;
     bad entries only become `problems`."""
+    return parse(path, read(path))
+
+
+def digest(data: bytes) -> str:
+    """xxh64 of the file's bytes: a reader compares it to skip parsing them again."""
     import xxhash
+
+    return xxhash.xxh64(data).hexdigest()
+
+
+def parse(path: Path, data: bytes) -> DesiredState:
+    """Validate the bytes `read(path)` returned (`path` names the file in messages). A
+    file that is not a models mapping is a UsageError; bad entries become `problems`."""
     import yaml
 
-    data = _read(path)
     try:
         doc = yaml.load(data, Loader=_loader()) or {}
     except Exception as e:  # whatever the parser raises, the text caused it: PyYAML
@@ -97,10 +108,10 @@ def load(path: Path) -> DesiredState:
     if len(problems) > MAX_PROBLEMS:
         more = len(problems) - MAX_PROBLEMS
         problems[MAX_PROBLEMS:] = [f"{path}: and {more} more bad entries, not listed"]
-    return DesiredState(tuple(models), tuple(problems), xxhash.xxh64(data).hexdigest())
+    return DesiredState(tuple(models), tuple(problems), digest(data))
 
 
-def _read(path: Path) -> bytes:
+def read(path: Path) -> bytes:
     """The file's bytes, at most MAX_BYTES of them. Raises UsageError."""
     try:
         fd = open_regular(path, follow_symlinks=True)  # a ConfigMap's file is a symlink
