@@ -139,7 +139,7 @@ def read(path: Path) -> bytes:
 def _loader() -> Any:
     """PyYAML's SafeLoader, refusing anchors, aliases and deep nesting as it composes the
     document: an alias bomb of a few hundred bytes expands to gigabytes, and a deeply
-    nested one is a RecursionError. Built on first use (the CLI does not import yaml)."""
+    nested one is a RecursionError. Built on first use, as yaml is imported."""
     import yaml
     from yaml.composer import ComposerError
 
