@@ -19,12 +19,16 @@ from pathlib import Path
 _SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+def open_regular(
+    path: Path, flags: int = os.O_RDONLY, mode: int = 0o644, *, follow_symlinks: bool = False
+) -> int:
     """A descriptor of `path` opened with `flags` (and `mode` if it creates it), if it is a
-    regular file. Raises ValueError when `path` is a symlink, a FIFO, a socket, a device or
+    regular file. Raises ValueError when `path` is a symlink (unless `follow_symlinks`: a
+    file outside the cache, such as a ConfigMap's, is one), a FIFO, a socket, a device or
     a directory (nothing is left open); FileNotFoundError and other OSErrors as `open`."""
+    safe = _SAFE & ~os.O_NOFOLLOW if follow_symlinks else _SAFE
     try:
-        fd = os.open(path, flags | _SAFE, mode)
+        fd = os.open(path, flags | safe, mode)
     except OSError as e:  # ELOOP: a symlink; EISDIR: a directory opened to write; ENXIO
         if e.errno == errno.ELOOP:
             raise ValueError(f"{path} is a symbolic link, not a file") from e

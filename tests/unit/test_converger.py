@@ -14,8 +14,10 @@ from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
 from weightcache.errors import Interrupted, SourceError, UsageError
+from weightcache.node import models
 from weightcache.node.converger import Converger
 from weightcache.node.metrics import Metrics
+from weightcache.node.models import DesiredState
 from weightcache.sourceurl import Source
 
 MODELS = """
@@ -161,3 +163,34 @@ def test_a_prefetch_interrupted_by_the_daemon_stopping_is_no_failure(
     c.stopping.clear()
     c._converge_entry(Source.parse("s3://models/good/r1"))
     assert set(c.failures) == {("good", "r1")}
+
+
+def test_bytes_parsed_already_are_not_parsed_again(
+    models_file: Path, cache: Cache, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle daemon re-reads the file at every --interval; parsing a large one each time
+    cost it a core. Valid or not, the same bytes are parsed once."""
+    parsed: list[bytes] = []
+
+    def parse(path: Path, data: bytes) -> DesiredState:
+        parsed.append(data)
+        return models.parse(path, data)
+
+    c = Converger(models_file, cache, for_cache(cache.layout), Metrics(),
+                  FakeFetch(cache, set()), threading.Event(), parse=parse)  # fmt: skip
+    c.load()
+    for _ in range(5):
+        assert c.reload() is False
+    assert len(parsed) == 1
+    models_file.write_text("models: [\n")  # invalid: logged once, parsed once
+    for _ in range(5):
+        c.reload()
+    assert len(parsed) == 2 and len(c.desired.models) == 3
+    models_file.unlink()  # gone, then back with the same invalid bytes: said again
+    c.reload()
+    models_file.write_text("models: [\n")
+    c.reload()
+    assert len(parsed) == 3
+    models_file.write_text(MODELS.replace("plain", "other"))
+    assert c.reload() is True and len(parsed) == 4
+    assert [m.source.name for m in c.desired.models] == ["good", "bad", "other"]

@@ -158,6 +158,18 @@ def test_a_pin_set_before_its_revision_exists_applies_when_it_appears(index: Ind
     assert [e.name for e in index.entries()] == ["m"] and index.pins() == {("m", "r")}
 
 
+def test_a_lease_limit_bounds_the_revisions_one_pod_holds(index: Index) -> None:
+    for name in "abcd":
+        index.record_access(name, "r", size=1, now=1.0)
+    assert index.lease("a", "r", "uid-a", limit=2) and index.lease("b", "r", "uid-a", limit=2)
+    assert not index.lease("c", "r", "uid-a", limit=2)  # a third revision: refused
+    assert index.lease("a", "r", "uid-a", limit=2), "one it holds is renewed"
+    assert index.lease("c", "r", "uid-b", limit=2), "another Pod has its own bound"
+    assert index.lease("d", "r", "uid-a"), "no limit: a fetch's own lease"
+    leases = {(e.name, uid) for e in index.entries() for uid in e.leases}
+    assert leases == {("a", "uid-a"), ("b", "uid-a"), ("c", "uid-b"), ("d", "uid-a")}
+
+
 def test_remove_unless_protected_checks_leases_and_pins_in_the_transaction(
     index: Index,
 ) -> None:

@@ -46,6 +46,32 @@ def test_at_the_cap_with_every_connection_busy_the_new_one_is_refused() -> None:
     assert books.open == conns
 
 
+def test_past_a_busy_cap_the_reserve_admits_connections_marked_reserved() -> None:
+    books = Connections(Limits(connections=2, idle=30.0, header=10.0, reserved=1))
+    busy = [conn(), conn()]
+    for c in busy:
+        assert books.admit(c) is None and not c.reserved
+        Connections.started(c)
+    probe, extra = conn(9.0), conn(10.0)
+    assert books.admit(probe) is None and probe.reserved
+    Connections.started(probe)
+    assert books.admit(extra) is extra, "past cap and reserve: refused"
+    assert books.open == [*busy, probe]
+
+
+def test_an_idle_connection_makes_room_before_the_reserve_is_used() -> None:
+    books = Connections(Limits(connections=2, idle=30.0, header=10.0, reserved=1))
+    a, b = conn(1.0), conn(2.0)
+    books.admit(a)
+    books.admit(b)
+    Connections.started(b)
+    new = conn(9.0)
+    assert books.admit(new) is a and not new.reserved
+    late = conn(10.0)  # every regular slot busy or taken: the reserve
+    Connections.started(new)
+    assert books.admit(late) is None and late.reserved
+
+
 def test_idle_and_header_deadlines() -> None:
     books = Connections(LIMITS)
     idle, trickling, busy, fresh = conn(0.0), conn(0.0), conn(0.0), conn(25.0)

@@ -154,20 +154,41 @@ class Index(StateDb):
 
         self._never_failing(op, f"the access to {name}/{revision}")
 
-    def lease(self, name: str, revision: str, pod_uid: str, now: float | None = None) -> None:
+    def lease(
+        self,
+        name: str,
+        revision: str,
+        pod_uid: str,
+        now: float | None = None,
+        limit: int | None = None,
+    ) -> bool:
         """Lease the revision to the Pod, committed when this returns; call it before
-        checking the marker (see `remove_unless_protected`). Never fails the caller: a
-        cache mounted read-only still serves hits, unleased (logged)."""
+        checking the marker (see `remove_unless_protected`). With a `limit`, a Pod that
+        holds leases on `limit` other revisions gets none: False, nothing written. Never
+        fails the caller: a cache mounted read-only still serves hits, unleased (logged)."""
         now = time.time() if now is None else now
+        granted = True
 
         def op() -> None:
-            with self._transaction() as db:
-                db.execute(
-                    "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?)",
-                    (name, revision, pod_uid, now),
+            nonlocal granted
+            with self._transaction() as db:  # counted and written in one transaction
+                granted = (
+                    limit is None
+                    or db.execute(
+                        "SELECT COUNT(*) FROM leases WHERE pod_uid = ? "
+                        "AND NOT (name = ? AND revision = ?)",
+                        (pod_uid, name, revision),
+                    ).fetchone()[0]
+                    < limit
                 )
+                if granted:
+                    db.execute(
+                        "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?)",
+                        (name, revision, pod_uid, now),
+                    )
 
         self._never_failing(op, f"the lease of {name}/{revision} to Pod {pod_uid}")
+        return granted
 
     def _never_failing(self, op: Callable[[], None], what: str) -> None:
         import sqlite3

@@ -276,10 +276,11 @@ class Cache:
             wanted.update(re.findall(_HEX_LINE, listed))
         return wanted
 
-    def usage(self) -> int:
-        """Bytes the cache occupies on disk: blobs and partial downloads."""
+    def usage(self, *, blobs: bool = True) -> int:
+        """Bytes the cache occupies on disk: blobs (unless `blobs` is False) and partial
+        downloads."""
         total = 0
-        for d in (self.layout.blobs, self.layout.tmp):
+        for d in (self.layout.blobs, self.layout.tmp) if blobs else (self.layout.tmp,):
             for entry in os.scandir(d):
                 with contextlib.suppress(FileNotFoundError):
                     if entry.is_file(follow_symlinks=False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from weightcache.cache import eviction
@@ -21,6 +22,13 @@ log = logging.getLogger(__name__)
 
 RevisionKey = tuple[str, str]
 
+#: Seconds an idle cache goes without a full pass all the same: blobs that a fetch alone
+#: published and left unlinked when it died change nothing `enforce` looks at.
+FULL_PASS_EVERY = 300.0
+#: Seconds a directory's mtime must be old to be trusted: a change in the same clock tick
+#: as the last one would not move it.
+SETTLED_AFTER = 2.0
+
 
 class CapacityGuard:
     """Bounds the cache: `--capacity` (optional) and `--min-free` on the disk.
@@ -30,7 +38,11 @@ class CapacityGuard:
       recently used revisions until `need` more bytes fit under both bounds, or raises
       NoSpaceError (exit 5) naming the bound that cannot be kept; it never evicts.
     - `enforce()` (after every change) evicts from above the high watermark down to the
-      low one, and until --min-free is free again when other files grew.
+      low one, and until --min-free is free again when other files grew. Its full pass
+      (read every marker, stat every blob) runs when the cache changed since the last one
+      that found nothing to do (the blobs directory's mtime, the bytes of partial
+      downloads, the disk's size), when --min-free is not free, or every FULL_PASS_EVERY
+      seconds: an idle check costs a few syscalls, however many revisions are cached.
     - Neither ever evicts a pinned revision (`pinned()`, the models file's, or the index's)
       nor a leased one: the plan is `eviction.plan_eviction`, executed by
       `eviction.execute`, which checks both again in the removing transaction.
@@ -63,6 +75,8 @@ class CapacityGuard:
         self.pinned = pinned
         self.disk_space = disk_space or cache.layout.disk_space
         self._lock = threading.Lock()
+        self._settled: tuple[int, int, int] | None = None  # `_look()` after an idle pass
+        self._full_pass_at = 0.0  # monotonic time of the next full pass, settled or not
 
     def capacity_bytes(self) -> int | None:
         """--capacity in bytes now (a percentage follows the filesystem), None if unset."""
@@ -99,9 +113,16 @@ class CapacityGuard:
 
     def enforce(self) -> None:
         """Above the high watermark, evict down to the low one; below --min-free free on
-        the disk (other files grew), evict until the floor is back."""
+        the disk (other files grew), evict until the floor is back. Skipped while nothing
+        it acts on changed since a pass that found nothing to do."""
         capacity = self.capacity_bytes()
         with self._lock:
+            size, free = self.disk_space()
+            look = self._look(size)
+            if (look is not None and look == self._settled and time.monotonic() <
+                    self._full_pass_at and free >= self.min_free.resolve(size)):  # fmt: skip
+                return
+            self._settled = None
             self._collect_orphans()
             revisions, sizes, usage = eviction.survey(self.cache, self.index, self.pinned())
             self.metrics.cache_bytes.set(usage)
@@ -113,6 +134,19 @@ class CapacityGuard:
                     target = min(target, int(capacity * self.watermarks.low))
             if target < usage:
                 self._execute(eviction.plan_eviction(revisions, sizes, usage, target))
+            else:  # nothing to do: idle until what it looked at changes
+                self._settled = look
+                self._full_pass_at = time.monotonic() + FULL_PASS_EVERY
+
+    def _look(self, disk_size: int) -> tuple[int, int, int] | None:
+        """What a full pass depends on, read in a few syscalls: the blobs directory's mtime
+        (a blob added or removed), the bytes of partial downloads (a download growing), and
+        the disk's size (a --capacity in percent); None while that mtime is too recent to
+        tell one change from the next."""
+        stat = self.cache.layout.blobs.stat()
+        if time.time() - stat.st_mtime < SETTLED_AFTER:
+            return None
+        return stat.st_mtime_ns, self.cache.usage(blobs=False), disk_size
 
     def measure(self) -> None:
         """Refresh the cache usage gauge (after a fetch added a revision)."""

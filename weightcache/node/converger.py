@@ -15,7 +15,7 @@ from weightcache.cache.store import Cache
 from weightcache.errors import Interrupted, UsageError, WeightcacheError
 from weightcache.node import labels
 from weightcache.node.metrics import Metrics
-from weightcache.node.models import DesiredState, load
+from weightcache.node.models import DesiredState, digest, parse, read
 from weightcache.node.worker import backoff
 from weightcache.sourceurl import Source
 
@@ -55,10 +55,12 @@ class Converger:
         stopping: threading.Event,
         node_name: str | None = None,
         require_sha256: bool = False,
+        parse: Callable[[Path, bytes], DesiredState] = parse,
     ) -> None:
         """`node_name`: label that node with the ready revisions (needs RBAC);
         `require_sha256`: a revision cached with a file no sha256 verified is not ready, for
-        every entry (`fetch` refuses it); an entry's own `require_sha256` does so for it."""
+        every entry (`fetch` refuses it); an entry's own `require_sha256` does so for it;
+        `parse`: models.parse (tests count its calls)."""
         self.models_file = models_file
         self.cache = cache
         self.index = index
@@ -67,7 +69,9 @@ class Converger:
         self.stopping = stopping
         self.node_name = node_name
         self.require_sha256 = require_sha256
+        self.parse = parse
         self.desired = DesiredState(())
+        self._parsed: str | None = None  # digest of the bytes parsed last, valid or not
         self.failures: dict[RevisionKey, WeightcacheError] = {}
         #: (failures in a row, monotonic time of the next attempt) of failing entries
         self._retry: dict[RevisionKey, tuple[int, float]] = {}
@@ -83,13 +87,22 @@ class Converger:
     def load(self) -> None:
         """Read the models file at start; raises UsageError (exit 2) when it is missing or
         invalid: there is no last good state to keep yet."""
-        self._apply(load(self.models_file))
+        data = read(self.models_file)
+        self._parsed = digest(data)
+        self._apply(self.parse(self.models_file, data))
 
     def reload(self) -> bool:
         """Re-read the models file; True if it changed. A file that vanished or turned
-        invalid keeps the last good state, logged once until the error changes."""
+        invalid keeps the last good state, logged once until the error changes. Bytes
+        parsed already, valid or not, are not parsed again: an idle daemon would parse a
+        large file at every --interval."""
+        parsed, self._parsed = self._parsed, None
         try:
-            desired = load(self.models_file)
+            data = read(self.models_file)
+            self._parsed = digest(data)
+            if self._parsed == parsed:
+                return False
+            desired = self.parse(self.models_file, data)
         except UsageError as e:
             if str(e) != self._models_error:
                 log.error("%s; keeping the last good desired state", e)

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 #: Fetches the daemon runs at once (distinct revisions; joined requests take no worker).
 WORKERS = 4
+#: Revisions one Pod may hold leases on through the daemon: a Pod runs a model or a few
+#: (and their adapters); beyond that, one Pod would keep the cache from evicting anything.
+LEASES_PER_POD = 64
 
 FetchFn = Callable[[Source, str | None], FetchResult]
 Send = Callable[[dict[str, Any]], None]
@@ -45,7 +48,8 @@ class Coordinator:
       source under the same name and revision is a separate fetch (the Fetcher settles
       it: same manifest, or exit 2), never handed the first source's result.
     - A Pod's lease is committed before anything else, so that the marker check that
-      follows sees a revision no evictor can remove any more.
+      follows sees a revision no evictor can remove any more; a Pod holds leases on at
+      most LEASES_PER_POD revisions (past that, its fetch is served unleased, logged).
     - `wait()` returns only a result whose revision is still ready after its lease (a
       fetch joined before the lease may have been evicted since: it fetches again, and
       after three evictions raises NoSpaceError), and counts every caller's fetch
@@ -74,7 +78,7 @@ class Coordinator:
     def submit(self, source: Source, pod_uid: str | None = None) -> Future[FetchResult]:
         """Start (or join) the fetch of a revision; every caller shares one download."""
         if pod_uid:
-            self.index.lease(source.name, source.revision, pod_uid)
+            self._lease(source, pod_uid)
         key = (source.name, source.revision, source.url)
         with self._lock:
             future = self._inflight.get(key)
@@ -134,17 +138,23 @@ class Coordinator:
     def record_hit(self, source: Source, pod_uid: str | None = None) -> None:
         """Count a Pod's hit and lease the revision for it: a Pod on a read-only mount of
         the cache (initcontainer/, design §5) cannot write its lease itself, and
-        without one its revision could be evicted under the running engine. The lease is
-        committed before the marker is read (as in `submit`); a revision that is gone by
-        then keeps a lease that ends with the Pod, as any lease does. A revision this cache
-        never had gets none: a Pod's hits on made-up names would only grow the index."""
-        if pod_uid and self.cache.layout.revision_dir(source.name, source.revision).is_dir():
-            self.index.lease(source.name, source.revision, pod_uid)
+        without one its revision could be evicted under the running engine. Only a hit
+        on the source the revision was fetched from (its marker's) is leased: any Pod can
+        name any source, and a lease on every revision would keep the cache from evicting
+        anything. The caller leaves out `pod_uid` for a source outside --allow-source."""
         marker = self.cache.read_marker(source.name, source.revision)
+        if pod_uid and marker is not None and marker.source == source.url:
+            self._lease(source, pod_uid)
         self.metrics.fetches.labels("hit").inc()
         self.metrics.duration.labels("hit").observe(0.0)
         if marker is not None:
             self.metrics.bytes.labels("local").inc(marker.size)
+
+    def _lease(self, source: Source, pod_uid: str) -> None:
+        if not self.index.lease(source.name, source.revision, pod_uid, limit=LEASES_PER_POD):
+            log.warning(
+                "Pod %s holds leases on %d revisions already: %s is not leased to it and "
+                "may be evicted while it runs", pod_uid, LEASES_PER_POD, source.label)  # fmt: skip
 
     def count_fetches(self) -> None:
         """Bring the node-wide gauges up to date with the fetches running alone on the cache
@@ -254,8 +264,8 @@ class FetchSocketHandler:
         source = Source.parse(msg["source"], msg.get("name"), msg.get("revision"))
         check_revision(source.name, source.revision)  # before either op writes a lease
         pod_uid = msg.get("pod_uid")
-        if msg.get("op") == "hit":
-            self.coordinator.record_hit(source, pod_uid)
+        if msg.get("op") == "hit":  # leased only under the allowed prefixes
+            self.coordinator.record_hit(source, pod_uid if self.refusal(source) is None else None)
             return
         refusal = self.refusal(source)
         if refusal is not None:

@@ -74,8 +74,9 @@ REQUEST_LINE_LIMIT = 64 << 10  # bytes; a request is ~300
 HOUSEKEEPING_STUCK_AFTER = 300.0
 #: Leases or accesses in a row that state.db refused before /healthz says so.
 UNRECORDED_UNHEALTHY = 3
-#: /metrics, /healthz, /readyz: a scraper and the kubelet's probes.
-HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0)
+#: /metrics, /healthz, /readyz: scrapers share the 64 connections; 8 more are the kubelet's
+#: probes' alone (serve.PROBES), so scrapers holding all 64 busy never fail liveness.
+HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0, reserved=8)
 TEXT = "text/plain; charset=utf-8"
 
 

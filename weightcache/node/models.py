@@ -9,23 +9,38 @@ models:
     require_sha256: true   # optional: only bytes a sha256 verifies
 ```
 A bad entry is reported and skipped; the valid ones still converge.
+
+The file is untrusted input (anyone who can edit the ConfigMap writes it): it is read only
+if it is a regular file of at most MAX_BYTES, without waiting on a FIFO; anchors, aliases
+and nesting deeper than MAX_DEPTH are refused while PyYAML composes the document, before
+they expand or recurse; and messages never quote back more than MAX_MESSAGE characters.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from weightcache.cache.layout import check_revision
 from weightcache.errors import UsageError
+from weightcache.smallfile import open_regular
 from weightcache.sourceurl import Source
 
 _KEYS = {"source", "name", "revision", "pin", "require_sha256"}
 #: A ConfigMap holds at most 1 MiB: a larger file is the wrong one (a model shard, a log),
 #: and is refused unread rather than parsed at every --interval.
 MAX_BYTES = 1 << 20
+#: Levels of nesting: the document, `models`, an entry, its values, with room to spare.
+#: Deeper is refused before PyYAML's recursive composer reaches Python's recursion limit.
+MAX_DEPTH = 8
+#: Characters of one problem or error line: a value quoted in it is cut to fit.
+MAX_MESSAGE = 300
+#: Bad entries listed one by one when the file changes; the others are counted.
+MAX_PROBLEMS = 20
 
 
 @dataclass(frozen=True)
@@ -49,20 +64,33 @@ class DesiredState:
 def load(path: Path) -> DesiredState:
     """Read and validate the models file. A missing or unparsable file is a UsageError;
     bad entries only become `problems`."""
+    return parse(path, read(path))
+
+
+def digest(data: bytes) -> str:
+    """xxh64 of the file's bytes: a reader compares it to skip parsing them again."""
     import xxhash
+
+    return xxhash.xxh64(data).hexdigest()
+
+
+def parse(path: Path, data: bytes) -> DesiredState:
+    """Validate the bytes `read(path)` returned (`path` names the file in messages). A
+    file that is not a models mapping is a UsageError; bad entries become `problems`."""
     import yaml
 
-    data = _read(path)
     try:
-        doc = yaml.safe_load(data) or {}
-    except yaml.YAMLError as e:
+        doc = yaml.load(data, Loader=_loader()) or {}
+    except Exception as e:  # whatever the parser raises, the text caused it: PyYAML
+        # raises ValueError for a date like 2026-13-45 or an integer of 5,000 digits
         raise UsageError(f"the models file {path} is not valid YAML: {_yaml_problem(e)}") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("models") or [], list):
         raise UsageError(f"the models file {path} must be a mapping with a 'models' list")
     if set(doc) - {"models"}:  # a misspelt `models:` would silently drop every pin
+        unknown = _short(str(sorted(map(str, set(doc) - {"models"}))))
         raise UsageError(
-            f"the models file {path} has unknown top-level key(s) "
-            f"{sorted(map(str, set(doc) - {'models'}))}; the only one is 'models'"
+            f"the models file {path} has unknown top-level key(s) {unknown}; "
+            "the only one is 'models'"
         )
     models: list[ModelSpec] = []
     problems: list[str] = []
@@ -71,7 +99,7 @@ def load(path: Path) -> DesiredState:
         try:
             spec = parse_entry(raw)
         except UsageError as e:
-            problems.append(f"{path} entry {i}: {e}")
+            problems.append(f"{path} entry {i}: {_short(str(e))}")
             continue
         key = (spec.source.name, spec.source.revision)
         if key in seen:
@@ -79,13 +107,25 @@ def load(path: Path) -> DesiredState:
             continue
         seen.add(key)
         models.append(spec)
-    return DesiredState(tuple(models), tuple(problems), xxhash.xxh64(data).hexdigest())
+    if len(problems) > MAX_PROBLEMS:
+        more = len(problems) - MAX_PROBLEMS
+        problems[MAX_PROBLEMS:] = [f"{path}: and {more} more bad entries, not listed"]
+    return DesiredState(tuple(models), tuple(problems), digest(data))
 
 
-def _read(path: Path) -> bytes:
+def read(path: Path) -> bytes:
     """The file's bytes, at most MAX_BYTES of them. Raises UsageError."""
     try:
-        with open(path, "rb") as fh:
+        fd = open_regular(path, follow_symlinks=True)  # a ConfigMap's file is a symlink
+    except ValueError as e:
+        raise UsageError(
+            f"cannot read the models file {path}: it is not a regular file (a FIFO, a "
+            "device or a directory); check that --models names the models file"
+        ) from e
+    except OSError as e:
+        raise UsageError(f"cannot read the models file {path}: {e.strerror}") from e
+    try:
+        with os.fdopen(fd, "rb") as fh:
             data = fh.read(MAX_BYTES + 1)
     except OSError as e:
         raise UsageError(f"cannot read the models file {path}: {e.strerror}") from e
@@ -97,13 +137,46 @@ def _read(path: Path) -> bytes:
     return data
 
 
+@functools.cache
+def _loader() -> Any:
+    """PyYAML's SafeLoader, refusing anchors, aliases and deep nesting as it composes the
+    document: an alias bomb of a few hundred bytes expands to gigabytes, and a deeply
+    nested one is a RecursionError. Built on first use, as yaml is imported."""
+    import yaml
+    from yaml.composer import ComposerError
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()  # type: ignore[no-untyped-call]
+            if getattr(event, "anchor", None) is not None:  # `&name` or `*name`
+                raise ComposerError(None, None, "anchors and aliases (& and *) are not "
+                                    "allowed; write each entry out", event.start_mark)  # fmt: skip
+            if self.depth >= MAX_DEPTH:
+                raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                                    event.start_mark)  # fmt: skip
+            self.depth += 1
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    return Loader
+
+
 def _yaml_problem(e: Exception) -> str:
-    """What PyYAML found wrong and where, on one line (its message spans several)."""
+    """What PyYAML found wrong and where, on one short line (its message spans several)."""
     problem = getattr(e, "problem", None)
     mark = getattr(e, "problem_mark", None)
     if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return " ".join(str(e).split())
+        return _short(f"{problem} at line {mark.line + 1}, column {mark.column + 1}")
+    return _short(" ".join(str(e).split()))
+
+
+def _short(text: str) -> str:
+    """`text` cut to MAX_MESSAGE characters: a message may quote what the file holds."""
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
 
 
 def parse_entry(raw: Any) -> ModelSpec:

@@ -7,6 +7,9 @@ of them trusts a client to behave, so every connection is bounded:
 - a connection cap per server; a new connection at the cap closes the oldest one that is
   not in the middle of a request (so a flood of idle connections never locks out the
   kubelet's probes or a Pod's fetch), and is refused only when every slot is busy;
+- on the metrics port, a few slots past the cap for the kubelet's probes only (PROBES),
+  rendered on threads of their own: scrapers keeping every slot busy slow /metrics but
+  never fail liveness (a failed liveness probe restarts the daemon, downloads and all);
 - an idle timeout (no request started) and a header timeout (a request started but its
   head, or the socket's request line, not complete): one byte every few seconds does not
   keep a connection open;
@@ -46,6 +49,9 @@ BACKLOG = 1024  # connections the kernel queues before we accept them (somaxconn
 #: before the cap gets a chance to close any: EMFILE at the container's default limit.
 ACCEPT_BURST = 16
 SWEEP = 0.5  # seconds between checks of the idle and header deadlines
+#: The kubelet's probes: the only requests a connection past the cap may make.
+PROBES = frozenset({"/healthz", "/readyz"})
+PROBE_THREADS = 2  # the probes' pages render on these, never queued behind /metrics
 _BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
              b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n")  # fmt: skip
 
@@ -57,6 +63,7 @@ class Limits:
     connections: int  # open at once, busy or not
     idle: float  # seconds a connection may wait without starting a request
     header: float  # seconds from a request's first byte to its complete head (or line)
+    reserved: int = 0  # connections past the cap, admitted for PROBES requests only
 
 
 @dataclass(eq=False)
@@ -67,6 +74,7 @@ class Conn:
     idle_since: float
     head_since: float | None = None  # a request's first byte arrived, its head did not
     busy: bool = False  # a request is being served
+    reserved: bool = False  # admitted past the cap: PROBES requests only
 
 
 @dataclass
@@ -79,14 +87,18 @@ class Connections:
 
     def admit(self, conn: Conn) -> Conn | None:
         """Take `conn` in. At the cap, return the connection to close to make room (the
-        one idle longest), or `conn` itself when every connection is busy."""
+        one idle longest); when every connection is busy, take it in past the cap as
+        `reserved` while `limits.reserved` allows, else return `conn` itself (refused)."""
         victim = None
-        if len(self.open) >= self.limits.connections:
+        cap = self.limits.connections
+        if len(self.open) >= cap:
             idle = [c for c in self.open if not c.busy]
-            if not idle:
+            if idle:
+                victim = min(idle, key=lambda c: c.idle_since)
+                self.open.remove(victim)
+            elif len(self.open) >= cap + self.limits.reserved:
                 return conn
-            victim = min(idle, key=lambda c: c.idle_since)
-            self.open.remove(victim)
+        conn.reserved = len(self.open) >= cap
         self.open.append(conn)
         return victim
 
@@ -257,6 +269,11 @@ class HttpServer:
 
     async def _track(self, request: web.BaseRequest) -> web.StreamResponse:
         conn = getattr(request.protocol, "conn", None)
+        if conn is not None and conn.reserved and request.path not in PROBES:
+            self._refused()  # a scraper in a probe's slot: as if refused at the cap
+            busy = web.Response(status=503, text="busy\n")
+            busy.force_close()
+            return busy
         if conn is not None:
             Connections.started(conn)
         try:
@@ -279,7 +296,9 @@ Page = Callable[[], tuple[int, bytes, str]]  # blocking: (status, body, content 
 
 
 def page_handler(pages: dict[str, Page]) -> Handler:
-    """GET (or HEAD) of a fixed set of paths, each page rendered in a worker thread."""
+    """GET (or HEAD) of a fixed set of paths, each page rendered in a worker thread: the
+    PROBES on PROBE_THREADS of their own, the others on the loop's default executor."""
+    probes = ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         page = pages.get(request.path)
@@ -288,7 +307,11 @@ def page_handler(pages: dict[str, Page]) -> Handler:
                                 headers={"Allow": "GET, HEAD"})  # fmt: skip
         if page is None:
             return web.Response(status=404, text="not found\n")
-        status, body, ctype = await asyncio.to_thread(page)
+        if request.path in PROBES:
+            loop = asyncio.get_running_loop()
+            status, body, ctype = await loop.run_in_executor(probes, page)
+        else:
+            status, body, ctype = await asyncio.to_thread(page)
         return web.Response(status=status, body=body, headers={"Content-Type": ctype})
 
     return handle
