@@ -5,15 +5,23 @@ fallback, a stray script), so such a file is read as untrusted: a FIFO there mus
 hang the reader (the daemon, `ls`) forever, nor a symlink to /dev/zero fill its memory.
 `open_regular` opens without following a final symlink and without blocking, and keeps
 only a regular file; `read_small` reads at most `limit` bytes of one. Writers of the cache's
-files open them the same way (partial downloads, the mode change before publishing).
+files never write through what was planted either: `open_own` opens a file the cache
+shares between processes (a lock, a partial) and replaces whatever else is at its name,
+`open_new` creates a file at a fresh name, `replace_atomically` replaces a small file whole
+through a temporary of an unpredictable name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
+import shutil
 import stat
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 #: Never through a final symlink, never waiting on a FIFO (a no-op on a regular file).
 _SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -36,6 +44,55 @@ def open_regular(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int
         os.close(fd)
         raise ValueError(f"{path} is not a regular file (mode {stat.filemode(st_mode)})")
     return fd
+
+
+def open_own(path: Path, flags: int = os.O_RDWR, mode: int = 0o644, trees: bool = False) -> int:
+    """A descriptor of the regular file `path`, created if absent, opened with `flags`.
+    Anything else at its name (a symlink, a FIFO: planted by whoever can write the cache)
+    is removed first and the file created in its place, so that nothing is ever written
+    through it to a file outside the cache. A directory there is removed only with `trees`
+    (a name under tmp/), else ValueError; OSErrors as `open`."""
+    try:
+        return open_regular(path, flags | os.O_CREAT, mode)
+    except ValueError as e:
+        if path.is_dir() and not path.is_symlink() and not trees:
+            raise
+        log.warning("removing %s: %s", path, e)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    return open_new(path, flags, mode)
+
+
+def open_new(path: Path, flags: int = os.O_WRONLY, mode: int = 0o644) -> int:
+    """A descriptor of the regular file `path`, created now (O_EXCL: FileExistsError if
+    anything, a symlink included, is at its name)."""
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL | _SAFE, mode)
+
+
+def replace_atomically(path: Path, data: bytes, fsync: bool = False) -> None:
+    """Replace `path` with a regular file holding `data`, atomically: written to a new
+    temporary beside it whose name no other process can predict (a symlink planted there
+    in advance is never written through), then renamed over `path` (a rename replaces a
+    symlink, never follows it). The temporary is removed when anything fails (a full disk);
+    OSErrors as `open` and `write`."""
+    tmp = path.with_name(f"{path.name}.{os.urandom(8).hex()}.tmp")
+    fd = open_new(tmp)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_small(path: Path, limit: int) -> bytes:

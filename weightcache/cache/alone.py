@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.cache.layout import Layout
-from weightcache.smallfile import read_small
+from weightcache.smallfile import open_new, read_small, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ class Registration:
         self._gets = gets
         self._written = -1
         self._stop = threading.Event()
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        self._fd = os.open(self._lock_path, flags, 0o644)
+        self._fd = open_new(self._lock_path, os.O_RDWR)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # before the record exists: never a ghost
             self._write()
@@ -85,9 +84,7 @@ class Registration:
         gets = self._gets()
         if gets == self._written:
             return
-        tmp = self._record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self._fields, "gets": gets}))
-        os.replace(tmp, self._record)
+        replace_atomically(self._record, json.dumps({**self._fields, "gets": gets}).encode())
         self._written = gets
 
     def close(self) -> None:
@@ -98,7 +95,7 @@ class Registration:
     def _remove(self) -> None:
         """The record first, then its lock: a reader never sees a record without its
         holder's lock except from a dead process."""
-        for path in (self._record, self._record.with_suffix(".tmp"), self._lock_path):
+        for path in (self._record, self._lock_path):
             with contextlib.suppress(OSError):
                 path.unlink()
         os.close(self._fd)

@@ -22,7 +22,7 @@ from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
 from weightcache.errors import IntegrityError
-from weightcache.smallfile import open_regular, read_small
+from weightcache.smallfile import open_new, open_regular, read_small
 
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
@@ -50,10 +50,15 @@ class FileOps:
         return _link_or_copy(src, dst)
 
     def write_durably(self, path: Path, text: str) -> None:
-        with open(path, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        """Create `path` (nothing may be at its name) holding `text`, fsynced."""
+        fd = open_new(path)
+        try:
+            data = memoryview(text.encode())
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def fsync_dir(self, path: Path) -> None:
         _fsync_dir(path)
