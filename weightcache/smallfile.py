@@ -95,15 +95,19 @@ def replace_atomically(path: Path, data: bytes, fsync: bool = False) -> None:
         raise
 
 
+class TooLarge(ValueError):
+    """A small file holds more than its bound."""
+
+
 def read_small(path: Path, limit: int) -> bytes:
     """The bytes of the regular file `path`, at most `limit` of them.
 
     Raises FileNotFoundError (or NotADirectoryError) when there is no such file, as
     `open` would; ValueError when `path` is a symlink, a FIFO, a device or a directory, or
-    holds more than `limit` bytes; OSError for anything else the kernel refuses."""
+    holds more than `limit` bytes (TooLarge); OSError for anything else the kernel refuses."""
     fd = open_regular(path)
     try:
-        too_large = ValueError(f"{path} holds more than {limit} bytes")
+        too_large = TooLarge(f"{path} holds more than {limit} bytes")
         if os.fstat(fd).st_size > limit:
             raise too_large
         chunks, got = [], 0  # read to the end, or past the limit if it grew since
