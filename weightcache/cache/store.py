@@ -327,6 +327,7 @@ class Cache:
                 self.ops.fsync_dir(d)
             self.ops.mkdir(target.parent, exist_ok=True)
             self.layout.check_inside(target)
+            self.layout.check_one_filesystem(target.parent)
             self._move_aside(target)
             self.ops.rename(staging, target)
             self.ops.fsync_dir(target.parent)
@@ -384,6 +385,7 @@ class Cache:
     def _move_aside(self, path: Path, delete: bool = True) -> Path | None:
         if not path.exists() and not path.is_symlink():
             return None
+        self.layout.check_one_filesystem(path.parent)
         trash = self.layout.trash()
         self.ops.rename(path, trash)
         self.ops.fsync_dir(path.parent)
