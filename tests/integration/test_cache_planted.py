@@ -50,6 +50,7 @@ def test_symlinks_at_the_names_a_fetch_writes_are_not_followed(
     planted = {
         _internal(cache_dir, "locks", "rev-planted@v1.lock"): _victim(tmp_path, "rev"),
         _internal(cache_dir, "state.db"): _victim(tmp_path, "statedb", ""),
+        _internal(cache_dir, "state.db-shm"): _victim(tmp_path, "shm"),
     }
     for i, f in enumerate(model.files):
         lock = _internal(cache_dir, "locks", f"blob-{f.sha256}.lock")

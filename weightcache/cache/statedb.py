@@ -208,17 +208,18 @@ class StateDb:
 
 def _connect_own(path: Path, timeout: float) -> sqlite3.Connection:
     """A connection to the regular file `path` (created if absent). SQLite follows a
-    symlink, so whatever else is planted at the name is removed first, and a connection
+    symlink, so whatever else is planted at its name or its WAL's is removed first, and a connection
     that opened anything but a regular file at `path` is refused (OperationalError). The
     file is never opened here: closing any descriptor of it would drop every SQLite lock
     this process holds on it (POSIX locks)."""
     import sqlite3
 
-    with contextlib.suppress(FileNotFoundError):
-        mode = os.lstat(path).st_mode
-        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-            log.warning("removing %s: not a regular file (mode %s)", path, stat.filemode(mode))
-            os.unlink(path)
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):  # SQLite's names
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.lstat(name).st_mode
+            if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                log.warning("removing %s: not a regular file (%s)", name, stat.filemode(mode))
+                os.unlink(name)
     db = sqlite3.connect(path, timeout=timeout, isolation_level=None)
     try:
         mode = os.lstat(path).st_mode
