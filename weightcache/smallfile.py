@@ -95,6 +95,20 @@ def replace_atomically(path: Path, data: bytes, fsync: bool = False) -> None:
         raise
 
 
+def chmod_own(path: Path, mode: int, kind: int = stat.S_IFREG) -> None:
+    """chmod `path` itself, never what a symlink put at its name leads to (Linux has no
+    lchmod): through a descriptor that does not follow it, if `path` is of the file type
+    `kind` (stat.S_IFSOCK: a socket); ValueError otherwise, nothing changed."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        found = os.fstat(fd).st_mode
+        if stat.S_IFMT(found) != kind:
+            raise ValueError(f"{path} is not what was made there (mode {stat.filemode(found)})")
+        os.chmod(f"/proc/self/fd/{fd}", mode)  # the inode itself, as glibc's fchmodat does
+    finally:
+        os.close(fd)
+
+
 class TooLarge(ValueError):
     """A small file holds more than its bound."""
 
