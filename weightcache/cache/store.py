@@ -411,20 +411,22 @@ class Cache:
 def _link_or_copy(blob: Path, dest: Path) -> bool:
     """Hard-link `blob` at `dest`; past the filesystem's link limit (EMLINK: 65,000 links
     per inode on ext4, so >65k files of one content) copy it instead, read-only and
-    fsynced. True if it copied. A missing blob raises FileNotFoundError either way."""
+    fsynced. True if it copied. A missing blob raises FileNotFoundError either way; a
+    `dest` that exists, FileExistsError (the copy is a new file, never written through a
+    symlink planted at its name)."""
     try:
         os.link(blob, dest)
         return False
     except OSError as e:
         if e.errno != errno.EMLINK:
             raise
-    shutil.copyfile(blob, dest)
-    os.chmod(dest, 0o444)
-    fd = os.open(dest, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(blob, "rb") as src:
+        fd = open_new(dest, os.O_WRONLY)
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(fd, 0o444)  # exactly, whatever the umask: engines read as another uid
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(fd)
     return True
 
 
