@@ -110,3 +110,30 @@ def test_part_state_temporaries_are_not_written_through_a_planted_symlink(
     assert seen, "the fetch renamed no temporary in tmp/"
     assert victim.read_text() == PRECIOUS, f"written through one of {sorted(seen)}"
     assert_revision_ok(cache_dir, "planted", "v1", model)
+
+
+@pytest.mark.timeout(120)
+def test_a_fetching_directory_planted_as_a_symlink_is_neither_written_nor_swept(
+    wc: CLI,
+    tmp_path: Path,
+    cache_dir: Path,
+    daemons: Daemons,  # noqa: F811
+) -> None:
+    """`fetching/` leading out of the cache: a fetch alone writes no record there, and the
+    daemon, counting fetches at each scrape, removes no "ghost" record from there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.json").write_text(PRECIOUS)
+    _internal(cache_dir, "fetching").symlink_to(outside)
+    watch = Watch(outside)
+    try:
+        model = _model(tmp_path, [64 * 1024])
+        assert_ok_path(wc.fetch(f"file://{model.root}", cache_dir, "--no-daemon"),
+                       cache_dir / "planted" / "v1")  # fmt: skip
+        assert watch.events() == [], "the fetch wrote its record outside the cache"
+    finally:
+        watch.close()
+    daemon = daemons.start(cache_dir, write_models(tmp_path / "models.yaml", []),
+                           endpoint=dead_endpoint())  # fmt: skip
+    assert daemon.get("/metrics")[0] == 200, daemon.log()
+    assert (outside / "precious.json").read_text() == PRECIOUS, daemon.log()

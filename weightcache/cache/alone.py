@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.cache.layout import Layout
+from weightcache.errors import UsageError
 from weightcache.smallfile import open_new, read_small, replace_atomically
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def registered(layout: Layout, name: str, revision: str, gets: Callable[[], int]
     thread) returns its object-store GETs in flight. Nothing happens on a read-only cache
     or when the registration cannot be written."""
     registration = None
-    if not layout.read_only:
+    if not layout.read_only and _inside(layout):
         try:
             registration = Registration(layout.fetching, name, revision, gets)
         except OSError as e:
@@ -121,6 +122,8 @@ def registered(layout: Layout, name: str, revision: str, gets: Callable[[], int]
 
 def live(layout: Layout) -> list[AloneFetch]:
     """The fetches alone now running on this cache; removes ghosts when it can."""
+    if not _inside(layout):
+        return []
     try:
         records = sorted(layout.fetching.glob("*.json"))
     except OSError:
@@ -131,6 +134,17 @@ def live(layout: Layout) -> list[AloneFetch]:
         if fetch is not None:
             found.append(fetch)
     return found
+
+
+def _inside(layout: Layout) -> bool:
+    """Whether `fetching/` is inside the cache: a symlink planted there leading out would
+    have records written, and "ghosts" removed, in a directory not the cache's."""
+    try:
+        layout.check_inside(layout.fetching)
+    except UsageError as e:
+        log.warning("not using %s: %s", layout.fetching, e)
+        return False
+    return True
 
 
 def _read_live(record: Path, remove_ghost: bool) -> AloneFetch | None:
