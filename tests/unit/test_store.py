@@ -551,3 +551,16 @@ def test_a_copy_past_the_link_limit_is_never_written_through_a_symlink(
     assert _link_or_copy(blob, dest) is True
     assert dest.read_bytes() == b"blob bytes"
     assert stat.S_IMODE(dest.lstat().st_mode) == 0o444
+
+
+def test_clean_tmp_removes_a_symlink_to_a_directory_not_what_it_leads_to(tmp_path: Path) -> None:
+    layout = Layout.open(tmp_path / "cache")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the cache's")
+    link = layout.tmp / "trash-0123456789abcdef"
+    link.symlink_to(outside)
+    os.utime(link, (0, 0), follow_symlinks=False)  # long stale
+    Cache(layout).clean_tmp(older_than=60, partials_older_than=60)
+    assert not link.is_symlink()
+    assert (outside / "keep").read_text() == "not the cache's"

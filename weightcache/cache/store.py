@@ -401,7 +401,7 @@ class Cache:
         for entry in self.layout.tmp.iterdir():
             with contextlib.suppress(FileNotFoundError):
                 age = now - entry.lstat().st_mtime
-                if entry.is_dir():
+                if entry.is_dir() and not entry.is_symlink():  # a link is unlinked below
                     if age > older_than:
                         shutil.rmtree(entry, ignore_errors=True)
                 elif age > (older_than if private(entry.name) else partials_older_than):
