@@ -7,8 +7,8 @@ hang the reader (the daemon, `ls`) forever, nor a symlink to /dev/zero fill its 
 only a regular file; `read_small` reads at most `limit` bytes of one. Writers of the cache's
 files never write through what was planted either: `open_own` opens a file the cache
 shares between processes (a lock, a partial) and replaces whatever else is at its name,
-`open_new` creates a file at a fresh name, `replace_atomically` replaces a small file whole
-through a temporary of an unpredictable name.
+`open_new` and `write_new` create a file at a fresh name, `replace_atomically` replaces a
+small file whole through a temporary of an unpredictable name.
 """
 
 from __future__ import annotations
@@ -71,14 +71,11 @@ def open_new(path: Path, flags: int = os.O_WRONLY, mode: int = 0o644) -> int:
     return os.open(path, flags | os.O_CREAT | os.O_EXCL | _SAFE, mode)
 
 
-def replace_atomically(path: Path, data: bytes, fsync: bool = False) -> None:
-    """Replace `path` with a regular file holding `data`, atomically: written to a new
-    temporary beside it whose name no other process can predict (a symlink planted there
-    in advance is never written through), then renamed over `path` (a rename replaces a
-    symlink, never follows it). The temporary is removed when anything fails (a full disk);
-    OSErrors as `open` and `write`."""
-    tmp = path.with_name(f"{path.name}.{os.urandom(8).hex()}.tmp")
-    fd = open_new(tmp)
+def write_new(path: Path, data: bytes, fsync: bool = False) -> None:
+    """Create the regular file `path` (`open_new`: nothing may be at its name) holding
+    `data`, fsynced if asked; removed again when anything fails (a full disk). OSErrors as
+    `open` and `write`."""
+    fd = open_new(path)
     try:
         try:
             view = memoryview(data)
@@ -88,6 +85,20 @@ def replace_atomically(path: Path, data: bytes, fsync: bool = False) -> None:
                 os.fsync(fd)
         finally:
             os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with a regular file holding `data`, atomically: written to a new
+    temporary beside it whose name no other process can predict (a symlink planted there
+    in advance is never written through), then renamed over `path` (a rename replaces a
+    symlink, never follows it). No temporary is left when anything fails."""
+    tmp = path.with_name(f"{path.name}.{os.urandom(8).hex()}.tmp")
+    write_new(tmp, data)
+    try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -208,10 +208,10 @@ class StateDb:
 
 def _connect_own(path: Path, timeout: float) -> sqlite3.Connection:
     """A connection to the regular file `path` (created if absent). SQLite follows a
-    symlink, so whatever else is planted at its name or its WAL's is removed first, and a connection
-    that opened anything but a regular file at `path` is refused (OperationalError). The
-    file is never opened here: closing any descriptor of it would drop every SQLite lock
-    this process holds on it (POSIX locks)."""
+    symlink, so whatever else is planted at its name or its WAL's is removed first, and a
+    connection that opened anything but a regular file at `path` is refused
+    (OperationalError). The file is never opened here: closing any descriptor of it would
+    drop every SQLite lock this process holds on it (POSIX locks)."""
     import sqlite3
 
     for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):  # SQLite's names

@@ -22,7 +22,7 @@ from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
 from weightcache.errors import IntegrityError
-from weightcache.smallfile import open_new, open_regular, read_small
+from weightcache.smallfile import open_new, open_regular, read_small, write_new
 
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
@@ -51,14 +51,7 @@ class FileOps:
 
     def write_durably(self, path: Path, text: str) -> None:
         """Create `path` (nothing may be at its name) holding `text`, fsynced."""
-        fd = open_new(path)
-        try:
-            data = memoryview(text.encode())
-            while data:
-                data = data[os.write(fd, data) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_new(path, text.encode(), fsync=True)
 
     def fsync_dir(self, path: Path) -> None:
         _fsync_dir(path)
