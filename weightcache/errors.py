@@ -22,6 +22,11 @@ class UsageError(WeightcacheError):
     exit_code = 2
 
 
+class OtherFilesystem(UsageError):
+    """A directory of the cache is on another filesystem than the cache (a volume mounted
+    inside it): nothing can be linked or renamed across (exit 2)."""
+
+
 class SourceError(WeightcacheError):
     """Object not found, access denied, missing or invalid manifest (exit 3)."""
 

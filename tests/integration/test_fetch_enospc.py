@@ -65,7 +65,8 @@ def test_disk_full_at_any_point_of_a_fetch(
 ) -> None:
     """Leave just enough room for the data plus 0..64 KiB, so ENOSPC strikes wherever it
     strikes (partials, part state, marker, index): exit 0 with a verified revision or
-    exit 5 with one error line, never anything else, never a marker on bad data."""
+    exit 5 with one error line, never anything else, never a marker on bad data, nor a
+    temporary left in tmp/."""
     pub = publish([3 * MiB + 123, 1 * MiB], name="tight", rev="r1")
     filler = small_disk / "filler"  # outside every cache directory below
     outcomes = {}
@@ -84,6 +85,8 @@ def test_disk_full_at_any_point_of_a_fetch(
             assert_fails(proc, 5)
             assert markers(cache) == []
         assert_blobs_valid(cache)
+        leftovers = list((cache / ".weightcache" / "tmp").glob("*.tmp"))
+        assert leftovers == [], f"k={k}: temporaries left behind"
     assert 5 in outcomes.values(), outcomes
 
 

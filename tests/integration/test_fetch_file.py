@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,6 +143,55 @@ def test_a_symlink_out_of_the_directory_is_refused(
     (model.root / "leak.txt").unlink()
     proc = wc.fetch(str(model.root), cache_dir, "--no-daemon")
     assert proc.returncode == 0, describe(proc)
+
+
+def _plant(path: Path, what: str) -> None:
+    """Put at `path` what a volume may hold instead of a small regular file."""
+    path.unlink(missing_ok=True)
+    if what == "fifo":
+        os.mkfifo(path)  # no writer: a plain open() waits forever
+    elif what == "device":
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 5))  # /dev/zero: endless
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD")
+    else:
+        with open(path, "wb") as f:
+            f.truncate(100 * MiB)  # sparse: 100 MiB of zeros on no disk
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("what", ["fifo", "device", "huge"])
+def test_a_manifest_that_is_no_small_regular_file_is_exit_3_at_once(
+    wc: CLI, tmp_path: Path, cache_dir: Path, what: str
+) -> None:
+    model = _model(tmp_path, [64 * 1024])
+    _plant(model.root / MANIFEST, what)
+    proc = wc.fetch(f"file://{model.root}", cache_dir, "--no-daemon", timeout=90)
+    message = assert_fails(proc, 3)
+    assert f"file://{model.root}/{MANIFEST}" in message, message
+    expected = "more than 64 MiB" if what == "huge" else "not a regular file"
+    assert expected in message, message
+    assert markers(cache_dir) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_weight_file_that_is_not_a_regular_file_is_refused(
+    wc: CLI, tmp_path: Path, cache_dir: Path
+) -> None:
+    model = _model(tmp_path, [64 * 1024, 64 * 1024])
+    _plant(model.root / model.files[0].relpath, "fifo")  # listed in SHA256SUMS
+    proc = wc.fetch(f"file://{model.root}", cache_dir, "--no-daemon", timeout=90)
+    message = assert_fails(proc, 3)
+    assert model.files[0].relpath in message and "not a regular file" in message, message
+
+
+def test_a_symlink_loop_is_exit_3_naming_it(wc: CLI, tmp_path: Path, cache_dir: Path) -> None:
+    model = _model(tmp_path, [64 * 1024])
+    (model.root / "a.bin").symlink_to("b.bin")
+    (model.root / "b.bin").symlink_to("a.bin")
+    message = assert_fails(wc.fetch(str(model.root), cache_dir, "--no-daemon"), 3)
+    assert "a.bin" in message and "symbolic links" in message, message
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,13 @@ cache may have planted it."""
 from __future__ import annotations
 
 import os
+import socket
+import stat
 from pathlib import Path
 
 import pytest
 
-from weightcache.smallfile import read_small
+from weightcache.smallfile import chmod_own, read_small
 
 
 def test_a_regular_file_is_read_whole_up_to_the_limit(tmp_path: Path) -> None:
@@ -92,3 +94,19 @@ def test_no_descriptor_is_left_open_whatever_the_outcome(tmp_path: Path) -> None
             with pytest.raises(ValueError):
                 read_small(tmp_path / name, 10)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_chmod_own_changes_the_socket_never_what_a_symlink_leads_to(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the daemon's")
+    victim.chmod(0o600)
+    path = tmp_path / "daemon.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+        chmod_own(path, 0o666, stat.S_IFSOCK)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666
+        path.unlink()
+        path.symlink_to(victim)  # put in its place between bind and chmod
+        with pytest.raises(ValueError, match="not what was made there"):
+            chmod_own(path, 0o666, stat.S_IFSOCK)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
 from weightcache.cache.marker import Marker
-from weightcache.cache.store import MARKER_MAX_BYTES, Cache
+from weightcache.cache.store import MARKER_MAX_BYTES, Cache, _link_or_copy
 from weightcache.errors import IntegrityError
 
 PutBlob = Callable[[bytes], str]
@@ -525,3 +527,40 @@ def test_retire_revision_renames_it_away_for_the_caller_to_delete(
     assert trash is not None and trash.parent == layout.tmp and (trash / "a.bin").is_file()
     assert store.ready("m", "r") is None and not (layout.root / "m").exists()
     assert store.retire_revision("m", "r") is None
+
+
+def test_a_copy_past_the_link_limit_is_never_written_through_a_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past EMLINK a blob is copied: into a new file, never into what a symlink planted at
+    the name leads to."""
+    blob, victim, dest = tmp_path / "blob", tmp_path / "victim", tmp_path / "dest"
+    blob.write_bytes(b"blob bytes")
+    victim.write_bytes(b"not the cache's")
+    dest.symlink_to(victim)
+
+    def emlink(src: object, dst: object) -> None:
+        raise OSError(errno.EMLINK, "Too many links")
+
+    monkeypatch.setattr(os, "link", emlink)
+    with pytest.raises(FileExistsError):
+        _link_or_copy(blob, dest)
+    assert victim.read_bytes() == b"not the cache's"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+    dest.unlink()
+    assert _link_or_copy(blob, dest) is True
+    assert dest.read_bytes() == b"blob bytes"
+    assert stat.S_IMODE(dest.lstat().st_mode) == 0o444
+
+
+def test_clean_tmp_removes_a_symlink_to_a_directory_not_what_it_leads_to(tmp_path: Path) -> None:
+    layout = Layout.open(tmp_path / "cache")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("not the cache's")
+    link = layout.tmp / "trash-0123456789abcdef"
+    link.symlink_to(outside)
+    os.utime(link, (0, 0), follow_symlinks=False)  # long stale
+    Cache(layout).clean_tmp(older_than=60, partials_older_than=60)
+    assert not link.is_symlink()
+    assert (outside / "keep").read_text() == "not the cache's"

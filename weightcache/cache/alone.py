@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightcache.cache.layout import Layout
-from weightcache.smallfile import read_small
+from weightcache.errors import UsageError
+from weightcache.smallfile import open_new, read_small, replace_atomically
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,7 @@ class Registration:
         self._gets = gets
         self._written = -1
         self._stop = threading.Event()
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        self._fd = os.open(self._lock_path, flags, 0o644)
+        self._fd = open_new(self._lock_path, os.O_RDWR)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # before the record exists: never a ghost
             self._write()
@@ -85,9 +85,7 @@ class Registration:
         gets = self._gets()
         if gets == self._written:
             return
-        tmp = self._record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self._fields, "gets": gets}))
-        os.replace(tmp, self._record)
+        replace_atomically(self._record, json.dumps({**self._fields, "gets": gets}).encode())
         self._written = gets
 
     def close(self) -> None:
@@ -98,7 +96,7 @@ class Registration:
     def _remove(self) -> None:
         """The record first, then its lock: a reader never sees a record without its
         holder's lock except from a dead process."""
-        for path in (self._record, self._record.with_suffix(".tmp"), self._lock_path):
+        for path in (self._record, self._lock_path):
             with contextlib.suppress(OSError):
                 path.unlink()
         os.close(self._fd)
@@ -110,7 +108,7 @@ def registered(layout: Layout, name: str, revision: str, gets: Callable[[], int]
     thread) returns its object-store GETs in flight. Nothing happens on a read-only cache
     or when the registration cannot be written."""
     registration = None
-    if not layout.read_only:
+    if not layout.read_only and _inside(layout):
         try:
             registration = Registration(layout.fetching, name, revision, gets)
         except OSError as e:
@@ -124,6 +122,8 @@ def registered(layout: Layout, name: str, revision: str, gets: Callable[[], int]
 
 def live(layout: Layout) -> list[AloneFetch]:
     """The fetches alone now running on this cache; removes ghosts when it can."""
+    if not _inside(layout):
+        return []
     try:
         records = sorted(layout.fetching.glob("*.json"))
     except OSError:
@@ -134,6 +134,17 @@ def live(layout: Layout) -> list[AloneFetch]:
         if fetch is not None:
             found.append(fetch)
     return found
+
+
+def _inside(layout: Layout) -> bool:
+    """Whether `fetching/` is inside the cache: a symlink planted there leading out would
+    have records written, and "ghosts" removed, in a directory not the cache's."""
+    try:
+        layout.check_inside(layout.fetching)
+    except UsageError as e:
+        log.warning("not using %s: %s", layout.fetching, e)
+        return False
+    return True
 
 
 def _read_live(record: Path, remove_ghost: bool) -> AloneFetch | None:

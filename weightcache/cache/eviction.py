@@ -20,7 +20,7 @@ from weightcache.cache.index import Index
 from weightcache.cache.locks import FileLock
 from weightcache.cache.store import Cache
 from weightcache.config import HIGH_WATERMARK, LOW_WATERMARK
-from weightcache.errors import UsageError
+from weightcache.errors import OtherFilesystem, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,8 @@ def _evict(name: str, revision: str, cache: Cache, index: Index) -> set[str]:
         removed = index.remove_unless_protected(
             name, revision, lambda: trash.append(cache.retire_revision(name, revision))
         )
+    except OtherFilesystem:
+        raise  # not the index's failure: the revision cannot move to tmp/
     except (sqlite3.Error, UsageError) as e:
         if not trash:
             log.error("not evicting %s/%s: cannot read its leases in %s: %s", name, revision,

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightcache.errors import UsageError
+from weightcache.errors import OtherFilesystem, UsageError
 
 MARKER = ".weightcache"
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-+=@]{0,254}")
@@ -84,6 +84,8 @@ class Layout:
                 layout.check_inside(d)  # before mkdir: a planted DIR/.weightcache symlink
                 if create or not layout.read_only:
                     d.mkdir(parents=True, exist_ok=True)
+                if d.exists():
+                    layout.check_one_filesystem(d)
         except OSError as e:
             raise _open_error(root, e) from e
         return layout
@@ -187,6 +189,18 @@ class Layout:
             raise UsageError(
                 f"{path} resolves to {resolved}, outside the cache directory {self.root}; "
                 "remove the symlink so that the cache stays inside its directory"
+            )
+
+    def check_one_filesystem(self, path: Path) -> None:
+        """Refuse (OtherFilesystem) a directory of the cache on another filesystem than the
+        cache directory: a volume mounted inside it makes every link and rename between
+        them fail (EXDEV)."""
+        if os.stat(path).st_dev != os.stat(self.root).st_dev:
+            raise OtherFilesystem(
+                f"{path} is on another filesystem than the cache directory {self.root} (a "
+                "volume mounted inside it?); the cache links and renames files between its "
+                "directories, which works only within one filesystem: unmount it, or mount "
+                f"the volume at {self.root} itself"
             )
 
     def staging(self, name: str, revision: str) -> Path:

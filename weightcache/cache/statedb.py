@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import threading
 import time
 import urllib.parse
@@ -100,7 +101,7 @@ class StateDb:
     def _connect(self) -> sqlite3.Connection:
         import sqlite3
 
-        db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None)
+        db = _connect_own(self.path, self.timeout)
         self._local.identity = _identity(self.path)
         try:
             db.execute("PRAGMA journal_mode=WAL")
@@ -203,6 +204,31 @@ class StateDb:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+
+
+def _connect_own(path: Path, timeout: float) -> sqlite3.Connection:
+    """A connection to the regular file `path` (created if absent). SQLite follows a
+    symlink, so whatever else is planted at its name or its WAL's is removed first, and a
+    connection that opened anything but a regular file at `path` is refused
+    (OperationalError). The file is never opened here: closing any descriptor of it would
+    drop every SQLite lock this process holds on it (POSIX locks)."""
+    import sqlite3
+
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):  # SQLite's names
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.lstat(name).st_mode
+            if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                log.warning("removing %s: not a regular file (%s)", name, stat.filemode(mode))
+                os.unlink(name)
+    db = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = 0
+    if not stat.S_ISREG(mode):
+        db.close()
+        raise sqlite3.OperationalError(f"{path} was replaced while it was opened")
+    return db
 
 
 def _identity(path: Path) -> Identity | None:

@@ -22,7 +22,7 @@ from weightcache.cache.layout import MARKER, Layout
 from weightcache.cache.locks import FileLock
 from weightcache.cache.manifest import Manifest
 from weightcache.errors import IntegrityError
-from weightcache.smallfile import open_regular, read_small
+from weightcache.smallfile import open_new, open_regular, read_small, write_new
 
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
@@ -50,10 +50,8 @@ class FileOps:
         return _link_or_copy(src, dst)
 
     def write_durably(self, path: Path, text: str) -> None:
-        with open(path, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        """Create `path` (nothing may be at its name) holding `text`, fsynced."""
+        write_new(path, text.encode(), fsync=True)
 
     def fsync_dir(self, path: Path) -> None:
         _fsync_dir(path)
@@ -323,6 +321,7 @@ class Cache:
                 self.ops.fsync_dir(d)
             self.ops.mkdir(target.parent, exist_ok=True)
             self.layout.check_inside(target)
+            self.layout.check_one_filesystem(target.parent)
             self._move_aside(target)
             self.ops.rename(staging, target)
             self.ops.fsync_dir(target.parent)
@@ -380,6 +379,7 @@ class Cache:
     def _move_aside(self, path: Path, delete: bool = True) -> Path | None:
         if not path.exists() and not path.is_symlink():
             return None
+        self.layout.check_one_filesystem(path.parent)
         trash = self.layout.trash()
         self.ops.rename(path, trash)
         self.ops.fsync_dir(path.parent)
@@ -395,7 +395,7 @@ class Cache:
         for entry in self.layout.tmp.iterdir():
             with contextlib.suppress(FileNotFoundError):
                 age = now - entry.lstat().st_mtime
-                if entry.is_dir():
+                if entry.is_dir() and not entry.is_symlink():  # a link is unlinked below
                     if age > older_than:
                         shutil.rmtree(entry, ignore_errors=True)
                 elif age > (older_than if private(entry.name) else partials_older_than):
@@ -405,20 +405,22 @@ class Cache:
 def _link_or_copy(blob: Path, dest: Path) -> bool:
     """Hard-link `blob` at `dest`; past the filesystem's link limit (EMLINK: 65,000 links
     per inode on ext4, so >65k files of one content) copy it instead, read-only and
-    fsynced. True if it copied. A missing blob raises FileNotFoundError either way."""
+    fsynced. True if it copied. A missing blob raises FileNotFoundError either way; a
+    `dest` that exists, FileExistsError (the copy is a new file, never written through a
+    symlink planted at its name)."""
     try:
         os.link(blob, dest)
         return False
     except OSError as e:
         if e.errno != errno.EMLINK:
             raise
-    shutil.copyfile(blob, dest)
-    os.chmod(dest, 0o444)
-    fd = os.open(dest, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(blob, "rb") as src:
+        fd = open_new(dest, os.O_WRONLY)
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(fd, 0o444)  # exactly, whatever the umask: engines read as another uid
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(fd)
     return True
 
 

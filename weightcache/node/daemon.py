@@ -60,6 +60,7 @@ from weightcache.node.models import DesiredState
 from weightcache.node.peers import Peers
 from weightcache.node.peerserver import PeerServer
 from weightcache.node.worker import Worker
+from weightcache.smallfile import open_own
 from weightcache.sourceurl import Source, SourcePrefix
 
 log = logging.getLogger(__name__)
@@ -320,7 +321,7 @@ def hold_cache_dir(layout: Layout) -> int:
     """flock the cache dir's daemon lock for the life of the process (the fd stays open;
     the kernel releases it on any exit). Raises UsageError naming the holder's pid: two
     daemons on one cache dir would take each other's socket and partials (design §5)."""
-    fd = os.open(layout.daemon_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_own(layout.daemon_lock)  # it is truncated: never through a planted symlink
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -25,9 +25,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import resource
 import socket
+import stat
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -40,6 +40,7 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
 from weightcache.node.coord import socket_address
+from weightcache.smallfile import chmod_own
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -348,7 +349,7 @@ class SocketServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with socket_address(self.path) as address:  # a deep cache dir's too long a path
             sock.bind(address)
-        os.chmod(self.path, 0o666)  # Pods may run as another uid than the daemon
+        chmod_own(self.path, 0o666, stat.S_IFSOCK)  # Pods may run as another uid
         self._server = await asyncio.start_unix_server(
             self._client, sock=sock, limit=self._line_limit, backlog=ACCEPT_BURST
         )

@@ -25,7 +25,7 @@ from typing import Any
 
 from weightcache.config import is_digits
 from weightcache.errors import IntegrityError, Interrupted, SourceError, UsageError
-from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
+from weightcache.transfer.sources import READ_TIMEOUT, SMALL_BODY_MAX, RangeReader, RetryRange
 
 #: A read of a body wakes when about this many seconds of the response's rate have arrived
 #: (SO_RCVLOWAT), at most WAKE_MAX bytes: see `_Response.recv_into`.
@@ -313,10 +313,6 @@ class HttpRanges:
             conn.close()
 
 
-#: The most of a small answer read into memory (a SHA256SUMS, a listing page, an error):
-#: a SHA256SUMS of 500,000 files is ~50 MiB. A larger one (or an endless body) from a
-#: broken or hostile server is refused, not read until the process is killed.
-SMALL_BODY_MAX = 64 << 20
 #: Bytes a small answer must move in READ_TIMEOUT seconds (the downloader's stall rule).
 SMALL_BODY_PROGRESS = 1 << 10
 

@@ -16,7 +16,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import stat
 import threading
 import time
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from weightcache.errors import Interrupted, WeightcacheError, no_space
-from weightcache.smallfile import open_regular
+from weightcache.smallfile import open_own, open_regular
 from weightcache.transfer.checksums import Hasher, new_hasher
 from weightcache.transfer.parts import PartState
 
@@ -286,23 +285,13 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 
 def _open_partial(partial: Path) -> int:
     """`partial` opened for writing (created if absent), a regular file of tmp/ and
-    nothing else. Anything else at its name (a symlink, a FIFO, a directory: planted by
-    whoever can write the cache) is removed first, so that no byte of a download is ever
-    written through it to a file outside the cache."""
-    flags = os.O_RDWR | os.O_CREAT
+    nothing else (`open_own`: no byte of a download is written through a symlink planted
+    at its name)."""
     try:
-        try:
-            return open_regular(partial, flags)
-        except PermissionError:
-            _make_writable(partial)
-            return open_regular(partial, flags)
-    except ValueError as e:
-        log.warning("removing %s: %s", partial, e)
-    if partial.is_dir() and not partial.is_symlink():
-        shutil.rmtree(partial)
-    else:
-        partial.unlink()
-    return open_regular(partial, flags | os.O_EXCL)
+        return open_own(partial, trees=True)
+    except PermissionError:
+        _make_writable(partial)
+        return open_own(partial, trees=True)
 
 
 def _make_writable(partial: Path) -> None:

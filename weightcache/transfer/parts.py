@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightcache.smallfile import read_small
+from weightcache.smallfile import read_small, replace_atomically
 
 #: The version `save` writes.
 VERSION = 2
@@ -107,15 +105,13 @@ class PartState:
     def save(self, path: Path, written: list[int] | None = None) -> None:
         """Write the state (or a `snapshot()` of it) atomically; safe from any thread: a
         stale snapshot renamed last only under-reports."""
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         data = {
             "version": VERSION,
             "size": self.size,
             "part_size": self.part_size,
             "written": self.snapshot() if written is None else written,
         }
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        replace_atomically(path, json.dumps(data).encode())
 
     @classmethod
     def load(cls, path: Path, size: int, part_size: int) -> PartState:

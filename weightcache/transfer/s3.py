@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 from weightcache.config import OriginSettings
 from weightcache.errors import Interrupted, SourceError, TransientError
 from weightcache.transfer.httprange import (
-    SMALL_BODY_MAX,
     OpenConnections,
     ca_file,
     new_connection,
@@ -42,6 +41,7 @@ from weightcache.transfer.httprange import (
 from weightcache.transfer.pacing import Backoff, Retries, tries
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, check_credentials, static_signer
+from weightcache.transfer.sources import SMALL_BODY_MAX
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

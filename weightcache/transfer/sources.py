@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from weightcache.errors import IntegrityError, SourceError
+from weightcache.smallfile import TooLarge, read_small
 
 if TYPE_CHECKING:
     from weightcache.transfer.checksums import Vouch
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 #: cuts its response sooner (weightcache/node/peerserver.py PARTIAL_WAIT), so that its
 #: receiver sees a cut body and moves on rather than a timeout.
 READ_TIMEOUT = 30.0
+#: The most of a small answer read into memory (a SHA256SUMS, a listing page, an error):
+#: a SHA256SUMS of 500,000 files is ~50 MiB. A larger one (or an endless body) from a
+#: broken or hostile server or volume is refused, not read until the process is killed.
+SMALL_BODY_MAX = 64 << 20
 
 
 class RetryRange(Exception):
@@ -161,16 +166,26 @@ class DirectoryRevision:
                 path = Path(top, name)
                 rel = path.relative_to(real).as_posix()
                 st = self._resolve(real, rel).stat()
-                if stat.S_ISREG(st.st_mode):
-                    sizes[rel] = st.st_size
+                if not stat.S_ISREG(st.st_mode):
+                    raise _not_regular(f"{self.url}/{rel}", st.st_mode)
+                sizes[rel] = st.st_size
         return sizes
 
     def read_bytes(self, relpath: str) -> bytes:
-        path = self._resolve(self._real_root(), relpath)
+        """The file, if it is a regular one of at most SMALL_BODY_MAX bytes (never waiting
+        on a FIFO, never reading a device). Raises SourceError."""
+        path, where = self._resolve(self._real_root(), relpath), f"{self.url}/{relpath}"
         try:
-            return path.read_bytes()
+            return read_small(path, SMALL_BODY_MAX)
+        except TooLarge as e:
+            raise SourceError(
+                f"{where} holds more than {SMALL_BODY_MAX >> 20} MiB, more than a "
+                f"{relpath} of a million files; check that it is the right file"
+            ) from e
+        except ValueError as e:
+            raise _not_regular(where, os.stat(path).st_mode) from e
         except OSError as e:
-            raise SourceError(f"{self.url}/{relpath}: {e.strerror}") from e
+            raise SourceError(f"{where}: {e.strerror}") from e
 
     def blob(self, relpath: str) -> BlobSource:
         return FileBlob(self._resolve(self._real_root(), relpath))
@@ -196,12 +211,23 @@ class DirectoryRevision:
             real = (real_root / relpath).resolve(strict=True)
         except OSError as e:
             raise SourceError(f"{self.url}/{relpath}: {e.strerror}") from e
+        except RuntimeError as e:  # a loop (OSError ELOOP from Python 3.13)
+            raise SourceError(
+                f"{self.url}/{relpath}: a loop of symbolic links; fix or remove it"
+            ) from e
         if not real.is_relative_to(real_root):
             raise SourceError(
                 f"{self.url}/{relpath} is a symlink to {real}, outside {self.url}: refused; "
                 "copy the file into the revision's directory"
             )
         return real
+
+
+def _not_regular(where: str, mode: int) -> SourceError:
+    return SourceError(
+        f"{where} is not a regular file (mode {stat.filemode(mode)}); a revision holds "
+        "regular files only: replace it with the file or remove it"
+    )
 
 
 def _raise(e: OSError) -> None:
@@ -227,12 +253,16 @@ class FileBlob:
     @contextlib.contextmanager
     def open_range(self, start: int, end: int, size: int, timeout: float) -> Iterator[RangeReader]:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(
+                self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+            )  # never a FIFO's wait
         except FileNotFoundError as e:
             raise SourceError(f"{self.where}: no such file; it changed or vanished") from e
         except OSError as e:
             raise RetryRange(f"{type(e).__name__}: {e}") from e
         try:
+            if not stat.S_ISREG(mode := os.fstat(fd).st_mode):
+                raise _not_regular(self.where, mode)
             if os.fstat(fd).st_size != size:
                 raise IntegrityError(
                     f"{self.where} is {os.fstat(fd).st_size} bytes now but was {size} when "
