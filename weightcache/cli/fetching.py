@@ -187,7 +187,13 @@ def _fetch_miss(
     try:
         with (
             calling_on((signal.SIGTERM,), fetcher.interrupt),
-            registered(layout, src.name, src.revision, lambda: progress.inflight),
+            registered(
+                layout,
+                src.name,
+                src.revision,
+                lambda: progress.inflight,
+                lambda: progress.throttles,
+            ),
         ):
             return fetcher.fetch(src, pod_uid)
     finally:
