@@ -143,6 +143,16 @@ class Metrics:
         self.capacity_bytes = Gauge(
             "weightcache_cache_capacity_bytes", "The capacity bound in bytes.", registry=r
         )
+        self.disk_free_bytes = Gauge(
+            "weightcache_disk_free_bytes",
+            "Free bytes on the cache's disk, as an unprivileged writer sees them.",
+            registry=r,
+        )
+        self.min_free_bytes = Gauge(
+            "weightcache_min_free_bytes",
+            "The --min-free floor in bytes: free space the cache never takes from its disk.",
+            registry=r,
+        )
         self.duration = Histogram(
             "weightcache_fetch_duration_seconds",
             "Time from fetch request to ready.",
