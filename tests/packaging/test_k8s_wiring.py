@@ -300,6 +300,33 @@ def test_runbook_links_point_at_existing_sections(daemonset: Any) -> None:
         assert anchor in anchors, f"{rule['alert']}: {link} is no section of docs/deploy.md"
 
 
+def test_runbook_base_url_is_set_in_one_place(tmp_path: Path) -> None:
+    """A fork or an overlay whose docs live elsewhere changes one value, not every alert."""
+    from tests.packaging.conftest import DAEMONSET, kustomize
+
+    default = "https://github.com/weightcache/weightcache/blob/main/docs/deploy.md"
+    files = [p for p in DAEMONSET.rglob("*.yaml") if default in p.read_text()]
+    assert len(files) == 1 and files[0].read_text().count(default) == 1, files
+    base = "https://docs.example.com/weightcache/deploy.html"
+    overlay = {
+        "resources": ["../daemonset"],
+        "components": ["../daemonset/components/runbook-url"],
+        "configMapGenerator": [
+            {"name": "weightcache-runbook", "behavior": "merge", "literals": [f"base-url={base}"]}
+        ],
+    }
+    (tmp_path / "daemonset").symlink_to(DAEMONSET)
+    (tmp_path / "overlay").mkdir()
+    (tmp_path / "overlay" / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    docs = kustomize(tmp_path / "overlay")
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    links = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"]
+             for r in g["rules"] if "alert" in r]  # fmt: skip
+    assert links and all(link.startswith(base + "#") for link in links), links
+    names = [d["metadata"]["name"] for d in docs]
+    assert "weightcache-runbook" not in names, "the build-time ConfigMap must not be applied"
+
+
 def _github_anchor(heading: str) -> str:
     text = heading.strip().lower()
     text = re.sub(r"[^\w\- ]", "", text)
