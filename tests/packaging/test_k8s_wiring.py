@@ -431,3 +431,19 @@ def test_network_policy_check_catches_an_open_peer_port(daemonset: Any) -> None:
         wider = yaml.safe_load(yaml.safe_dump(policy))
         wider["spec"]["ingress"].append(extra)
         assert _peer_port_problems(wider, daemonset), extra
+
+
+def test_the_priority_class_says_it_preempts_inference_pods(daemonset: Any) -> None:
+    """PreemptLowerPriority evicts Pods of lower priority, inference Pods included, to place
+    a daemon on a full node: the manifest and the guide must say so."""
+    (pc,) = daemonset.of_kind("PriorityClass")
+    if pc.get("preemptionPolicy", "PreemptLowerPriority") == "Never":
+        return
+    text = (REPO / "daemonset" / "priorityclass.yaml").read_text()
+    comment = " ".join(line for line in text.lower().splitlines() if line.startswith("#"))
+    assert re.search(r"preempts?\b.*inference pods", comment), "priorityclass.yaml"
+    guide = (REPO / "docs" / "deploy.md").read_text()
+    paragraphs = [p for p in guide.split("\n\n") if pc["metadata"]["name"] in p]
+    assert any("preempt" in p.lower() and "inference" in p.lower() for p in paragraphs), (
+        f"docs/deploy.md does not say that {pc['metadata']['name']} preempts inference Pods"
+    )
