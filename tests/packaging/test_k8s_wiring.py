@@ -447,3 +447,28 @@ def test_the_priority_class_says_it_preempts_inference_pods(daemonset: Any) -> N
     assert any("preempt" in p.lower() and "inference" in p.lower() for p in paragraphs), (
         f"docs/deploy.md does not say that {pc['metadata']['name']} preempts inference Pods"
     )
+
+
+def _comment_before(text: str, key: str) -> str:
+    """The comment lines right above the first line that starts with `key` (indented)."""
+    lines = text.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.strip().startswith(key)][:1]
+    block = []
+    for line in reversed(lines[:at]):
+        if not line.strip().startswith("#"):
+            break
+        block.append(line.strip().lstrip("#").strip())
+    return " ".join(reversed(block))
+
+
+def test_the_daemonset_comments_say_what_the_code_does() -> None:
+    """/readyz does not wait for pinned revisions (Daemon.serving), and with the Pods'
+    read-only mount a miss without a daemon fails (exit 2) rather than fetching alone."""
+    from weightcache.node.daemon import Daemon
+
+    assert "Waiting for pinned" in (Daemon.serving.__doc__ or "")
+    text = (REPO / "daemonset" / "daemonset.yaml").read_text()
+    readiness = _comment_before(text, "readinessProbe:")
+    assert "does not wait" in readiness and "pinned" in readiness, readiness
+    rollout = _comment_before(text, "maxUnavailable:")
+    assert "alone" not in rollout and "exit 2" in rollout, rollout
