@@ -163,9 +163,10 @@ def test_startup_probe_budget_is_load_not_download(initcontainer: Any) -> None:
     assert _fetch(initcontainer).init
 
 
-def test_engine_requests_one_gpu_and_stays_offline(initcontainer: Any) -> None:
+def test_engine_requests_gpus_and_stays_offline(initcontainer: Any) -> None:
+    """How many GPUs: test_gpu_operations checks that the model fits them."""
     engine = _engine(initcontainer)
-    assert str(engine.spec["resources"]["limits"].get("nvidia.com/gpu")) == "1"
+    assert int(engine.spec["resources"]["limits"].get("nvidia.com/gpu", 0)) >= 1
     hub = engine.env("HF_HUB_OFFLINE")
     assert hub is not None and hub.get("value") == "1"
 
