@@ -92,6 +92,9 @@ def test_read_write_fallback_is_an_explicit_component(tmp_path: Path) -> None:
     changed = [(a.where, b.where) for a, b in zip(base.containers(), rw.containers(), strict=True)
                if a.spec != b.spec]  # fmt: skip
     assert changed == [(fetch.where, fetch.where)], changed
+    # Fetching alone, nothing evicts: the fetch keeps the daemon's floor itself.
+    daemonset = Rendered("daemonset", kustomize(REPO / "daemonset"))
+    assert fetch.option("--min-free") == _daemon(daemonset).option("--min-free")
 
 
 def test_the_hf_component_serves_the_commit_it_fetches(
