@@ -12,12 +12,13 @@ annotations say.
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.packaging.conftest import promtool_test
 
 #: A pinned revision not ready on node "a"; a Pod of namespace "team" fetching there.
 REVISION = 'weightcache_revision_ready{node="a",name="m",revision="r1",pinned="true"}'
@@ -142,13 +143,6 @@ BOUNDS = [
     ),
 ]  # fmt: skip
 
-#: The cases the early-warning alert exists for, firing at onset + `for:` (constant input).
-PULLING = {
-    "8 fetches alone, AIMD down to 4 GETs each": _node_a(8, 1, 8, 32, 8),
-    "4 fetches alone averaging 7 GETs, daemon at 16": _node_a(4, 1, 4, 28, 4),
-    "2 of 8 replicas pulling alone: 3 copies": _node_a(3, 1, 8, 48, 2),
-}
-
 
 def _alerts(daemonset: Any) -> dict[str, dict[str, Any]]:
     groups = daemonset.one("PrometheusRule")["spec"]["groups"]
@@ -180,11 +174,6 @@ def _cases() -> list[dict[str, Any]]:
             cases.append(_case(f"{b.alert}: silent 1m before", b.inside, b.alert, due - 1, False))
         for what, series in b.outside.items():
             cases.append(_case(f"{b.alert}: silent with {what}", series, b.alert, due + 5, False))
-    pulling = BOUNDS[0]
-    assert pulling.alert == "WeightcacheEveryReplicaPulling"
-    due = pulling.onset + pulling.minutes
-    cases += [_case(f"{pulling.alert}: {n}", s, pulling.alert, due, True)
-              for n, s in PULLING.items()]  # fmt: skip
     return cases
 
 
@@ -193,14 +182,7 @@ def _run(promtool: str, daemonset: Any, directory: Path, cases: list[Any]) -> An
     (directory / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
     suite = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": cases}
     (directory / "bounds.test.yaml").write_text(yaml.safe_dump(suite, sort_keys=False))
-    return subprocess.run(
-        [promtool, "test", "rules", "bounds.test.yaml"],
-        cwd=directory,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return promtool_test(promtool, directory, "bounds.test.yaml")
 
 
 def test_every_alert_has_its_bounds(daemonset: Any) -> None:

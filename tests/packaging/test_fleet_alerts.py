@@ -5,12 +5,13 @@ on the healthy case next to it."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.packaging.conftest import promtool_test
 
 GROUP = "weightcache.fleet"
 ALERTS = (
@@ -162,17 +163,6 @@ def _write(daemonset: Any, directory: Path, cases: list[dict[str, Any]]) -> str:
     return "fleet.test.yaml"
 
 
-def _promtool_test(promtool: str, directory: Path, name: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [promtool, "test", "rules", name],
-        cwd=directory,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_every_fleet_alert_is_there(daemonset: Any) -> None:
     names = [r["alert"] for r in _group(daemonset)["rules"]]
     assert names == list(ALERTS)
@@ -181,7 +171,7 @@ def test_every_fleet_alert_is_there(daemonset: Any) -> None:
 def test_fleet_alerts_fire_on_their_failure_only(
     daemonset: Any, promtool: str, tmp_path: Path
 ) -> None:
-    proc = _promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, _cases(daemonset)))
+    proc = promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, _cases(daemonset)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -194,5 +184,5 @@ def test_fleet_alert_tests_can_fail(
     firing = [c for c in cases if c["alert_rule_test"][0]["exp_alerts"]]
     assert firing, f"no firing case for {alert}"
     firing[0]["alert_rule_test"][0]["exp_alerts"] = []
-    proc = _promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, firing[:1]))
+    proc = promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, firing[:1]))
     assert proc.returncode != 0, f"{alert}: promtool passed a firing case expected silent"

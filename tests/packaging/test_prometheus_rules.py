@@ -271,6 +271,19 @@ def _fires(at: str, alert: dict[str, Any], extra: float, *nodes: str) -> dict[st
     return {"eval_time": at, "alertname": ALERT, "exp_alerts": _firing(alert, extra, *nodes)}
 
 
+def _pulling(
+    name: str, alert: dict[str, Any], gets: int, fetches: int, alone: int, copies: int
+) -> dict[str, Any]:
+    """Node "a" fetching one revision in `copies` copies from minute 1: fires at 12m."""
+    return {
+        "name": f"{name}: {copies} copies, fires",
+        "interval": "1m",
+        "input_series": _node("a", f"0 {gets}x39", f"0 {fetches}x39", "0 1x39",
+                              alone=f"0 {alone}x39", copies=f"0 {copies}x39"),
+        "alert_rule_test": [*_silent("5m"), _fires("12m", alert, copies - 1, "a")],
+    }  # fmt: skip
+
+
 def _unit_tests(daemonset: Any) -> dict[str, Any]:
     alert = next(r for r in rules(daemonset) if r.get("alert") == ALERT)
     return {
@@ -298,45 +311,30 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
                 ],
                 "alert_rule_test": [*_silent("5m"), _fires("12m", alert, 3, "a", "b", "c")],
             },
-            {
-                # 8 Pods on one node fetching alone (--no-daemon, or a source the daemon
-                # refuses), each at 16 GETs.
-                "name": "every replica pulling alone: fires",
-                "interval": "1m",
-                "input_series": _node(
-                    "a", "0 128x39", "0 8x39", "0 1x39", alone="0 8x39", copies="0 8x39"
-                ),
-                "alert_rule_test": [*_silent("5m"), _fires("12m", alert, 7, "a")],
-            },
-            {
-                # The SlowDown case: AIMD has halved each of the 8 fetches alone to 4 GETs,
-                # 32 in all, fewer than 8 x 16 by far. Still 8 copies of one revision.
-                "name": "every replica pulling alone at 4 GETs after SlowDown: fires",
-                "interval": "1m",
-                "input_series": _node(
-                    "a", "0 32x39", "0 8x39", "0 1x39", alone="0 8x39", copies="0 8x39"
-                ),
-                "alert_rule_test": [*_silent("5m"), _fires("12m", alert, 7, "a")],
-            },
-            {
-                # 4 fetches bypassing a daemon whose --max-concurrency is 16, averaging 7
-                # GETs each: 4 copies of one revision.
-                "name": "fetches alone averaging 7 GETs against a daemon at 16: fires",
-                "interval": "1m",
-                "input_series": _node(
-                    "a", "0 28x39", "0 4x39", "0 1x39", alone="0 4x39", copies="0 4x39"
-                ),
-                "alert_rule_test": [*_silent("5m"), _fires("12m", alert, 3, "a")],
-            },
-            {
-                # 8 replicas; the daemon downloads for 6, 2 pull alone: 3 copies.
-                "name": "2 of 8 replicas pulling alone: 3 copies, fires",
-                "interval": "1m",
-                "input_series": _node(
-                    "a", "0 48x39", "0 8x39", "0 1x39", alone="0 2x39", copies="0 3x39"
-                ),
-                "alert_rule_test": [*_silent("5m"), _fires("12m", alert, 2, "a")],
-            },
+            # 8 Pods on one node fetching alone (--no-daemon, or a source the daemon
+            # refuses), each at 16 GETs.
+            _pulling("every replica pulling alone", alert, gets=128, fetches=8, alone=8, copies=8),
+            # The SlowDown case: AIMD has halved each of the 8 fetches alone to 4 GETs, 32 in
+            # all, fewer than 8 x 16 by far. Still 8 copies of one revision.
+            _pulling(
+                "every replica pulling alone at 4 GETs after SlowDown",
+                alert,
+                gets=32,
+                fetches=8,
+                alone=8,
+                copies=8,
+            ),
+            # 4 fetches bypassing a daemon whose --max-concurrency is 16, averaging 7 GETs.
+            _pulling(
+                "fetches alone averaging 7 GETs against a daemon at 16",
+                alert,
+                gets=28,
+                fetches=4,
+                alone=4,
+                copies=4,
+            ),
+            # 8 replicas; the daemon downloads for 6, 2 pull alone: 3 copies.
+            _pulling("2 of 8 replicas pulling alone", alert, gets=48, fetches=8, alone=2, copies=3),
             {
                 # A healthy cold scale-out: 8 replicas wait 30 minutes on one node while
                 # its daemon downloads the one revision with 16 GETs: one copy.
