@@ -157,6 +157,9 @@ def test_dashboard_shows_what_operators_need() -> None:
         "rate(weightcache_bytes_total",
         RATIO,
         "weightcache_evictions_total",
+        # what WeightcacheEveryReplicaPulling reads
+        "node:weightcache_extra_copies_inflight:sum",
+        "sum(weightcache_copies_inflight)",
     ):
         assert needed in exprs, f"the dashboard does not show {needed}"
     assert re.search(
