@@ -248,6 +248,18 @@ def min_free_option(fn: F) -> F:
     )(fn)  # fmt: skip
 
 
+def fetch_min_free_option(fn: F) -> F:
+    """--min-free for `fetch` downloading alone: off unless given, since a workstation's
+    disk is its own; the manifests pass the node's floor (the daemon's default)."""
+    return option(
+        "--min-free", parse=_parse_min_free, default="0",
+        help="When fetching alone (no daemon), refuse (exit 5) a download that would leave "
+        "less than this free on the cache's disk, counting every file on it: bytes (100G) "
+        f"or percent of the filesystem. Nothing evicts for a fetch alone. Default 0 (off); "
+        f"on a node, pass the daemon's ({MIN_FREE}).",
+    )(fn)  # fmt: skip
+
+
 def capacity_option(required: bool, help: str) -> Option:
     return option("--capacity", parse=lambda text, _: Capacity.parse(text), required=required,
                   help=help)  # fmt: skip

@@ -26,7 +26,9 @@ ALONE_GETS = "weightcache_fetches_alone_origin_get_inflight"
 GETS = "weightcache_origin_get_inflight"
 REPLICAS = "weightcache_replica_fetches_inflight"
 DOWNLOADS = "weightcache_downloads_inflight"
-GAUGES = (ALONE, ALONE_GETS, GETS, REPLICAS, DOWNLOADS)
+COPIES = "weightcache_copies_inflight"
+GAUGES = (ALONE, ALONE_GETS, GETS, REPLICAS, DOWNLOADS, COPIES)
+THROTTLED = "weightcache_origin_throttled_total"
 #: A few seconds in the brief; generous for a loaded 2-core box.
 SETTLE_S = 10.0
 
@@ -53,7 +55,8 @@ def test_fetches_alone_are_counted_while_they_run_and_only_then(
 
     def all_three_pulling() -> dict[str, float] | None:
         m = daemon.metrics()
-        return m if m[REPLICAS] == 3 and m[GETS] >= 3 else None
+        # GETS >= 3 may be two fetches' GETs before the third's first: wait for its copy too.
+        return m if m[REPLICAS] == 3 and m[GETS] >= 3 and m[COPIES] == 3 else None
 
     # The gauges the seed's ratio is made of, and the new ones that break them down.
     seen = wait_for("three fetches alone, each with GETs in flight", all_three_pulling, 60)
@@ -90,3 +93,29 @@ def test_fetches_alone_are_counted_while_they_run_and_only_then(
                    env={"PYTHONPROFILEIMPORTTIME": "1"})  # fmt: skip
     assert_ok_path(hit, pubs[0].local_path(cache_dir))
     assert "weightcache.cache.alone" not in hit.stderr and "weightcache.fetch" in hit.stderr
+
+
+@pytest.mark.timeout(240)
+def test_the_throttles_of_a_fetch_alone_are_the_daemons_too(
+    wc: CLI, publish: Callable[..., Published], proxy: FaultProxy, cache_dir: Path,
+    tmp_path: Path, daemons: Daemons,  # noqa: F811
+) -> None:  # fmt: skip
+    """503 SlowDown answered to a --no-daemon fetch shows in the daemon's throttle counter,
+    which WeightcacheOriginThrottled reads; and two fetches of one revision are one copy."""
+    pub = publish([192 * KiB] * 2, name="alone-throttled", rev="r1", seed="t")
+    daemon = daemons.start(cache_dir, write_models(tmp_path / "models.yaml", []),
+                           endpoint=proxy.url)  # fmt: skip
+    assert daemon.metrics()[THROTTLED] == 0
+    proxy.configure(scope="data", script=("slowdown",) * 3, trickle_rate=8 * KiB)
+    first = wc.fetch_popen(pub.source, cache_dir, "--no-daemon", endpoint=proxy.url)
+    second = wc.fetch_popen(pub.source, cache_dir, "--no-daemon", endpoint=proxy.url)
+
+    def throttled_while_pulling() -> dict[str, float] | None:
+        m = daemon.metrics()
+        return m if m[THROTTLED] >= 1 and m[ALONE] == 2 and m[GETS] >= 1 else None
+
+    seen = wait_for("the fetch's 503s counted by the daemon", throttled_while_pulling, 90)
+    assert seen[COPIES] == 1 and seen[DOWNLOADS] == 1, seen  # the second waits on the lock
+    proxy.configure(trickle_rate=None)
+    for running in (first, second):
+        assert_ok_path(running.finish(180), pub.local_path(cache_dir))

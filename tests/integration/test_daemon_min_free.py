@@ -92,6 +92,10 @@ def test_the_daemon_evicts_to_keep_min_free_when_other_files_fill_the_disk(
     assert not is_marked(cache_dir, big)
     assert free_bytes(small_disk) >= FLOOR
     assert daemon.alive(), daemon.log()
+    # What WeightcacheDiskBelowMinFree compares.
+    m = daemon.metrics()
+    assert m["weightcache_min_free_bytes"] == FLOOR, m
+    assert FLOOR <= m["weightcache_disk_free_bytes"] < FLOOR + 8 * MiB, m
 
 
 @pytest.mark.timeout(120)
@@ -127,7 +131,31 @@ def test_gc_says_a_floor_no_eviction_can_keep_without_a_negative_target(
     assert "--min-free 50%" in gc.stdout and "cannot be kept" in gc.stdout, describe(gc)
 
 
-@pytest.mark.parametrize("command", ["gc", "daemon"])
+@pytest.mark.timeout(120)
+def test_a_fetch_alone_keeps_min_free(
+    wc: CLI, publish: Callable[..., Published], small_disk: Path
+) -> None:
+    """Without a daemon nothing evicts: a download that would leave less than --min-free
+    free is exit 5 before its first byte (the read-write fallback keeps the node's floor),
+    and one that keeps it goes ahead."""
+    fits, big = (publish([8 * MiB], name=n, rev="r1", seed=n) for n in ("fits", "big"))
+    cache_dir = small_disk / "cache"
+    fill(small_disk / "other-files", free_bytes(small_disk) - 30 * MiB)
+    floor = ("--min-free", str(FLOOR))
+    ok = wc.fetch(fits.source, cache_dir, "--no-daemon", *floor)
+    assert_ok_path(ok, fits.local_path(cache_dir))
+    assert free_bytes(small_disk) >= FLOOR
+    # About 22 MiB free now: 8 MiB more would leave 14, under the 16 MiB floor.
+    refused = wc.fetch(big.source, cache_dir, "--no-daemon", *floor)
+    message = assert_fails(refused, 5)
+    assert "--min-free" in message and "big/r1" in message, describe(refused)
+    assert not is_marked(cache_dir, big)
+    assert free_bytes(small_disk) >= FLOOR
+    # Without the option a fetch alone keeps no floor (a workstation's disk is its own).
+    assert_ok_path(wc.fetch(big.source, cache_dir, "--no-daemon"), big.local_path(cache_dir))
+
+
+@pytest.mark.parametrize("command", ["gc", "daemon", "fetch"])
 def test_a_min_free_of_the_whole_disk_is_refused(wc: CLI, tmp_path: Path, command: str) -> None:
     """A floor of 100% free can never be kept: a usage error naming the option and its
     range, the same for the daemon (and prefetch) as for gc."""
@@ -136,6 +164,7 @@ def test_a_min_free_of_the_whole_disk_is_refused(wc: CLI, tmp_path: Path, comman
         "gc": ("gc", "--capacity", "50%"),
         "daemon": ("daemon", "--models", models, "--capacity", "50%", "--metrics-addr",
                    "127.0.0.1:0"),
+        "fetch": ("fetch", "s3://models/m/r1", "--no-daemon"),
     }[command]  # fmt: skip
     proc = wc.run(*args, "--cache-dir", tmp_path / "cache", "--min-free", "100%", timeout=30)
     message = assert_fails(proc, 2)

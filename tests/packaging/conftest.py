@@ -61,6 +61,18 @@ def kustomize(directory: Path) -> list[Doc]:
     return docs
 
 
+def promtool_test(promtool: str, directory: Path, name: str) -> subprocess.CompletedProcess[str]:
+    """`promtool test rules <name>` in `directory` (where the suite's rule files are)."""
+    return subprocess.run(
+        [promtool, "test", "rules", name],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 @dataclass(frozen=True)
 class Container:
     """A container or init container, with the workload and Pod spec that hold it."""

@@ -5,12 +5,13 @@ on the healthy case next to it."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.packaging.conftest import promtool_test
 
 GROUP = "weightcache.fleet"
 ALERTS = (
@@ -64,7 +65,18 @@ def _gpu(node: str, gpus: int) -> tuple[str, str]:
     return f"kube_node_status_allocatable{{{labels}}}", f"{gpus}x40"
 
 
-READY = 'kube_daemonset_status_number_ready{daemonset="weightcache",namespace="weightcache"}'
+READY = 'kube_pod_status_ready{namespace="weightcache",pod="weightcache-%s",condition="true"}'
+DAEMON_POD = (
+    'kube_pod_info{namespace="weightcache",pod="weightcache-%s",node="%s",uid="d-%s",'
+    'created_by_kind="DaemonSet",created_by_name="weightcache"}'
+)
+
+
+def _daemon(node: str, ready: bool = True) -> dict[str, str]:
+    """kube-state-metrics' view of the weightcache daemon Pod on `node`."""
+    return {DAEMON_POD % (node, node, node): "1x40", READY % node: f"{int(ready)}x40"}
+
+
 UP = 'up{job="weightcache/weightcache",node="a",pod="weightcache-x7k2p",namespace="weightcache"}'
 REVISION = 'weightcache_revision_ready{node="a",name="m",revision="r1",pinned="true"}'
 UNPINNED = 'weightcache_revision_ready{node="a",name="m",revision="r2",pinned="false"}'
@@ -86,14 +98,25 @@ def _cases(daemonset: Any) -> list[dict[str, Any]]:
     token = _alert(daemonset, "WeightcachePeerTokenMismatch")
     three_gpu_nodes = dict(_gpu(n, 8) for n in "abc")
     return [
-        _case("3 GPU nodes, 2 ready daemons: fires", {**three_gpu_nodes, READY: "2x40"},
-              gpu_nodes["alert"], "20m", [_firing(gpu_nodes, 3, {})]),
-        _case("no DaemonSet at all (nothing selected the nodes): fires", three_gpu_nodes,
-              gpu_nodes["alert"], "20m", [_firing(gpu_nodes, 3, {})]),
-        _case("every GPU node has a ready daemon: silent", {**three_gpu_nodes, READY: "3x40"},
+        _case("3 GPU nodes, ready daemons on a and b: fires for c",
+              {**three_gpu_nodes, **_daemon("a"), **_daemon("b")},
+              gpu_nodes["alert"], "20m", [_firing(gpu_nodes, 8, {"node": "c"})]),
+        _case("no DaemonSet at all (nothing selected the nodes): fires for each node",
+              three_gpu_nodes, gpu_nodes["alert"], "20m",
+              [_firing(gpu_nodes, 8, {"node": n}) for n in "abc"]),
+        _case("a daemon on a node without GPUs does not hide c's missing one: fires for c",
+              {**three_gpu_nodes, **dict([_gpu("cpu", 0)]), **_daemon("a"), **_daemon("b"),
+               **_daemon("cpu")},
+              gpu_nodes["alert"], "20m", [_firing(gpu_nodes, 8, {"node": "c"})]),
+        _case("a daemon Pod on c that is not ready: fires for c",
+              {**three_gpu_nodes, **_daemon("a"), **_daemon("b"), **_daemon("c", ready=False)},
+              gpu_nodes["alert"], "20m", [_firing(gpu_nodes, 8, {"node": "c"})]),
+        _case("every GPU node has a ready daemon: silent",
+              {**three_gpu_nodes, **_daemon("a"), **_daemon("b"), **_daemon("c")},
               gpu_nodes["alert"], "20m", []),
         _case("a node without GPUs needs no daemon: silent",
-              {**dict([_gpu("a", 8), _gpu("b", 8), _gpu("cpu", 0)]), READY: "2x40"},
+              {**dict([_gpu("a", 8), _gpu("b", 8), _gpu("cpu", 0)]), **_daemon("a"),
+               **_daemon("b")},
               gpu_nodes["alert"], "20m", []),
         _case("a daemon not answering scrapes: fires", {UP: "0x20"}, down["alert"], "12m",
               [_firing(down, 0, {"job": "weightcache/weightcache", "node": "a",
@@ -116,7 +139,7 @@ def _cases(daemonset: Any) -> list[dict[str, Any]]:
               {UP: "0x20", **_fetching_on_a("istio-init")}, fetching["alert"], "8m", []),
         _case("a Pod fetching on a node without GPUs and daemon: silent",
               {**dict([_gpu("a", 0)]), **_fetching_on_a()}, fetching["alert"], "8m", []),
-                _case("a pinned revision not ready for over an hour: fires", {REVISION: "0x70"},
+        _case("a pinned revision not ready for over an hour: fires", {REVISION: "0x70"},
               revision["alert"], "65m",
               [_firing(revision, 0, {"node": "a", "name": "m", "revision": "r1",
                                      "pinned": "true"})]),
@@ -140,17 +163,6 @@ def _write(daemonset: Any, directory: Path, cases: list[dict[str, Any]]) -> str:
     return "fleet.test.yaml"
 
 
-def _promtool_test(promtool: str, directory: Path, name: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [promtool, "test", "rules", name],
-        cwd=directory,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_every_fleet_alert_is_there(daemonset: Any) -> None:
     names = [r["alert"] for r in _group(daemonset)["rules"]]
     assert names == list(ALERTS)
@@ -159,7 +171,7 @@ def test_every_fleet_alert_is_there(daemonset: Any) -> None:
 def test_fleet_alerts_fire_on_their_failure_only(
     daemonset: Any, promtool: str, tmp_path: Path
 ) -> None:
-    proc = _promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, _cases(daemonset)))
+    proc = promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, _cases(daemonset)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -172,5 +184,5 @@ def test_fleet_alert_tests_can_fail(
     firing = [c for c in cases if c["alert_rule_test"][0]["exp_alerts"]]
     assert firing, f"no firing case for {alert}"
     firing[0]["alert_rule_test"][0]["exp_alerts"] = []
-    proc = _promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, firing[:1]))
+    proc = promtool_test(promtool, tmp_path, _write(daemonset, tmp_path, firing[:1]))
     assert proc.returncode != 0, f"{alert}: promtool passed a firing case expected silent"

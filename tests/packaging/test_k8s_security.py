@@ -165,9 +165,49 @@ def test_rbac_is_only_what_node_labels_need(rendered: Any) -> None:
 def test_gpu_taint_is_tolerated(initcontainer: Any, daemonset: Any, tolerated_by: str) -> None:
     source = initcontainer if tolerated_by == "Deployment" else daemonset
     spec = source.one(tolerated_by)["spec"]["template"]["spec"]
-    assert any(
-        t.get("key") == "nvidia.com/gpu"
-        and t.get("operator") == "Exists"
-        and t.get("effect") in (None, "NoSchedule")
-        for t in spec.get("tolerations", [])
-    ), f"{tolerated_by} does not tolerate the nvidia.com/gpu taint"
+    taint = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    assert _tolerates(spec.get("tolerations", []), taint), (
+        f"{tolerated_by} does not tolerate the nvidia.com/gpu taint"
+    )
+
+
+def _tolerates(tolerations: list[dict[str, Any]], taint: dict[str, str]) -> bool:
+    """Kubernetes' matching: an empty key with Exists matches every taint; an empty effect
+    matches every effect."""
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint["effect"]:
+            continue
+        if not t.get("key"):
+            if t.get("operator") == "Exists":
+                return True
+            continue
+        if t["key"] != taint["key"]:
+            continue
+        if t.get("operator", "Equal") == "Exists" or t.get("value", "") == taint.get("value", ""):
+            return True
+    return False
+
+
+def test_the_daemon_tolerates_every_taint_by_default(daemonset: Any) -> None:
+    """A read-only miss without a daemon is a hard failure (exit 2), so the daemon goes
+    wherever inference Pods may go, whatever they tolerate (as the device plugin does)."""
+    tolerations = daemonset.one("DaemonSet")["spec"]["template"]["spec"]["tolerations"]
+    assert {"operator": "Exists"} in tolerations, tolerations
+    for taint in (
+        {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+        {"key": "dedicated", "value": "inference", "effect": "NoSchedule"},
+        {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"},
+        {"key": "team-a/reserved", "value": "", "effect": "NoExecute"},
+    ):
+        assert _tolerates(tolerations, taint), taint
+
+
+def test_the_daemon_tolerates_what_the_inference_pods_tolerate(
+    initcontainer: Any, daemonset: Any
+) -> None:
+    daemon = daemonset.one("DaemonSet")["spec"]["template"]["spec"]["tolerations"]
+    pods = initcontainer.one("Deployment")["spec"]["template"]["spec"].get("tolerations", [])
+    for t in pods:
+        taint = {"key": t.get("key", "any"), "value": t.get("value", "x"),
+                 "effect": t.get("effect") or "NoSchedule"}  # fmt: skip
+        assert _tolerates(daemon, taint), t

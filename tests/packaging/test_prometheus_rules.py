@@ -36,6 +36,8 @@ DESIGN_METRICS = {
     "weightcache_evictions_total",
     "weightcache_cache_bytes",
     "weightcache_cache_capacity_bytes",
+    "weightcache_disk_free_bytes",
+    "weightcache_min_free_bytes",
     "weightcache_fetch_duration_seconds_bucket",
     "weightcache_fetch_duration_seconds_sum",
     "weightcache_fetch_duration_seconds_count",
@@ -43,6 +45,7 @@ DESIGN_METRICS = {
     "weightcache_fetches_alone_inflight",
     "weightcache_fetches_alone_origin_get_inflight",
     "weightcache_downloads_inflight",
+    "weightcache_copies_inflight",
     "weightcache_max_concurrency",
     # the swarm (design §8)
     "weightcache_peer_upload_bytes_total",
@@ -154,6 +157,9 @@ def test_dashboard_shows_what_operators_need() -> None:
         "rate(weightcache_bytes_total",
         RATIO,
         "weightcache_evictions_total",
+        # what WeightcacheEveryReplicaPulling reads
+        "node:weightcache_extra_copies_inflight:sum",
+        "sum(weightcache_copies_inflight)",
     ):
         assert needed in exprs, f"the dashboard does not show {needed}"
     assert re.search(
@@ -225,13 +231,15 @@ def _series(name: str, values_by_node: dict[str, str]) -> list[dict[str, str]]:
 
 
 def _node(
-    node: str, gets: str, fetches: str, downloads: str, alone: str = "0x40"
+    node: str, gets: str, fetches: str, downloads: str, alone: str = "0x40", copies: str = ""
 ) -> list[dict[str, str]]:
-    """One daemon's gauges (each a promtool series of 40+ samples) at --max-concurrency 16."""
+    """One daemon's gauges (each a promtool series of 40+ samples) at --max-concurrency 16;
+    copies default to one per revision (the cache works)."""
     return [
         *_series("weightcache_origin_get_inflight", {node: gets}),
         *_series("weightcache_replica_fetches_inflight", {node: fetches}),
         *_series("weightcache_downloads_inflight", {node: downloads}),
+        *_series("weightcache_copies_inflight", {node: copies or downloads}),
         *_series("weightcache_fetches_alone_inflight", {node: alone}),
         *_series("weightcache_max_concurrency", {node: "16x40"}),
     ]
@@ -241,7 +249,7 @@ def _expected_annotations(alert: dict[str, Any], value: float, node: str) -> dic
     """The alert's annotations as Prometheus renders them for this $value and node."""
     out = {}
     for key, text in alert["annotations"].items():
-        text = text.replace("{{ $value | humanizePercentage }}", f"{value * 100:.4g}%")
+        text = text.replace("{{ $value }}", f"{value:g}")
         text = text.replace("{{ $labels.node }}", node)
         assert "{{" not in text, f"test does not know how to render {text!r}"
         out[key] = text
@@ -262,6 +270,23 @@ def _silent(*times: str) -> list[dict[str, Any]]:
     return [{"eval_time": t, "alertname": ALERT, "exp_alerts": []} for t in times]
 
 
+def _fires(at: str, alert: dict[str, Any], extra: float, *nodes: str) -> dict[str, Any]:
+    return {"eval_time": at, "alertname": ALERT, "exp_alerts": _firing(alert, extra, *nodes)}
+
+
+def _pulling(
+    name: str, alert: dict[str, Any], gets: int, fetches: int, alone: int, copies: int
+) -> dict[str, Any]:
+    """Node "a" fetching one revision in `copies` copies from minute 1: fires at 12m."""
+    return {
+        "name": f"{name}: {copies} copies, fires",
+        "interval": "1m",
+        "input_series": _node("a", f"0 {gets}x39", f"0 {fetches}x39", "0 1x39",
+                              alone=f"0 {alone}x39", copies=f"0 {copies}x39"),
+        "alert_rule_test": [*_silent("5m"), _fires("12m", alert, copies - 1, "a")],
+    }  # fmt: skip
+
+
 def _unit_tests(daemonset: Any) -> dict[str, Any]:
     alert = next(r for r in rules(daemonset) if r.get("alert") == ALERT)
     return {
@@ -270,11 +295,15 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
         "tests": [
             {
                 # 3 new nodes, 4 replicas each of one revision, every replica running its
-                # own 16-GET download (say the revision lock is bypassed on each node).
-                "name": "every replica pulls its own copy: ratio stays at 16, alert fires",
+                # own download (say the revision lock is bypassed on each node).
+                "name": "every replica pulls its own copy: 3 extra copies per node, fires",
                 "interval": "1m",
                 "input_series": [
-                    *(s for n in "abc" for s in _node(n, "0 64x39", "0 4x39", "0 1x39")),
+                    *(
+                        s
+                        for n in "abc"
+                        for s in _node(n, "0 64x39", "0 4x39", "0 1x39", copies="0 4x39")
+                    ),
                 ],
                 "promql_expr_test": [
                     {
@@ -283,34 +312,35 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
                         "exp_samples": [{"labels": RATIO, "value": 16}],
                     },
                 ],
-                "alert_rule_test": [
-                    *_silent("5m"),
-                    {
-                        "eval_time": "12m",
-                        "alertname": ALERT,
-                        "exp_alerts": _firing(alert, 1.0, "a", "b", "c"),
-                    },
-                ],
+                "alert_rule_test": [*_silent("5m"), _fires("12m", alert, 3, "a", "b", "c")],
             },
-            {
-                # The failure the daemon was blind to: 8 Pods on one node fetching alone
-                # (--no-daemon, or a source the daemon refuses), each with 16 GETs.
-                "name": "every replica pulling alone: alert fires",
-                "interval": "1m",
-                "input_series": _node("a", "0 128x39", "0 8x39", "0 1x39", alone="0 8x39"),
-                "alert_rule_test": [
-                    *_silent("5m"),
-                    {
-                        "eval_time": "12m",
-                        "alertname": ALERT,
-                        "exp_alerts": _firing(alert, 1.0, "a"),
-                    },
-                ],
-            },
+            # 8 Pods on one node fetching alone (--no-daemon, or a source the daemon
+            # refuses), each at 16 GETs.
+            _pulling("every replica pulling alone", alert, gets=128, fetches=8, alone=8, copies=8),
+            # The SlowDown case: AIMD has halved each of the 8 fetches alone to 4 GETs, 32 in
+            # all, fewer than 8 x 16 by far. Still 8 copies of one revision.
+            _pulling(
+                "every replica pulling alone at 4 GETs after SlowDown",
+                alert,
+                gets=32,
+                fetches=8,
+                alone=8,
+                copies=8,
+            ),
+            # 4 fetches bypassing a daemon whose --max-concurrency is 16, averaging 7 GETs.
+            _pulling(
+                "fetches alone averaging 7 GETs against a daemon at 16",
+                alert,
+                gets=28,
+                fetches=4,
+                alone=4,
+                copies=4,
+            ),
+            # 8 replicas; the daemon downloads for 6, 2 pull alone: 3 copies.
+            _pulling("2 of 8 replicas pulling alone", alert, gets=48, fetches=8, alone=2, copies=3),
             {
                 # A healthy cold scale-out: 8 replicas wait 30 minutes on one node while
-                # its daemon downloads the one revision with 16 GETs. The raw ratio is 2
-                # all along (the old rule paged here); 1/8 pulls per replica.
+                # its daemon downloads the one revision with 16 GETs: one copy.
                 "name": "a healthy cold scale-out on one node: silent for 30 minutes",
                 "interval": "1m",
                 "input_series": _node("a", "0 16x30 0x9", "0 8x30 0x9", "0 1x30 0x9"),
@@ -329,6 +359,16 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
                                 ':ratio{node="a"}',
                                 "value": 1 / 8,
                             }
+                        ],
+                    },
+                    {
+                        "expr": "node:weightcache_extra_copies_inflight:sum",
+                        "eval_time": "20m",
+                        "exp_samples": [
+                            {
+                                "labels": 'node:weightcache_extra_copies_inflight:sum{node="a"}',
+                                "value": 0,
+                            },
                         ],
                     },
                 ],
@@ -366,10 +406,10 @@ def _unit_tests(daemonset: Any) -> dict[str, Any]:
                 "alert_rule_test": _silent("20m"),
             },
             {
-                # Two replicas, each pulling: below the "> 2 waiting" floor, so no page.
+                # Two replicas, each pulling: below the "> 2 fetches" floor, so no page.
                 "name": "a couple of replicas is not a scale-out",
                 "interval": "1m",
-                "input_series": _node("a", "32x39", "2x39", "1x39"),
+                "input_series": _node("a", "32x39", "2x39", "1x39", copies="2x39"),
                 "alert_rule_test": _silent("20m"),
             },
             {

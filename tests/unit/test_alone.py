@@ -43,7 +43,9 @@ def test_a_registered_fetch_is_live_with_its_gets_until_the_block_ends(tmp_path:
     with alone.registered(layout, "m", "r1", lambda: gets[0]):
         assert alone.live(layout) == [alone.AloneFetch("m", "r1", 0)]
         gets[0] = 16
-        assert wait_until(lambda: alone.live(layout) == [alone.AloneFetch("m", "r1", 16)])
+        assert wait_until(
+            lambda: alone.live(layout) == [alone.AloneFetch("m", "r1", 16, pulling=True)]
+        )
     assert alone.live(layout) == []
     assert list(layout.fetching.iterdir()) == []
 
@@ -55,7 +57,7 @@ def test_a_killed_fetch_is_a_ghost_never_counted_and_removed(tmp_path: Path) -> 
     )
     try:
         assert child.stdout is not None and child.stdout.readline() == "registered\n"
-        assert alone.live(layout) == [alone.AloneFetch("m", "r1", 7)]
+        assert alone.live(layout) == [alone.AloneFetch("m", "r1", 7, pulling=True)]
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
@@ -72,7 +74,7 @@ def test_records_without_a_held_lock_or_unreadable_count_as_nothing(tmp_path: Pa
     (layout.fetching / "2-bb.json").write_text(json.dumps(record))
     (layout.fetching / "2-bb.lock").touch()  # nobody holds it
     with alone.registered(layout, "x", "y", lambda: 1):
-        assert alone.live(layout) == [alone.AloneFetch("x", "y", 1)]
+        assert alone.live(layout) == [alone.AloneFetch("x", "y", 1, pulling=True)]
         [own] = layout.fetching.glob("*.json")  # the ghosts are gone
         own.write_text("{not json")
         assert alone.live(layout) == []  # malformed: nothing, but not a ghost
@@ -104,3 +106,20 @@ def test_records_and_locks_planted_as_fifos_or_symlinks_count_as_nothing_at_once
         for content in ('{"name": "x", "revision": "y", "gets": 1e400}', "[" * 4000):
             own.write_text(content)  # OverflowError, RecursionError: nothing, no ghost
             assert alone.live(layout) == [] and own.exists()
+
+
+def test_a_fetch_that_had_gets_stays_pulling_and_carries_its_throttles(tmp_path: Path) -> None:
+    """`pulling` tells a copy downloading from a fetch waiting on another's revision lock;
+    it holds through a pause between blobs (0 GETs), or the alert's `for:` would restart."""
+    layout = Layout.open(tmp_path / "cache")
+    gets, throttles = [0], [0]
+    with alone.registered(layout, "m", "r1", lambda: gets[0], lambda: throttles[0]):
+        [waiting] = alone.live(layout)
+        assert (waiting.pulling, waiting.throttled) == (False, 0)
+        gets[0], throttles[0] = 4, 3
+        assert wait_until(lambda: alone.live(layout)[0].throttled == 3)
+        gets[0] = 0
+        assert wait_until(lambda: alone.live(layout)[0].gets == 0)
+        [paused] = alone.live(layout)
+        assert (paused.pulling, paused.throttled) == (True, 3)
+        assert paused.key and (layout.fetching / f"{paused.key}.json").exists()

@@ -219,3 +219,17 @@ def test_execute_keeps_a_revision_whose_leases_cannot_be_read(
     monkeypatch.setattr(Index, "remove_unless_protected", unreadable)
     assert eviction.execute(plan, cache, index) == 0
     assert present(cache) == {"old", "mid", "new"}
+
+
+def test_measure_disk_exports_free_space_and_the_floor(cache: Cache) -> None:
+    """What WeightcacheDiskBelowMinFree compares: free bytes on the cache disk against the
+    --min-free floor resolved on that disk."""
+    g = CapacityGuard(
+        cache, for_cache(cache.layout), Metrics(), capacity=None,
+        min_free=Capacity(percent=20.0), watermarks=Watermarks(),
+        disk_space=lambda: (1000, 150),
+    )  # fmt: skip
+    g.measure_disk()
+    sample = g.metrics.registry.get_sample_value
+    assert sample("weightcache_disk_free_bytes") == 150
+    assert sample("weightcache_min_free_bytes") == 200

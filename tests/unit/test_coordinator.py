@@ -291,3 +291,30 @@ def test_a_fetch_done_before_submit_returns_does_not_deadlock(cache: Cache) -> N
     finally:
         sys.setswitchinterval(before)
         c.shutdown()
+
+
+def test_copies_and_throttles_of_fetches_alone_are_counted(
+    coordinator: Coordinator, fake: FakeFetch, cache: Cache
+) -> None:
+    """Copies in flight: ours per revision, plus each fetch alone that has had GETs (one
+    waiting on a revision lock is no copy). Their throttles add to ours, each counted once."""
+    from weightcache.cache import alone
+
+    coordinator.submit(SOURCE)
+    assert fake.started.wait(WAIT)
+    throttles = [2]
+    with (
+        alone.registered(cache.layout, "m", "r1", lambda: 4, lambda: throttles[0]),
+        alone.registered(cache.layout, "m", "r1", lambda: 0),
+    ):
+        coordinator.count_fetches()
+        assert sample(coordinator, "weightcache_copies_inflight") == 2
+        assert sample(coordinator, "weightcache_downloads_inflight") == 1
+        assert sample(coordinator, "weightcache_origin_throttled_total") == 2
+        coordinator.count_fetches()
+        assert sample(coordinator, "weightcache_origin_throttled_total") == 2
+        throttles[0] = 5
+        time.sleep(2 * alone.UPDATE_INTERVAL)
+        coordinator.count_fetches()
+        assert sample(coordinator, "weightcache_origin_throttled_total") == 5
+    fake.release.set()

@@ -6,8 +6,11 @@ the early-warning ratio exists to see (design §6). So it registers itself for a
 it runs, in `Layout.fetching`:
 
     <id>.lock   flocked (exclusive) by the fetch for its whole life
-    <id>.json   {"name", "revision", "gets"}: what it fetches, object-store GETs in flight;
-                replaced atomically (rename) at most every UPDATE_INTERVAL seconds
+    <id>.json   {"name", "revision", "gets", "pulling", "throttled"}: what it fetches,
+                object-store GETs in flight, whether it has had any (it downloads a copy
+                rather than waiting on another fetch's revision lock), and the store's
+                answers asking it to slow down so far; replaced atomically (rename) at most
+                every UPDATE_INTERVAL seconds
 
 Liveness is the flock, never the pid: the daemon and the Pods live in different pid
 namespaces, and the kernel drops a flock on any exit, `kill -9` included. A record whose
@@ -24,7 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from weightcache.cache.layout import Layout
@@ -47,12 +50,26 @@ class AloneFetch:
     name: str
     revision: str
     gets: int
+    #: It has had GETs in flight: a copy of the revision is downloading, not waiting on
+    #: another fetch's lock. Latched, so a pause between blobs does not hide the copy.
+    pulling: bool = False
+    #: Object-store answers asking it to slow down (503/429) since it started.
+    throttled: int = 0
+    #: Its record's name, unique to this fetch: a reader adds up `throttled` per fetch.
+    key: str = field(default="", compare=False)
 
 
 class Registration:
     """This process's record while it fetches alone; `close()` removes it."""
 
-    def __init__(self, directory: Path, name: str, revision: str, gets: Callable[[], int]):
+    def __init__(
+        self,
+        directory: Path,
+        name: str,
+        revision: str,
+        gets: Callable[[], int],
+        throttled: Callable[[], int],
+    ):
         """Creates and flocks the lock file, then writes the record; raises OSError (the
         caller goes on unregistered)."""
         directory.mkdir(exist_ok=True)
@@ -61,7 +78,9 @@ class Registration:
         self._record = directory / f"{stem}.json"
         self._fields = {"name": name, "revision": revision}
         self._gets = gets
-        self._written = -1
+        self._throttled = throttled
+        self._pulling = False
+        self._written: tuple[int, bool, int] | None = None
         self._stop = threading.Event()
         self._fd = open_new(self._lock_path, os.O_RDWR)
         try:
@@ -81,12 +100,15 @@ class Registration:
                 log.debug("could not update %s: %s", self._record, e)
 
     def _write(self) -> None:
-        """Replace the record if the GET count changed since the last write."""
+        """Replace the record if its counts changed since the last write."""
         gets = self._gets()
-        if gets == self._written:
+        self._pulling = self._pulling or gets > 0
+        counts = (gets, self._pulling, self._throttled())
+        if counts == self._written:
             return
-        replace_atomically(self._record, json.dumps({**self._fields, "gets": gets}).encode())
-        self._written = gets
+        fields = dict(zip(("gets", "pulling", "throttled"), counts, strict=True))
+        replace_atomically(self._record, json.dumps({**self._fields, **fields}).encode())
+        self._written = counts
 
     def close(self) -> None:
         self._stop.set()
@@ -103,14 +125,21 @@ class Registration:
 
 
 @contextlib.contextmanager
-def registered(layout: Layout, name: str, revision: str, gets: Callable[[], int]) -> Iterator[None]:
-    """Register a fetch alone for the duration of the block; `gets()` (called from another
-    thread) returns its object-store GETs in flight. Nothing happens on a read-only cache
-    or when the registration cannot be written."""
+def registered(
+    layout: Layout,
+    name: str,
+    revision: str,
+    gets: Callable[[], int],
+    throttled: Callable[[], int] = lambda: 0,
+) -> Iterator[None]:
+    """Register a fetch alone for the duration of the block; `gets()` and `throttled()`
+    (called from another thread) return its object-store GETs in flight and the answers
+    asking it to slow down so far. Nothing happens on a read-only cache or when the
+    registration cannot be written."""
     registration = None
     if not layout.read_only and _inside(layout):
         try:
-            registration = Registration(layout.fetching, name, revision, gets)
+            registration = Registration(layout.fetching, name, revision, gets, throttled)
         except OSError as e:
             log.debug("fetching unregistered (%s); the node daemon will not count it", e)
     try:
@@ -183,6 +212,10 @@ def _held(fd: int) -> bool:
 def _parse(record: Path) -> AloneFetch | None:
     try:
         data = json.loads(read_small(record, RECORD_MAX_BYTES))
-        return AloneFetch(str(data["name"]), str(data["revision"]), max(0, int(data["gets"])))
+        gets = max(0, int(data["gets"]))
+        pulling = bool(data.get("pulling", gets > 0))
+        throttled = max(0, int(data.get("throttled", 0)))
+        name, revision = str(data["name"]), str(data["revision"])
+        return AloneFetch(name, revision, gets, pulling, throttled, key=record.stem)
     except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None

@@ -11,22 +11,25 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from weightcache.cli.reporting import reports_errors
-from weightcache.config import OriginSettings, format_duration, parse_pod_uid
+from weightcache.config import Capacity, OriginSettings, format_duration, parse_pod_uid
 from weightcache.errors import UsageError
 from weightcache.options import (
     cache_dir_option,
     converter,
     env,
+    fetch_min_free_option,
     option,
     origin_settings,
     positive_duration,
     require_sha256_option,
     store_options,
 )
-from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL
+from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL, human
 from weightcache.sourceurl import Source
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from weightcache.fetch import FetchResult
 
 log = logging.getLogger("weightcache")
@@ -67,6 +70,7 @@ log = logging.getLogger("weightcache")
     envvar=env("daemon"),
     help="Let the node daemon download when it runs (default) or fetch alone.",
 )
+@fetch_min_free_option
 @option(
     "--progress-interval",
     parse=positive_duration,
@@ -82,6 +86,7 @@ def fetch(
     as_json: bool,
     pod_uid: str | None,
     use_daemon: bool,
+    min_free: Capacity,
     progress_interval: float | None,
     require_sha256: bool,
     **store: Any,
@@ -96,7 +101,7 @@ def fetch(
     # that frozen, once the download starts (`_collect_again`).
     gc.disable()
     try:
-        result = _ready(source, cache_dir, name, revision, pod_uid, use_daemon,
+        result = _ready(source, cache_dir, name, revision, pod_uid, use_daemon, min_free,
                         progress_interval, require_sha256, store)  # fmt: skip
         if as_json:
             click.echo(json.dumps(result.to_dict()))
@@ -131,6 +136,7 @@ def _ready(
     revision: str | None,
     pod_uid: str | None,
     use_daemon: bool,
+    min_free: Capacity,
     progress_interval: float | None,
     require_sha256: bool,
     store: dict[str, Any],
@@ -154,8 +160,8 @@ def _ready(
 
         notify_hit(layout.socket, src, pod_uid)
     if result is None:
-        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon, progress_interval,
-                             require_sha256)  # fmt: skip
+        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon, min_free,
+                             progress_interval, require_sha256)  # fmt: skip
     if require_sha256:  # a hit, or the daemon's fetch, knew nothing of this policy
         from weightcache.fetch import refuse_unless_sha256
 
@@ -169,6 +175,7 @@ def _fetch_miss(
     src: Source,
     pod_uid: str | None,
     use_daemon: bool,
+    min_free: Capacity,
     progress_interval: float | None,
     require_sha256: bool,
 ) -> FetchResult:
@@ -187,7 +194,10 @@ def _fetch_miss(
     if layout.read_only:
         raise _read_only_miss(layout, src, use_daemon)
     progress = Progress(src.label, 0, interval=progress_interval, started=_collect_again)
-    fetcher = Fetcher(layout, settings, observer=progress)  # no peers: every GET is origin
+    # No peers: every GET is origin.
+    fetcher = Fetcher(
+        layout, settings, observer=progress, reserve=_keep_free(layout, src, min_free)
+    )
     # SIGTERM (the kubelet deleting the Pod): the downloads stop after their current read,
     # the part states are saved, and the fetch says so on its way out (exit 143).
     import signal
@@ -198,11 +208,37 @@ def _fetch_miss(
     try:
         with (
             calling_on((signal.SIGTERM,), fetcher.interrupt),
-            registered(layout, src.name, src.revision, lambda: progress.inflight),
+            registered(
+                layout,
+                src.name,
+                src.revision,
+                lambda: progress.inflight,
+                lambda: progress.throttles,
+            ),
         ):
             return fetcher.fetch(src, pod_uid, require_sha256)
     finally:
         progress.close()
+
+
+def _keep_free(layout: Any, src: Source, min_free: Capacity) -> Callable[[int], None]:
+    """The Fetcher's `reserve` for a fetch alone: nothing evicts for it, so a download
+    that would leave less than --min-free free on the cache disk is NoSpaceError (exit 5)
+    before its first byte."""
+    from weightcache.errors import NoSpaceError
+
+    def reserve(need: int) -> None:
+        size, free = layout.disk_space()
+        floor = min_free.resolve(size)
+        if floor and free - need < floor:
+            raise NoSpaceError(
+                f"{src.label} needs {human(need)} but the cache disk at {layout.root} has "
+                f"{human(free)} free and --min-free keeps {human(floor)} of it free; nothing "
+                "evicts for a fetch alone: free space on the disk (weightcache gc), lower "
+                "--min-free, or let the node daemon fetch it"
+            )
+
+    return reserve
 
 
 def _read_only_miss(layout: Any, src: Source, use_daemon: bool) -> UsageError:

@@ -48,7 +48,9 @@ class CapacityGuard:
       `eviction.execute`, which checks both again in the removing transaction.
     - Both first delete orphan blobs (no revision links them, no running fetch wants them).
     - It owns the `weightcache_cache_bytes`, `weightcache_cache_capacity_bytes` and
-      `weightcache_evictions_total` metrics; `measure()` refreshes the usage gauge.
+      `weightcache_evictions_total` metrics; `measure()` refreshes the usage gauge, and
+      `measure_disk()` the free space and floor (`weightcache_disk_free_bytes`,
+      `weightcache_min_free_bytes`).
     Thread-safe: one eviction at a time.
     """
 
@@ -151,6 +153,13 @@ class CapacityGuard:
     def measure(self) -> None:
         """Refresh the cache usage gauge (after a fetch added a revision)."""
         self.metrics.cache_bytes.set(self.cache.usage())
+
+    def measure_disk(self) -> None:
+        """Refresh the free-space and floor gauges (at each scrape: other files change the
+        free space between two enforcements)."""
+        size, free = self.disk_space()
+        self.metrics.disk_free_bytes.set(free)
+        self.metrics.min_free_bytes.set(self.min_free.resolve(size))
 
     def _collect_orphans(self) -> None:
         """Delete blobs no revision links and no running fetch wants (design §5, Capacity):

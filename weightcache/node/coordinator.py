@@ -73,6 +73,7 @@ class Coordinator:
         self.stopping = stopping
         self._inflight: dict[tuple[str, str, str], Future[FetchResult]] = {}
         self._lock = threading.Lock()
+        self._alone_throttled: dict[str, int] = {}  # fetch alone's record -> throttles seen
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch")
 
     def submit(self, source: Source, pod_uid: str | None = None) -> Future[FetchResult]:
@@ -158,14 +159,23 @@ class Coordinator:
 
     def count_fetches(self) -> None:
         """Bring the node-wide gauges up to date with the fetches running alone on the cache
-        dir (outside our observer: read from their records at each scrape) and the
-        distinct revisions being fetched, by us or by them."""
+        dir (outside our observer: read from their records at each scrape), the distinct
+        revisions being fetched and the copies of them downloading, by us or by them, and
+        add their new throttles to ours."""
         running = alone.live(self.cache.layout)
         self.metrics.fetches_alone(len(running), sum(f.gets for f in running))
         with self._lock:
             revisions = {(name, revision) for name, revision, _ in self._inflight}
+            ours = len(self._inflight)
+            # Their throttles since the last read: a record only says its total so far.
+            throttled = sum(
+                max(0, f.throttled - self._alone_throttled.get(f.key, 0)) for f in running
+            )
+            self._alone_throttled = {f.key: f.throttled for f in running}
         revisions |= {(f.name, f.revision) for f in running}
         self.metrics.downloads_inflight.set(len(revisions))
+        self.metrics.copies_inflight.set(ours + sum(f.pulling for f in running))
+        self.metrics.throttles.inc(throttled)
 
     def shutdown(self) -> None:
         """Drop the fetches not started yet; running ones end when interrupted."""

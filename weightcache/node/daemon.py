@@ -298,6 +298,7 @@ class Daemon:
         def metrics() -> tuple[int, bytes, str]:
             self.coordinator.count_fetches()
             self.converger.export_readiness()
+            self.capacity.measure_disk()
             return 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
 
         return {"/metrics": metrics, "/healthz": self._healthz, "/readyz": self._readyz}

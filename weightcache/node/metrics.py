@@ -94,6 +94,13 @@ class Metrics:
             "Distinct revisions being fetched on this node, by the daemon or alone.",
             registry=r,
         )
+        self.copies_inflight = Gauge(
+            "weightcache_copies_inflight",
+            "Copies of revisions downloading on this node's cache dir: one per revision the "
+            "daemon fetches, plus one per fetch alone that has had object-store GETs. Above "
+            "downloads_inflight, some revision is downloaded more than once.",
+            registry=r,
+        )
         self.max_concurrency = Gauge(
             "weightcache_max_concurrency",
             "The daemon's --max-concurrency: object-store GETs one download uses at most.",
@@ -118,7 +125,8 @@ class Metrics:
         )
         self.throttles = Counter(
             "weightcache_origin_throttled",
-            "Object-store answers asking to slow down (503/429).",
+            "Object-store answers asking to slow down (503/429), to the daemon and to the "
+            "fetches alone on this node's cache dir.",
             registry=r,
         )
         self.verify_failures = Counter(
@@ -134,6 +142,16 @@ class Metrics:
         )
         self.capacity_bytes = Gauge(
             "weightcache_cache_capacity_bytes", "The capacity bound in bytes.", registry=r
+        )
+        self.disk_free_bytes = Gauge(
+            "weightcache_disk_free_bytes",
+            "Free bytes on the cache's disk, as an unprivileged writer sees them.",
+            registry=r,
+        )
+        self.min_free_bytes = Gauge(
+            "weightcache_min_free_bytes",
+            "The --min-free floor in bytes: free space the cache never takes from its disk.",
+            registry=r,
         )
         self.duration = Histogram(
             "weightcache_fetch_duration_seconds",
