@@ -255,7 +255,7 @@ def test_a_peer_s_piece_is_judged_slow_against_this_node_s_share_of_its_link(
             swarm.rates = Rates()
             swarm.rates._start -= 10  # measured over the last second
             swarm.rates.note(received)
-            swarm.inflight = {i: {"peer"} for i in range(requests)}
+            swarm.requests.inflight = {i: {"peer"} for i in range(requests)}
             return swarm._slow_floor(streamed)
 
         assert floor(8 << 20, 4) == 64 << 10  # a fast link: the fixed rate

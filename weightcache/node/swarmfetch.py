@@ -30,7 +30,6 @@ the peers and of the store, and runs each request in a worker thread:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import http.client
 import logging
@@ -57,6 +56,7 @@ from weightcache.node.swarmpace import (
     slow_floor,
     too_slow,
 )
+from weightcache.node.swarmrequests import RESUMED, Requests, Stream
 from weightcache.node.swarmviews import (
     VIEW_EVERY,
     VIEW_LAG,
@@ -81,16 +81,6 @@ log = logging.getLogger(__name__)
 TICK = 0.1  # seconds the loop sleeps at most between choices
 IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 HASH_BUFFER = 256 << 10
-
-
-@dataclass
-class _Stream:
-    """A piece coming from the store, passed on to peers as it arrives (cut-through): its
-    buffer, of which the first `received` bytes are final (the reader only appends)."""
-
-    data: bytearray
-    received: int = 0
-    began: float = field(default_factory=time.monotonic)
 
 
 class _TooSlow(RetryRange):
@@ -137,11 +127,7 @@ class SwarmDownload:
         self.rng = random.Random()
         self.rates = Rates()
         self.land_lock = threading.Lock()  # one piece written at a time: first source wins
-        self.lock = threading.Lock()  # the fields below, from the loop and the workers
-        self.inflight: dict[int, set[str]] = {}
-        self.streams: dict[int, _Stream] = {}  # pieces coming from the store, for peers
-        self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
-        self.cut_through = 0  # pieces from peers that streamed them from the store
+        self.requests = Requests(self.count)
         self.views = PeerViews(peers, sha256, size, self.piece_size, members)
         self.store = StoreGate(self.limits, downloader, origin.where, label, self.piece_size,
                                VIEW_LAG)  # fmt: skip
@@ -169,7 +155,7 @@ class SwarmDownload:
             held = self._held()
             self.observer.expect(self.size - sum(b - a for i, (a, b) in enumerate(self.ranges)
                                                  if i in held))  # fmt: skip
-            self.sources = {i: "resumed" for i in held}
+            self.requests.resumed(held)
             self.file.advance_hash(self._buffer(), self._stopping)  # a resumed prefix: long
             self._loop(pool)
             digest = self._digest()
@@ -199,8 +185,7 @@ class SwarmDownload:
                 self.views.refreshing.set()
                 pool.submit(self._refresh_views)
             for request in self._choose():
-                with self.lock:
-                    self.inflight.setdefault(request.piece, set()).add(request.source)
+                self.requests.started(request)
                 pool.submit(self._fetch, request)
             with contextlib.suppress(queue.Empty):
                 self.events.get(timeout=TICK)
@@ -215,16 +200,14 @@ class SwarmDownload:
             self.all_claimed.set()
 
     def _log_summary(self) -> None:
-        with self.lock:
-            by = collections.Counter(s if s in (ORIGIN, "resumed") else "peer"
-                                     for s in self.sources.values())  # fmt: skip
-            senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
+        pieces = self.requests.summary()
         store = self.store.view()
         watched, listed = self.views.watching()
         log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers (%d streamed), "
                  "%d resumed; store window %d, room %s; watching %d of %d peers", self.label,
-                 self.count, by[ORIGIN], by["peer"], len(senders), self.cut_through,
-                 by["resumed"], store.window, store.room, watched, listed)  # fmt: skip
+                 self.count, pieces.by[ORIGIN], pieces.by["peer"], pieces.senders,
+                 pieces.streamed, pieces.by[RESUMED], store.window, store.room, watched,
+                 listed)  # fmt: skip
 
     def _check(self) -> None:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
@@ -249,8 +232,7 @@ class SwarmDownload:
         """The requests to start now (`swarm.choose` on the current views, then the idle
         rule); with the same views, notes whether every piece is claimed (`all_claimed`)."""
         now = time.monotonic()
-        with self.lock:
-            inflight = {p: frozenset(s) for p, s in self.inflight.items()}
+        inflight = self.requests.in_flight()
         store = self.store.view()
         views, rank, members = self.views.current()
         views = self._unclaimed(views, now)
@@ -280,8 +262,7 @@ class SwarmDownload:
         pieces are the store's again, and a piece this node is asking of a peer that
         streams it is given up (`_read`)."""
         self.claims.saw(views, now)
-        with self.lock:
-            oldest = min((s.began for s in self.streams.values()), default=now)
+        oldest = self.requests.oldest_stream(now)
         wait = claim_wait(self.piece_size, self.store.per_request(), now - oldest)
         self.expired = self.claims.expired(now, wait)
         return unclaim(views, self.expired)
@@ -293,19 +274,12 @@ class SwarmDownload:
 
     def pieces(self) -> tuple[int, Bitmap, Bitmap, Bitmap]:
         """(piece size, held, in flight, streamed) for this node's peer server (`peers.Live`)."""
-        with self.lock:
-            fetching = Bitmap.of(self.count, self.inflight)
-            streaming = Bitmap.of(self.count, self.streams)
+        fetching, streaming = self.requests.bitmaps()
         return self.piece_size, self._held(), fetching, streaming
 
     def streamed(self, piece: int, offset: int, limit: int, at_least: int) -> bytes | None:
         """What of a piece from the store has arrived, for the peer server (`peers.Live`)."""
-        with self.lock:
-            stream = self.streams.get(piece)
-        if stream is None:
-            return None
-        end = min(stream.received, offset + limit)
-        return bytes(stream.data[offset:end]) if end - offset >= at_least else b""
+        return self.requests.streamed(piece, offset, limit, at_least)
 
     def joined(self, peer: str) -> None:
         """A peer asked about the blob (`peers.Live`): see `PeerViews.joined`."""
@@ -345,20 +319,13 @@ class SwarmDownload:
                 if source != ORIGIN:
                     self.views.served(source)
                     if streamed:
-                        with self.lock:
-                            self.cut_through += 1
+                        self.requests.passed_on()
                 rate = len(data) / max(1e-3, time.monotonic() - started)
                 self.store.measured(kind, rate, self.views.alone())
         except BaseException as e:
             self.errors.append(e)
         finally:
-            with self.lock:
-                sources = self.inflight.get(piece, set())
-                sources.discard(source)
-                if not sources:
-                    self.inflight.pop(piece, None)
-                if source == ORIGIN:  # written, or failed: peers read it from the file now
-                    self.streams.pop(piece, None)
+            self.requests.finished(piece, source)
             self.events.put(None)
 
     def _read_or_fail(self, piece: int, source: str, kind: str, streamed: bool) -> bytearray | None:
@@ -388,10 +355,9 @@ class SwarmDownload:
             blob = self.peers.blob(source, self.sha256, self._on_response(source, streamed))
             timeout = PEER_TIMEOUT
             judge_at = began + PEER_TIMEOUT
-        stream = _Stream(data)
-        if source == ORIGIN and not recheck:
-            with self.lock:  # one request to the store per piece at a time (swarm.choose)
-                self.streams[piece] = stream
+        # a re-checked piece is not streamed: it has been written
+        streaming = source == ORIGIN and not recheck
+        stream = self.requests.streaming(piece, data) if streaming else Stream(data)
         self.observer.request_started(kind)
         try:
             with blob.open_range(start, end, self.size, timeout) as reader:
@@ -431,8 +397,7 @@ class SwarmDownload:
 
     def _slow_floor(self, streamed: bool) -> float:
         """The bytes/s below which a piece from a peer is given up (swarmpace.py)."""
-        with self.lock:
-            requests = sum(len(s) for s in self.inflight.values())
+        requests = self.requests.requests()
         return slow_floor(self.rates.rate(), requests, self.store.per_request(), streamed)
 
     def _land(self, piece: int, source: str, data: bytearray) -> None:
@@ -452,8 +417,7 @@ class SwarmDownload:
                 self.file.wrote(piece, end)
                 self.file.mark_done(piece)
                 self.file.save()  # a kill from now on does not lose this piece
-                with self.lock:
-                    self.sources[piece] = source
+                self.requests.landed(piece, source)
             self.file.advance_hash(self._buffer())
         except OSError as e:
             raise TransientError(
@@ -483,8 +447,7 @@ class SwarmDownload:
         """Fetch every piece that did not come from the store again from it; where the
         bytes differ, keep the store's and blame the peer that sent them. Returns the
         liars (marked bad)."""
-        with self.lock:
-            suspects = [i for i in range(self.count) if self.sources.get(i) != ORIGIN]
+        suspects = self.requests.not_from_store()
         liars: set[str] = set()
         for piece, data in zip(suspects, pool.map(self._from_store, suspects), strict=True):
             start, _ = self.ranges[piece]
@@ -492,10 +455,8 @@ class SwarmDownload:
             if os.pread(self.file.fd, len(data), start) == bytes(data):
                 continue
             self.file.write(memoryview(data), start)
-            with self.lock:
-                source = self.sources.get(piece, "resumed")
-                self.sources[piece] = ORIGIN
-            if source not in (ORIGIN, "resumed"):
+            source = self.requests.replaced(piece)
+            if source not in (ORIGIN, RESUMED):
                 liars.add(source)
         for peer in sorted(liars):
             self.peers.mark_bad(peer, f"its pieces of {self.label} differ from the store's")
