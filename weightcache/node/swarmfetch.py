@@ -17,10 +17,9 @@ the peers and of the store, and runs each request in a worker thread:
   read into memory and written at its offset only when complete, and recorded as written
   (so a kill loses at most the pieces in flight); a second source of the same piece
   (endgame) is dropped if the first one landed.
-- **Integrity.** The whole-blob sha256 is computed as pieces land. On a mismatch, every
-  piece that did not come from the store in this run is fetched again from the store and
-  compared: a peer whose piece differs is marked bad, the store's bytes are kept, and the
-  blob is hashed again. At most once; the caller decides what a second mismatch means.
+- **Integrity.** The whole-blob sha256 is computed as pieces land. On a mismatch, the
+  pieces peers sent are fetched again from the store, the liars marked bad, and the blob
+  hashed again (weightcache/node/swarmrecheck.py).
 - **The next blob.** Once every piece is held or asked for, here or by a peer in view
   (nothing is left for this node to claim from the store), the download sets its
   `all_claimed` event: the caller may start the next blob meanwhile (fetch/blobs.py), so
@@ -33,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
-import os
 import queue
 import random
 import threading
@@ -56,6 +54,7 @@ from weightcache.node.swarmpace import (
     slow_floor,
     too_slow,
 )
+from weightcache.node.swarmrecheck import Recheck
 from weightcache.node.swarmrequests import RESUMED, Requests, Stream
 from weightcache.node.swarmviews import (
     VIEW_EVERY,
@@ -165,7 +164,10 @@ class SwarmDownload:
             log.warning("%s: the swarm's copy has sha256 %s, expected %s; fetching the "
                         "pieces peers sent again from the store", self.label, digest,
                         self.sha256)  # fmt: skip
-            liars = self._recheck(pool)
+            check = Recheck(self.file, self.ranges, self.requests, self.store,
+                            lambda piece: self._read(piece, ORIGIN, "origin", recheck=True),
+                            self.peers)  # fmt: skip
+            liars = check.liars(pool)
             digest = self.file.rehash(self._buffer(), self._stopping)
             return Outcome(digest, True, self.store.bytes, liars)
         finally:
@@ -440,43 +442,6 @@ class SwarmDownload:
         fatal = self.store.failed(error)
         if fatal is not None:
             self.errors.append(fatal)
-
-    # -- the integrity re-check --------------------------------------------------------------
-
-    def _recheck(self, pool: ThreadPoolExecutor) -> list[str]:
-        """Fetch every piece that did not come from the store again from it; where the
-        bytes differ, keep the store's and blame the peer that sent them. Returns the
-        liars (marked bad)."""
-        suspects = self.requests.not_from_store()
-        liars: set[str] = set()
-        for piece, data in zip(suspects, pool.map(self._from_store, suspects), strict=True):
-            start, _ = self.ranges[piece]
-            assert self.file is not None
-            if os.pread(self.file.fd, len(data), start) == bytes(data):
-                continue
-            self.file.write(memoryview(data), start)
-            source = self.requests.replaced(piece)
-            if source not in (ORIGIN, RESUMED):
-                liars.add(source)
-        for peer in sorted(liars):
-            self.peers.mark_bad(peer, f"its pieces of {self.label} differ from the store's")
-        return sorted(liars)
-
-    def _from_store(self, piece: int) -> bytearray:
-        """One piece from the store, retried as the downloader would (bounded)."""
-        for attempt in range(1, self.downloader.settings.max_attempts + 1):
-            try:
-                data = self._read(piece, ORIGIN, "origin", recheck=True)
-                if data is None:  # SIGTERM or `cancel`
-                    raise Interrupted()
-                self.store.received(len(data))
-                return data
-            except (RetryRange, OSError) as e:
-                log.warning("%s: re-check piece %d from the store, attempt %d (%s)",
-                            self.label, piece, attempt, e)  # fmt: skip
-                time.sleep(self.downloader.backoff.delay(attempt))
-        raise TransientError(f"cannot fetch {self.label} from {self.origin.where} to check "
-                             "the pieces peers sent; run the fetch again")  # fmt: skip
 
     def _digest(self) -> str:
         """The sha256 of the complete partial, once the worker hashing it (if one still
