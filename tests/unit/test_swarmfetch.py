@@ -28,7 +28,7 @@ from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import Peers
 from weightcache.node.pieces import Bitmap, piece_size_for
 from weightcache.node.swarm import ORIGIN, PeerView, stripe
-from weightcache.node.swarmfetch import SwarmDownload
+from weightcache.node.swarmfetch import SwarmDownload, SwarmJob
 from weightcache.node.swarmpace import CLAIM_GRACE, Rates
 from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
@@ -247,8 +247,8 @@ def test_a_peer_s_piece_is_judged_slow_against_this_node_s_share_of_its_link(
     source trickles."""
     downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
     peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
-    swarm = SwarmDownload(peers, "0" * 64, 64 << 20, tmp_path / "partial", "a.bin",
-                          FileBlob(tmp_path / "a.bin"), downloader)  # fmt: skip
+    job = SwarmJob("0" * 64, 64 << 20, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"))
+    swarm = SwarmDownload(job, peers, downloader)
     try:
 
         def floor(received: int, requests: int, streamed: bool = False) -> float:
@@ -283,9 +283,9 @@ def test_the_next_blob_may_start_once_a_peer_claims_what_this_node_has_not_asked
     peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
     size = 64 << 20
     event = threading.Event()
-    swarm = SwarmDownload(peers, "0" * 64, size, tmp_path / "partial", "a.bin",
-                          FileBlob(tmp_path / "a.bin"), downloader,
-                          all_claimed=event)  # fmt: skip
+    job = SwarmJob("0" * 64, size, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"),
+                   all_claimed=event)  # fmt: skip
+    swarm = SwarmDownload(job, peers, downloader)
     swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
     try:
         count = swarm.count
@@ -309,8 +309,8 @@ def test_a_peer_s_claims_that_do_not_become_pieces_expire_and_the_store_is_asked
     downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
     peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
     size = 64 << 20
-    swarm = SwarmDownload(peers, "0" * 64, size, tmp_path / "partial", "a.bin",
-                          FileBlob(tmp_path / "a.bin"), downloader)  # fmt: skip
+    job = SwarmJob("0" * 64, size, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"))
+    swarm = SwarmDownload(job, peers, downloader)
     swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
     now = [time.monotonic()]
     monkeypatch.setattr(swarmfetch.time, "monotonic", lambda: now[0])

@@ -106,30 +106,42 @@ class Outcome:
     liars: list[str] = field(default_factory=list)
 
 
-class SwarmDownload:
-    """One blob, downloaded by the swarm into `partial` (see the module docstring)."""
+@dataclass(frozen=True)
+class SwarmJob:
+    """One blob for the swarm to download: the blob (`sha256`, `size`, `label` in messages),
+    its partial file, the store as its source, and the caller's signals (see the module
+    docstring: `all_claimed`, `cancel`); `members`: the peers seen swarming the revision's
+    other blobs (`SwarmMembers`)."""
 
-    def __init__(
-        self, peers: Peers, sha256: str, size: int, partial: Path, label: str,
-        origin: BlobSource, downloader: RangedDownloader, limits: Limits | None = None,
-        all_claimed: threading.Event | None = None, cancel: threading.Event | None = None,
-        members: SwarmMembers | None = None,
-    ) -> None:  # fmt: skip
-        self.peers, self.sha256, self.size, self.label = peers, sha256, size, label
-        self.all_claimed, self.cancel = all_claimed, cancel
-        self.partial_path, self.origin, self.downloader = partial, origin, downloader
+    sha256: str
+    size: int
+    partial: Path
+    label: str
+    origin: BlobSource
+    limits: Limits = field(default_factory=Limits)
+    all_claimed: threading.Event | None = None
+    cancel: threading.Event | None = None
+    members: SwarmMembers | None = None
+
+
+class SwarmDownload:
+    """One blob, downloaded by the swarm into its partial (see the module docstring), from
+    the node's `peers` and, through `downloader`, the store."""
+
+    def __init__(self, job: SwarmJob, peers: Peers, downloader: RangedDownloader) -> None:
+        self.job, self.peers, self.downloader = job, peers, downloader
+        self.sha256, self.size, self.label = job.sha256, job.size, job.label
         self.observer = downloader.observer
-        self.limits = limits or Limits()
-        self.piece_size = piece_size_for(size)
-        self.ranges = piece_ranges(size, self.piece_size)
+        self.piece_size = piece_size_for(job.size)
+        self.ranges = piece_ranges(job.size, self.piece_size)
         self.count = len(self.ranges)
         self.rng = random.Random()
         self.rates = Rates()
         self.land_lock = threading.Lock()  # one piece written at a time: first source wins
         self.requests = Requests(self.count)
-        self.views = PeerViews(peers, sha256, size, self.piece_size, members)
-        self.store = StoreGate(self.limits, downloader, origin.where, label, self.piece_size,
-                               VIEW_LAG)  # fmt: skip
+        self.views = PeerViews(peers, job.sha256, job.size, self.piece_size, job.members)
+        self.store = StoreGate(job.limits, downloader, job.origin.where, job.label,
+                               self.piece_size, VIEW_LAG)  # fmt: skip
         self.idle_since = time.monotonic()
         self.late = Late(self.idle_since, self.count)
         self.claims = Claims()
@@ -147,8 +159,8 @@ class SwarmDownload:
         """Fill the partial and return its sha256 (see Outcome). Raises Interrupted,
         TransientError (no progress in --timeout), NoSpaceError, and the store's
         SourceError or IntegrityError."""
-        self.file = PartialFile.open(self.partial_path, self.label, self.size, self.piece_size)
-        pool = ThreadPoolExecutor(self.limits.total + 1, thread_name_prefix="swarm")
+        self.file = PartialFile.open(self.job.partial, self.label, self.size, self.piece_size)
+        pool = ThreadPoolExecutor(self.job.limits.total + 1, thread_name_prefix="swarm")
         self.peers.advertise(self.sha256, self)
         try:
             held = self._held()
@@ -198,8 +210,8 @@ class SwarmDownload:
         claimants, and the next blob's claims keep it busy meanwhile: waiting until every
         missing piece is in flight here (the end game) left the store's link idle for
         several seconds at each blob (benchmarks/RESULTS.md)."""
-        if self.all_claimed is not None and pieces == (1 << self.count) - 1:
-            self.all_claimed.set()
+        if self.job.all_claimed is not None and pieces == (1 << self.count) - 1:
+            self.job.all_claimed.set()
 
     def _log_summary(self) -> None:
         pieces = self.requests.summary()
@@ -226,7 +238,8 @@ class SwarmDownload:
 
     def _stopping(self) -> bool:
         """SIGTERM, or the caller's `cancel`."""
-        return self.downloader.closing or (self.cancel is not None and self.cancel.is_set())
+        cancel = self.job.cancel
+        return self.downloader.closing or (cancel is not None and cancel.is_set())
 
     # -- choosing ----------------------------------------------------------------------------
 
@@ -243,7 +256,7 @@ class SwarmDownload:
         fetching = sum(1 << p for p in inflight)
         claimed, held = in_view(views)
         self.late.saw(claimed | local.have.bits | fetching, held | local.have.bits, now)
-        requests = choose(local, views, store, self.limits, self.rng)
+        requests = choose(local, views, store, self.job.limits, self.rng)
         if requests or inflight:
             self.idle_since = now
         elif now - self.idle_since >= IDLE_GRACE:
@@ -252,7 +265,7 @@ class SwarmDownload:
             # partial view only for pieces nobody could be expected to have (`idle_scope`).
             scope = idle_scope(self.views.partial(), local, self.views.orphans(),
                                self.late.late(now, rank, members))  # fmt: skip
-            requests = idle_requests(local, views, store, self.limits, self.rng, scope)
+            requests = idle_requests(local, views, store, self.job.limits, self.rng, scope)
         if self.store.paused():
             requests = [r for r in requests if r.source != ORIGIN]
         asked = fetching | sum(1 << r.piece for r in requests)
@@ -352,7 +365,7 @@ class SwarmDownload:
         began = time.monotonic()
         judge_at = float("inf")  # when the piece is next judged (`_judge`)
         if source == ORIGIN:
-            blob, timeout = self.origin, self.downloader.read_timeout
+            blob, timeout = self.job.origin, self.downloader.read_timeout
         else:
             blob = self.peers.blob(source, self.sha256, self._on_response(source, streamed))
             timeout = PEER_TIMEOUT
