@@ -1,15 +1,16 @@
 """The swarm's data plane (design §8, Swarm): one blob, piece by piece, from peers and the store.
 
 `SwarmDownload.run` fills the blob's partial file (transfer/partial.py, its parts being the
-swarm's pieces) by a loop that asks `swarm.choose` what to request next, from its view of
-the peers and of the store, and runs each request in a worker thread:
+swarm's pieces) by a loop that asks `swarm.choose` what to request next (through
+swarmchoice.py), from its view of the peers and of the store, and runs each request in a
+worker thread:
 
 - **Views.** Every VIEW_EVERY seconds the peers found by discovery (a sample of them past
   `--peer-view`: weightcache/node/swarmviews.py) are asked a HEAD of the blob (in the
   background); every response to a piece request updates the view too (the
   peer server advertises held and in-flight pieces on every answer, refusals included).
   A peer that does not answer, or cuts a piece short, is left out until it answers again.
-  A peer's claim that does not become a piece in time expires (`_unclaimed`): the store
+  A peer's claim that does not become a piece in time expires (swarmchoice.py): the store
   is asked for that piece.
 - **Requests.** A piece asked of a peer carries `Held-Only`: a 416 only updates the view. A
   piece asked of the store goes through the origin's `BlobSource`, at most the store
@@ -33,7 +34,6 @@ import contextlib
 import http.client
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING
 
 from weightcache.errors import Interrupted, TransientError, WeightcacheError
 from weightcache.node.pieces import Bitmap, piece_ranges, piece_size_for
-from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, Request, choose
+from weightcache.node.swarm import ORIGIN, Limits, Request
+from weightcache.node.swarmchoice import Chooser
 from weightcache.node.swarmorigin import StoreGate
 from weightcache.node.swarmpace import (
     PEER_TIMEOUT,
     RATE_WINDOW,
     Rates,
-    claim_wait,
     slow_floor,
     too_slow,
 )
@@ -59,13 +59,7 @@ from weightcache.node.swarmrequests import RESUMED, Requests, Stream
 from weightcache.node.swarmviews import (
     VIEW_EVERY,
     VIEW_LAG,
-    Claims,
-    Late,
     PeerViews,
-    idle_requests,
-    idle_scope,
-    in_view,
-    unclaim,
 )
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
@@ -78,7 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TICK = 0.1  # seconds the loop sleeps at most between choices
-IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 HASH_BUFFER = 256 << 10
 
 
@@ -135,17 +128,13 @@ class SwarmDownload:
         self.piece_size = piece_size_for(job.size)
         self.ranges = piece_ranges(job.size, self.piece_size)
         self.count = len(self.ranges)
-        self.rng = random.Random()
         self.rates = Rates()
         self.land_lock = threading.Lock()  # one piece written at a time: first source wins
         self.requests = Requests(self.count)
         self.views = PeerViews(peers, job.sha256, job.size, self.piece_size, job.members)
         self.store = StoreGate(job.limits, downloader, job.origin.where, job.label,
                                self.piece_size, VIEW_LAG)  # fmt: skip
-        self.idle_since = time.monotonic()
-        self.late = Late(self.idle_since, self.count)
-        self.claims = Claims()
-        self.expired: dict[str, int] = {}  # peer -> its claims expired (`_unclaimed`)
+        self.chooser = Chooser(self.views, self.store, self.requests, self.rates, job.all_claimed)
         self.errors: list[BaseException] = []
         self.last_progress = time.monotonic()
         self.events: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -204,15 +193,6 @@ class SwarmDownload:
             with contextlib.suppress(queue.Empty):
                 self.events.get(timeout=TICK)
 
-    def _note_claimed(self, pieces: int) -> None:
-        """Set `all_claimed` once `pieces` (held or asked for, here or by a peer in view)
-        are all of them. The store's last pieces of this blob are then in flight to their
-        claimants, and the next blob's claims keep it busy meanwhile: waiting until every
-        missing piece is in flight here (the end game) left the store's link idle for
-        several seconds at each blob (benchmarks/RESULTS.md)."""
-        if self.job.all_claimed is not None and pieces == (1 << self.count) - 1:
-            self.job.all_claimed.set()
-
     def _log_summary(self) -> None:
         pieces = self.requests.summary()
         store = self.store.view()
@@ -244,43 +224,8 @@ class SwarmDownload:
     # -- choosing ----------------------------------------------------------------------------
 
     def _choose(self) -> list[Request]:
-        """The requests to start now (`swarm.choose` on the current views, then the idle
-        rule); with the same views, notes whether every piece is claimed (`all_claimed`)."""
-        now = time.monotonic()
-        inflight = self.requests.in_flight()
-        store = self.store.view()
-        views, rank, members = self.views.current()
-        views = self._unclaimed(views, now)
-        spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
-        local = Local(self._held(), inflight, rank, members, spare)
-        fetching = sum(1 << p for p in inflight)
-        claimed, held = in_view(views)
-        self.late.saw(claimed | local.have.bits | fetching, held | local.have.bits, now)
-        requests = choose(local, views, store, self.job.limits, self.rng)
-        if requests or inflight:
-            self.idle_since = now
-        elif now - self.idle_since >= IDLE_GRACE:
-            # Nobody in view holds or fetches what is missing for a while (views are that
-            # stale): the store, whatever its room, rather than waiting for nothing; with a
-            # partial view only for pieces nobody could be expected to have (`idle_scope`).
-            scope = idle_scope(self.views.partial(), local, self.views.orphans(),
-                               self.late.late(now, rank, members))  # fmt: skip
-            requests = idle_requests(local, views, store, self.job.limits, self.rng, scope)
-        if self.store.paused():
-            requests = [r for r in requests if r.source != ORIGIN]
-        asked = fetching | sum(1 << r.piece for r in requests)
-        self._note_claimed(local.have.bits | asked | claimed)
-        return requests
-
-    def _unclaimed(self, views: list[PeerView], now: float) -> list[PeerView]:
-        """`views` without the claims that have expired (`Claims`, `claim_wait`): those
-        pieces are the store's again, and a piece this node is asking of a peer that
-        streams it is given up (`_read`)."""
-        self.claims.saw(views, now)
-        oldest = self.requests.oldest_stream(now)
-        wait = claim_wait(self.piece_size, self.store.per_request(), now - oldest)
-        self.expired = self.claims.expired(now, wait)
-        return unclaim(views, self.expired)
+        """The requests to start now (`Chooser.choose`)."""
+        return self.chooser.choose(self._held())
 
     def _held(self) -> Bitmap:
         assert self.file is not None
@@ -400,13 +345,13 @@ class SwarmDownload:
                began: float) -> None:  # fmt: skip
         """Raise _TooSlow if a peer's piece, `pos` of `size` bytes since `began`, is too
         slow (it must average `_slow_floor`), or if it is streamed and the peer's claim of
-        it has expired (`_unclaimed`): the store is asked for it instead."""
+        it has expired (`Chooser._unclaimed`): the store is asked for it instead."""
         elapsed = time.monotonic() - began
         floor = self._slow_floor(streamed)
         if too_slow(elapsed, size, floor):
             raise _TooSlow(f"too slow: {pos} of {size} bytes, less than "
                            f"{floor / 1024:.0f} KiB/s", pos / elapsed)  # fmt: skip
-        if streamed and self.expired.get(source, 0) >> piece & 1:
+        if streamed and self.chooser.expired.get(source, 0) >> piece & 1:
             raise _TooSlow(f"its claim expired: {pos} of {size} bytes in {elapsed:.0f}s",
                            pos / elapsed)  # fmt: skip
 
