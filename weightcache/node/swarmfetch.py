@@ -47,20 +47,10 @@ from weightcache.node.pieces import Bitmap, piece_ranges, piece_size_for
 from weightcache.node.swarm import ORIGIN, Limits, Request
 from weightcache.node.swarmchoice import Chooser
 from weightcache.node.swarmorigin import StoreGate
-from weightcache.node.swarmpace import (
-    PEER_TIMEOUT,
-    RATE_WINDOW,
-    Rates,
-    slow_floor,
-    too_slow,
-)
+from weightcache.node.swarmpace import PEER_TIMEOUT, RATE_WINDOW, Rates, TooSlow, judge, slow_floor
 from weightcache.node.swarmrecheck import Recheck
 from weightcache.node.swarmrequests import RESUMED, Requests, Stream
-from weightcache.node.swarmviews import (
-    VIEW_EVERY,
-    VIEW_LAG,
-    PeerViews,
-)
+from weightcache.node.swarmviews import VIEW_EVERY, VIEW_LAG, PeerViews
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
 
@@ -73,15 +63,6 @@ log = logging.getLogger(__name__)
 
 TICK = 0.1  # seconds the loop sleeps at most between choices
 HASH_BUFFER = 256 << 10
-
-
-class _TooSlow(RetryRange):
-    """A peer's piece given up for its pace (`swarmpace.too_slow`, or its claim expired
-    meanwhile), after arriving at `rate` bytes/s."""
-
-    def __init__(self, reason: str, rate: float) -> None:
-        super().__init__(reason)
-        self.rate = rate
 
 
 class _Dropped(Exception):
@@ -343,17 +324,13 @@ class SwarmDownload:
 
     def _judge(self, piece: int, source: str, streamed: bool, pos: int, size: int,
                began: float) -> None:  # fmt: skip
-        """Raise _TooSlow if a peer's piece, `pos` of `size` bytes since `began`, is too
-        slow (it must average `_slow_floor`), or if it is streamed and the peer's claim of
-        it has expired (`Chooser._unclaimed`): the store is asked for it instead."""
+        """`swarmpace.judge` a peer's piece, `pos` of `size` bytes since `began`, against
+        `_slow_floor`, and, if it is streamed, against the peer's claim of it, which may
+        have expired (`Chooser._unclaimed`). Raises TooSlow."""
         elapsed = time.monotonic() - began
         floor = self._slow_floor(streamed)
-        if too_slow(elapsed, size, floor):
-            raise _TooSlow(f"too slow: {pos} of {size} bytes, less than "
-                           f"{floor / 1024:.0f} KiB/s", pos / elapsed)  # fmt: skip
-        if streamed and self.chooser.expired.get(source, 0) >> piece & 1:
-            raise _TooSlow(f"its claim expired: {pos} of {size} bytes in {elapsed:.0f}s",
-                           pos / elapsed)  # fmt: skip
+        expired = streamed and bool(self.chooser.expired.get(source, 0) >> piece & 1)
+        judge(pos, size, elapsed, floor, expired)
 
     def _slow_floor(self, streamed: bool) -> float:
         """The bytes/s below which a piece from a peer is given up (swarmpace.py)."""
@@ -395,7 +372,7 @@ class SwarmDownload:
             log.info("peer %s failed a piece of %s it %s (%s); choosing again", source,
                      self.label, how, error)  # fmt: skip
             self.views.shun(source)
-            self.store.peer_failed(error.rate if isinstance(error, _TooSlow) else 0.0)
+            self.store.peer_failed(error.rate if isinstance(error, TooSlow) else 0.0)
             return
         fatal = self.store.failed(error)
         if fatal is not None:
