@@ -23,7 +23,7 @@ from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
-from weightcache.node import swarmfetch
+from weightcache.node import swarmchoice
 from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import Peers
 from weightcache.node.pieces import Bitmap, piece_size_for
@@ -313,7 +313,7 @@ def test_a_peer_s_claims_that_do_not_become_pieces_expire_and_the_store_is_asked
     swarm = SwarmDownload(job, peers, downloader)
     swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
     now = [time.monotonic()]
-    monkeypatch.setattr(swarmfetch.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(swarmchoice.time, "monotonic", lambda: now[0])
     try:
         count = swarm.count
         view = PeerView("http://peer", Bitmap(count), Bitmap.full(count))
