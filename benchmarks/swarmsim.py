@@ -128,7 +128,7 @@ from swarmnet import (  # the setting and closed forms live with the model; used
 from weightcache.config import DEFAULT_PEER_VIEW
 from weightcache.node.pieces import Bitmap, piece_count
 from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, StoreView, choose, next_window
-from weightcache.node.swarmfetch import IDLE_GRACE
+from weightcache.node.swarmchoice import IDLE_GRACE
 from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
 from weightcache.node.swarmpace import claim_wait
 from weightcache.node.swarmviews import (
@@ -148,7 +148,7 @@ from weightcache.node.swarmviews import (
 __all__ = ["Cpu", "Flow", "MiB", "Network", "Outcome", "Params", "Swarm", "bound", "fmt_bits",
            "line", "parse_bits", "peers_off", "run", "store_rates", "today"]  # fmt: skip
 
-#: The daemon's rules (weightcache/node/swarmfetch.py, `SwarmDownload._choose`): its link is
+#: The daemon's rules (weightcache/node/swarmchoice.py, `Chooser.choose`): its link is
 #: spare while it receives less than this share of the best rate it has seen for the blob.
 SPARE = 0.6
 
@@ -469,7 +469,7 @@ class Swarm:
                 del node.view[j]
 
     def _decide(self, i: int) -> None:
-        """`SwarmDownload._choose`: the policy on the node's view, then the store regardless
+        """`Chooser.choose`: the policy on the node's view, then the store regardless
         of its room after IDLE_GRACE idle (not for pieces someone in view claims)."""
         node, now = self.nodes[i], self.net.now
         if node.ready is not None or not node.joined:
@@ -520,7 +520,7 @@ class Swarm:
             self.net.at(now + self.p.rtt, BEGIN, f, f.ver)
 
     def _expire(self, node: Node) -> None:
-        """`SwarmDownload._unclaimed`: the peers' claims older than `claim_wait` (a store
+        """`Chooser._unclaimed`: the peers' claims older than `claim_wait` (a store
         piece's time here: its measured pace, or its oldest request's age) expire. Nothing
         fails here: a claim expires only when the store is that much slower for its
         claimant."""

@@ -23,12 +23,12 @@ from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
-from weightcache.node import swarmfetch
+from weightcache.node import swarmchoice
 from weightcache.node.bitsets import iter_bits
 from weightcache.node.peers import Peers
 from weightcache.node.pieces import Bitmap, piece_size_for
 from weightcache.node.swarm import ORIGIN, PeerView, stripe
-from weightcache.node.swarmfetch import SwarmDownload
+from weightcache.node.swarmfetch import SwarmDownload, SwarmJob
 from weightcache.node.swarmpace import CLAIM_GRACE, Rates
 from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
@@ -247,15 +247,15 @@ def test_a_peer_s_piece_is_judged_slow_against_this_node_s_share_of_its_link(
     source trickles."""
     downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
     peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
-    swarm = SwarmDownload(peers, "0" * 64, 64 << 20, tmp_path / "partial", "a.bin",
-                          FileBlob(tmp_path / "a.bin"), downloader)  # fmt: skip
+    job = SwarmJob("0" * 64, 64 << 20, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"))
+    swarm = SwarmDownload(job, peers, downloader)
     try:
 
         def floor(received: int, requests: int, streamed: bool = False) -> float:
             swarm.rates = Rates()
             swarm.rates._start -= 10  # measured over the last second
             swarm.rates.note(received)
-            swarm.inflight = {i: {"peer"} for i in range(requests)}
+            swarm.requests.inflight = {i: {"peer"} for i in range(requests)}
             return swarm._slow_floor(streamed)
 
         assert floor(8 << 20, 4) == 64 << 10  # a fast link: the fixed rate
@@ -283,9 +283,9 @@ def test_the_next_blob_may_start_once_a_peer_claims_what_this_node_has_not_asked
     peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
     size = 64 << 20
     event = threading.Event()
-    swarm = SwarmDownload(peers, "0" * 64, size, tmp_path / "partial", "a.bin",
-                          FileBlob(tmp_path / "a.bin"), downloader,
-                          all_claimed=event)  # fmt: skip
+    job = SwarmJob("0" * 64, size, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"),
+                   all_claimed=event)  # fmt: skip
+    swarm = SwarmDownload(job, peers, downloader)
     swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
     try:
         count = swarm.count
@@ -309,11 +309,11 @@ def test_a_peer_s_claims_that_do_not_become_pieces_expire_and_the_store_is_asked
     downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
     peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
     size = 64 << 20
-    swarm = SwarmDownload(peers, "0" * 64, size, tmp_path / "partial", "a.bin",
-                          FileBlob(tmp_path / "a.bin"), downloader)  # fmt: skip
+    job = SwarmJob("0" * 64, size, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"))
+    swarm = SwarmDownload(job, peers, downloader)
     swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
     now = [time.monotonic()]
-    monkeypatch.setattr(swarmfetch.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(swarmchoice.time, "monotonic", lambda: now[0])
     try:
         count = swarm.count
         view = PeerView("http://peer", Bitmap(count), Bitmap.full(count))

@@ -398,11 +398,11 @@ class Peers:
         `all_claimed` is set once every piece is held or asked for, here or by a peer;
         `cancel` stops the download; `members`: the peers seen swarming the revision's
         other blobs (`SwarmMembers`)."""
-        from weightcache.node.swarmfetch import SwarmDownload
+        from weightcache.node.swarmfetch import SwarmDownload, SwarmJob
 
-        return SwarmDownload(self, sha256, size, partial, label, origin, downloader,
-                             all_claimed=all_claimed, cancel=cancel,
-                             members=members).run()  # fmt: skip
+        job = SwarmJob(sha256, size, partial, label, origin, all_claimed=all_claimed,
+                       cancel=cancel, members=members)  # fmt: skip
+        return SwarmDownload(job, self, downloader).run()
 
 
 class PeerBlob:

@@ -1,15 +1,16 @@
 """The swarm's data plane (design §8, Swarm): one blob, piece by piece, from peers and the store.
 
 `SwarmDownload.run` fills the blob's partial file (transfer/partial.py, its parts being the
-swarm's pieces) by a loop that asks `swarm.choose` what to request next, from its view of
-the peers and of the store, and runs each request in a worker thread:
+swarm's pieces) by a loop that asks `swarm.choose` what to request next (through
+swarmchoice.py), from its view of the peers and of the store, and runs each request in a
+worker thread:
 
 - **Views.** Every VIEW_EVERY seconds the peers found by discovery (a sample of them past
   `--peer-view`: weightcache/node/swarmviews.py) are asked a HEAD of the blob (in the
   background); every response to a piece request updates the view too (the
   peer server advertises held and in-flight pieces on every answer, refusals included).
   A peer that does not answer, or cuts a piece short, is left out until it answers again.
-  A peer's claim that does not become a piece in time expires (`_unclaimed`): the store
+  A peer's claim that does not become a piece in time expires (swarmchoice.py): the store
   is asked for that piece.
 - **Requests.** A piece asked of a peer carries `Held-Only`: a 416 only updates the view. A
   piece asked of the store goes through the origin's `BlobSource`, at most the store
@@ -17,10 +18,9 @@ the peers and of the store, and runs each request in a worker thread:
   read into memory and written at its offset only when complete, and recorded as written
   (so a kill loses at most the pieces in flight); a second source of the same piece
   (endgame) is dropped if the first one landed.
-- **Integrity.** The whole-blob sha256 is computed as pieces land. On a mismatch, every
-  piece that did not come from the store in this run is fetched again from the store and
-  compared: a peer whose piece differs is marked bad, the store's bytes are kept, and the
-  blob is hashed again. At most once; the caller decides what a second mismatch means.
+- **Integrity.** The whole-blob sha256 is computed as pieces land. On a mismatch, the
+  pieces peers sent are fetched again from the store, the liars marked bad, and the blob
+  hashed again (weightcache/node/swarmrecheck.py).
 - **The next blob.** Once every piece is held or asked for, here or by a peer in view
   (nothing is left for this node to claim from the store), the download sets its
   `all_claimed` event: the caller may start the next blob meanwhile (fetch/blobs.py), so
@@ -30,13 +30,10 @@ the peers and of the store, and runs each request in a worker thread:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import http.client
 import logging
-import os
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -47,27 +44,13 @@ from typing import TYPE_CHECKING
 
 from weightcache.errors import Interrupted, TransientError, WeightcacheError
 from weightcache.node.pieces import Bitmap, piece_ranges, piece_size_for
-from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, Request, choose
+from weightcache.node.swarm import ORIGIN, Limits, Request
+from weightcache.node.swarmchoice import Chooser
 from weightcache.node.swarmorigin import StoreGate
-from weightcache.node.swarmpace import (
-    PEER_TIMEOUT,
-    RATE_WINDOW,
-    Rates,
-    claim_wait,
-    slow_floor,
-    too_slow,
-)
-from weightcache.node.swarmviews import (
-    VIEW_EVERY,
-    VIEW_LAG,
-    Claims,
-    Late,
-    PeerViews,
-    idle_requests,
-    idle_scope,
-    in_view,
-    unclaim,
-)
+from weightcache.node.swarmpace import PEER_TIMEOUT, RATE_WINDOW, Rates, TooSlow, judge, slow_floor
+from weightcache.node.swarmrecheck import Recheck
+from weightcache.node.swarmrequests import RESUMED, Requests, Stream
+from weightcache.node.swarmviews import VIEW_EVERY, VIEW_LAG, PeerViews
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.sources import BlobSource, RetryRange
 
@@ -79,27 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TICK = 0.1  # seconds the loop sleeps at most between choices
-IDLE_GRACE = 1.0  # seconds idle with pieces missing before the store is asked regardless
 HASH_BUFFER = 256 << 10
-
-
-@dataclass
-class _Stream:
-    """A piece coming from the store, passed on to peers as it arrives (cut-through): its
-    buffer, of which the first `received` bytes are final (the reader only appends)."""
-
-    data: bytearray
-    received: int = 0
-    began: float = field(default_factory=time.monotonic)
-
-
-class _TooSlow(RetryRange):
-    """A peer's piece given up for its pace (`swarmpace.too_slow`, or its claim expired
-    meanwhile), after arriving at `rate` bytes/s."""
-
-    def __init__(self, reason: str, rate: float) -> None:
-        super().__init__(reason)
-        self.rate = rate
 
 
 class _Dropped(Exception):
@@ -117,38 +80,42 @@ class Outcome:
     liars: list[str] = field(default_factory=list)
 
 
-class SwarmDownload:
-    """One blob, downloaded by the swarm into `partial` (see the module docstring)."""
+@dataclass(frozen=True)
+class SwarmJob:
+    """One blob for the swarm to download: the blob (`sha256`, `size`, `label` in messages),
+    its partial file, the store as its source, and the caller's signals (see the module
+    docstring: `all_claimed`, `cancel`); `members`: the peers seen swarming the revision's
+    other blobs (`SwarmMembers`)."""
 
-    def __init__(
-        self, peers: Peers, sha256: str, size: int, partial: Path, label: str,
-        origin: BlobSource, downloader: RangedDownloader, limits: Limits | None = None,
-        all_claimed: threading.Event | None = None, cancel: threading.Event | None = None,
-        members: SwarmMembers | None = None,
-    ) -> None:  # fmt: skip
-        self.peers, self.sha256, self.size, self.label = peers, sha256, size, label
-        self.all_claimed, self.cancel = all_claimed, cancel
-        self.partial_path, self.origin, self.downloader = partial, origin, downloader
+    sha256: str
+    size: int
+    partial: Path
+    label: str
+    origin: BlobSource
+    limits: Limits = field(default_factory=Limits)
+    all_claimed: threading.Event | None = None
+    cancel: threading.Event | None = None
+    members: SwarmMembers | None = None
+
+
+class SwarmDownload:
+    """One blob, downloaded by the swarm into its partial (see the module docstring), from
+    the node's `peers` and, through `downloader`, the store."""
+
+    def __init__(self, job: SwarmJob, peers: Peers, downloader: RangedDownloader) -> None:
+        self.job, self.peers, self.downloader = job, peers, downloader
+        self.sha256, self.size, self.label = job.sha256, job.size, job.label
         self.observer = downloader.observer
-        self.limits = limits or Limits()
-        self.piece_size = piece_size_for(size)
-        self.ranges = piece_ranges(size, self.piece_size)
+        self.piece_size = piece_size_for(job.size)
+        self.ranges = piece_ranges(job.size, self.piece_size)
         self.count = len(self.ranges)
-        self.rng = random.Random()
         self.rates = Rates()
         self.land_lock = threading.Lock()  # one piece written at a time: first source wins
-        self.lock = threading.Lock()  # the fields below, from the loop and the workers
-        self.inflight: dict[int, set[str]] = {}
-        self.streams: dict[int, _Stream] = {}  # pieces coming from the store, for peers
-        self.sources: dict[int, str] = {}  # piece -> where its bytes came from, this run
-        self.cut_through = 0  # pieces from peers that streamed them from the store
-        self.views = PeerViews(peers, sha256, size, self.piece_size, members)
-        self.store = StoreGate(self.limits, downloader, origin.where, label, self.piece_size,
-                               VIEW_LAG)  # fmt: skip
-        self.idle_since = time.monotonic()
-        self.late = Late(self.idle_since, self.count)
-        self.claims = Claims()
-        self.expired: dict[str, int] = {}  # peer -> its claims expired (`_unclaimed`)
+        self.requests = Requests(self.count)
+        self.views = PeerViews(peers, job.sha256, job.size, self.piece_size, job.members)
+        self.store = StoreGate(job.limits, downloader, job.origin.where, job.label,
+                               self.piece_size, VIEW_LAG)  # fmt: skip
+        self.chooser = Chooser(self.views, self.store, self.requests, self.rates, job.all_claimed)
         self.errors: list[BaseException] = []
         self.last_progress = time.monotonic()
         self.events: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -162,14 +129,14 @@ class SwarmDownload:
         """Fill the partial and return its sha256 (see Outcome). Raises Interrupted,
         TransientError (no progress in --timeout), NoSpaceError, and the store's
         SourceError or IntegrityError."""
-        self.file = PartialFile.open(self.partial_path, self.label, self.size, self.piece_size)
-        pool = ThreadPoolExecutor(self.limits.total + 1, thread_name_prefix="swarm")
+        self.file = PartialFile.open(self.job.partial, self.label, self.size, self.piece_size)
+        pool = ThreadPoolExecutor(self.job.limits.total + 1, thread_name_prefix="swarm")
         self.peers.advertise(self.sha256, self)
         try:
             held = self._held()
             self.observer.expect(self.size - sum(b - a for i, (a, b) in enumerate(self.ranges)
                                                  if i in held))  # fmt: skip
-            self.sources = {i: "resumed" for i in held}
+            self.requests.resumed(held)
             self.file.advance_hash(self._buffer(), self._stopping)  # a resumed prefix: long
             self._loop(pool)
             digest = self._digest()
@@ -179,7 +146,10 @@ class SwarmDownload:
             log.warning("%s: the swarm's copy has sha256 %s, expected %s; fetching the "
                         "pieces peers sent again from the store", self.label, digest,
                         self.sha256)  # fmt: skip
-            liars = self._recheck(pool)
+            check = Recheck(self.file, self.ranges, self.requests, self.store,
+                            lambda piece: self._read(piece, ORIGIN, "origin", recheck=True),
+                            self.peers)  # fmt: skip
+            liars = check.liars(pool)
             digest = self.file.rehash(self._buffer(), self._stopping)
             return Outcome(digest, True, self.store.bytes, liars)
         finally:
@@ -199,32 +169,20 @@ class SwarmDownload:
                 self.views.refreshing.set()
                 pool.submit(self._refresh_views)
             for request in self._choose():
-                with self.lock:
-                    self.inflight.setdefault(request.piece, set()).add(request.source)
+                self.requests.started(request)
                 pool.submit(self._fetch, request)
             with contextlib.suppress(queue.Empty):
                 self.events.get(timeout=TICK)
 
-    def _note_claimed(self, pieces: int) -> None:
-        """Set `all_claimed` once `pieces` (held or asked for, here or by a peer in view)
-        are all of them. The store's last pieces of this blob are then in flight to their
-        claimants, and the next blob's claims keep it busy meanwhile: waiting until every
-        missing piece is in flight here (the end game) left the store's link idle for
-        several seconds at each blob (benchmarks/RESULTS.md)."""
-        if self.all_claimed is not None and pieces == (1 << self.count) - 1:
-            self.all_claimed.set()
-
     def _log_summary(self) -> None:
-        with self.lock:
-            by = collections.Counter(s if s in (ORIGIN, "resumed") else "peer"
-                                     for s in self.sources.values())  # fmt: skip
-            senders = {s for s in self.sources.values() if s not in (ORIGIN, "resumed")}
+        pieces = self.requests.summary()
         store = self.store.view()
         watched, listed = self.views.watching()
         log.info("swarm: %s in %d pieces: %d from the store, %d from %d peers (%d streamed), "
                  "%d resumed; store window %d, room %s; watching %d of %d peers", self.label,
-                 self.count, by[ORIGIN], by["peer"], len(senders), self.cut_through,
-                 by["resumed"], store.window, store.room, watched, listed)  # fmt: skip
+                 self.count, pieces.by[ORIGIN], pieces.by["peer"], pieces.senders,
+                 pieces.streamed, pieces.by[RESUMED], store.window, store.room, watched,
+                 listed)  # fmt: skip
 
     def _check(self) -> None:
         """Raise what ends the download: a worker's fatal error, SIGTERM, no progress."""
@@ -241,50 +199,14 @@ class SwarmDownload:
 
     def _stopping(self) -> bool:
         """SIGTERM, or the caller's `cancel`."""
-        return self.downloader.closing or (self.cancel is not None and self.cancel.is_set())
+        cancel = self.job.cancel
+        return self.downloader.closing or (cancel is not None and cancel.is_set())
 
     # -- choosing ----------------------------------------------------------------------------
 
     def _choose(self) -> list[Request]:
-        """The requests to start now (`swarm.choose` on the current views, then the idle
-        rule); with the same views, notes whether every piece is claimed (`all_claimed`)."""
-        now = time.monotonic()
-        with self.lock:
-            inflight = {p: frozenset(s) for p, s in self.inflight.items()}
-        store = self.store.view()
-        views, rank, members = self.views.current()
-        views = self._unclaimed(views, now)
-        spare = not inflight or self.rates.rate() < 0.6 * self.rates.best
-        local = Local(self._held(), inflight, rank, members, spare)
-        fetching = sum(1 << p for p in inflight)
-        claimed, held = in_view(views)
-        self.late.saw(claimed | local.have.bits | fetching, held | local.have.bits, now)
-        requests = choose(local, views, store, self.limits, self.rng)
-        if requests or inflight:
-            self.idle_since = now
-        elif now - self.idle_since >= IDLE_GRACE:
-            # Nobody in view holds or fetches what is missing for a while (views are that
-            # stale): the store, whatever its room, rather than waiting for nothing; with a
-            # partial view only for pieces nobody could be expected to have (`idle_scope`).
-            scope = idle_scope(self.views.partial(), local, self.views.orphans(),
-                               self.late.late(now, rank, members))  # fmt: skip
-            requests = idle_requests(local, views, store, self.limits, self.rng, scope)
-        if self.store.paused():
-            requests = [r for r in requests if r.source != ORIGIN]
-        asked = fetching | sum(1 << r.piece for r in requests)
-        self._note_claimed(local.have.bits | asked | claimed)
-        return requests
-
-    def _unclaimed(self, views: list[PeerView], now: float) -> list[PeerView]:
-        """`views` without the claims that have expired (`Claims`, `claim_wait`): those
-        pieces are the store's again, and a piece this node is asking of a peer that
-        streams it is given up (`_read`)."""
-        self.claims.saw(views, now)
-        with self.lock:
-            oldest = min((s.began for s in self.streams.values()), default=now)
-        wait = claim_wait(self.piece_size, self.store.per_request(), now - oldest)
-        self.expired = self.claims.expired(now, wait)
-        return unclaim(views, self.expired)
+        """The requests to start now (`Chooser.choose`)."""
+        return self.chooser.choose(self._held())
 
     def _held(self) -> Bitmap:
         assert self.file is not None
@@ -293,19 +215,12 @@ class SwarmDownload:
 
     def pieces(self) -> tuple[int, Bitmap, Bitmap, Bitmap]:
         """(piece size, held, in flight, streamed) for this node's peer server (`peers.Live`)."""
-        with self.lock:
-            fetching = Bitmap.of(self.count, self.inflight)
-            streaming = Bitmap.of(self.count, self.streams)
+        fetching, streaming = self.requests.bitmaps()
         return self.piece_size, self._held(), fetching, streaming
 
     def streamed(self, piece: int, offset: int, limit: int, at_least: int) -> bytes | None:
         """What of a piece from the store has arrived, for the peer server (`peers.Live`)."""
-        with self.lock:
-            stream = self.streams.get(piece)
-        if stream is None:
-            return None
-        end = min(stream.received, offset + limit)
-        return bytes(stream.data[offset:end]) if end - offset >= at_least else b""
+        return self.requests.streamed(piece, offset, limit, at_least)
 
     def joined(self, peer: str) -> None:
         """A peer asked about the blob (`peers.Live`): see `PeerViews.joined`."""
@@ -345,20 +260,13 @@ class SwarmDownload:
                 if source != ORIGIN:
                     self.views.served(source)
                     if streamed:
-                        with self.lock:
-                            self.cut_through += 1
+                        self.requests.passed_on()
                 rate = len(data) / max(1e-3, time.monotonic() - started)
                 self.store.measured(kind, rate, self.views.alone())
         except BaseException as e:
             self.errors.append(e)
         finally:
-            with self.lock:
-                sources = self.inflight.get(piece, set())
-                sources.discard(source)
-                if not sources:
-                    self.inflight.pop(piece, None)
-                if source == ORIGIN:  # written, or failed: peers read it from the file now
-                    self.streams.pop(piece, None)
+            self.requests.finished(piece, source)
             self.events.put(None)
 
     def _read_or_fail(self, piece: int, source: str, kind: str, streamed: bool) -> bytearray | None:
@@ -383,15 +291,14 @@ class SwarmDownload:
         began = time.monotonic()
         judge_at = float("inf")  # when the piece is next judged (`_judge`)
         if source == ORIGIN:
-            blob, timeout = self.origin, self.downloader.read_timeout
+            blob, timeout = self.job.origin, self.downloader.read_timeout
         else:
             blob = self.peers.blob(source, self.sha256, self._on_response(source, streamed))
             timeout = PEER_TIMEOUT
             judge_at = began + PEER_TIMEOUT
-        stream = _Stream(data)
-        if source == ORIGIN and not recheck:
-            with self.lock:  # one request to the store per piece at a time (swarm.choose)
-                self.streams[piece] = stream
+        # a re-checked piece is not streamed: it has been written
+        streaming = source == ORIGIN and not recheck
+        stream = self.requests.streaming(piece, data) if streaming else Stream(data)
         self.observer.request_started(kind)
         try:
             with blob.open_range(start, end, self.size, timeout) as reader:
@@ -417,22 +324,17 @@ class SwarmDownload:
 
     def _judge(self, piece: int, source: str, streamed: bool, pos: int, size: int,
                began: float) -> None:  # fmt: skip
-        """Raise _TooSlow if a peer's piece, `pos` of `size` bytes since `began`, is too
-        slow (it must average `_slow_floor`), or if it is streamed and the peer's claim of
-        it has expired (`_unclaimed`): the store is asked for it instead."""
+        """`swarmpace.judge` a peer's piece, `pos` of `size` bytes since `began`, against
+        `_slow_floor`, and, if it is streamed, against the peer's claim of it, which may
+        have expired (`Chooser._unclaimed`). Raises TooSlow."""
         elapsed = time.monotonic() - began
         floor = self._slow_floor(streamed)
-        if too_slow(elapsed, size, floor):
-            raise _TooSlow(f"too slow: {pos} of {size} bytes, less than "
-                           f"{floor / 1024:.0f} KiB/s", pos / elapsed)  # fmt: skip
-        if streamed and self.expired.get(source, 0) >> piece & 1:
-            raise _TooSlow(f"its claim expired: {pos} of {size} bytes in {elapsed:.0f}s",
-                           pos / elapsed)  # fmt: skip
+        expired = streamed and bool(self.chooser.expired.get(source, 0) >> piece & 1)
+        judge(pos, size, elapsed, floor, expired)
 
     def _slow_floor(self, streamed: bool) -> float:
         """The bytes/s below which a piece from a peer is given up (swarmpace.py)."""
-        with self.lock:
-            requests = sum(len(s) for s in self.inflight.values())
+        requests = self.requests.requests()
         return slow_floor(self.rates.rate(), requests, self.store.per_request(), streamed)
 
     def _land(self, piece: int, source: str, data: bytearray) -> None:
@@ -452,8 +354,7 @@ class SwarmDownload:
                 self.file.wrote(piece, end)
                 self.file.mark_done(piece)
                 self.file.save()  # a kill from now on does not lose this piece
-                with self.lock:
-                    self.sources[piece] = source
+                self.requests.landed(piece, source)
             self.file.advance_hash(self._buffer())
         except OSError as e:
             raise TransientError(
@@ -471,51 +372,11 @@ class SwarmDownload:
             log.info("peer %s failed a piece of %s it %s (%s); choosing again", source,
                      self.label, how, error)  # fmt: skip
             self.views.shun(source)
-            self.store.peer_failed(error.rate if isinstance(error, _TooSlow) else 0.0)
+            self.store.peer_failed(error.rate if isinstance(error, TooSlow) else 0.0)
             return
         fatal = self.store.failed(error)
         if fatal is not None:
             self.errors.append(fatal)
-
-    # -- the integrity re-check --------------------------------------------------------------
-
-    def _recheck(self, pool: ThreadPoolExecutor) -> list[str]:
-        """Fetch every piece that did not come from the store again from it; where the
-        bytes differ, keep the store's and blame the peer that sent them. Returns the
-        liars (marked bad)."""
-        with self.lock:
-            suspects = [i for i in range(self.count) if self.sources.get(i) != ORIGIN]
-        liars: set[str] = set()
-        for piece, data in zip(suspects, pool.map(self._from_store, suspects), strict=True):
-            start, _ = self.ranges[piece]
-            assert self.file is not None
-            if os.pread(self.file.fd, len(data), start) == bytes(data):
-                continue
-            self.file.write(memoryview(data), start)
-            with self.lock:
-                source = self.sources.get(piece, "resumed")
-                self.sources[piece] = ORIGIN
-            if source not in (ORIGIN, "resumed"):
-                liars.add(source)
-        for peer in sorted(liars):
-            self.peers.mark_bad(peer, f"its pieces of {self.label} differ from the store's")
-        return sorted(liars)
-
-    def _from_store(self, piece: int) -> bytearray:
-        """One piece from the store, retried as the downloader would (bounded)."""
-        for attempt in range(1, self.downloader.settings.max_attempts + 1):
-            try:
-                data = self._read(piece, ORIGIN, "origin", recheck=True)
-                if data is None:  # SIGTERM or `cancel`
-                    raise Interrupted()
-                self.store.received(len(data))
-                return data
-            except (RetryRange, OSError) as e:
-                log.warning("%s: re-check piece %d from the store, attempt %d (%s)",
-                            self.label, piece, attempt, e)  # fmt: skip
-                time.sleep(self.downloader.backoff.delay(attempt))
-        raise TransientError(f"cannot fetch {self.label} from {self.origin.where} to check "
-                             "the pieces peers sent; run the fetch again")  # fmt: skip
 
     def _digest(self) -> str:
         """The sha256 of the complete partial, once the worker hashing it (if one still

@@ -5,7 +5,7 @@ A piece from a peer is given up (the peer left out as for a failure: swarmviews.
 has not arrived after PEER_TIMEOUT, nor within its size at PEER_MIN_RATE bytes/s or, if
 lower, at a SLOW_SHARE-th of this node's download rate per request in flight (of the
 store's rate per request, for a piece a peer streams from the store), but never below
-TRICKLE_RATE (`slow_floor`, `too_slow`). A peer trickling its pieces would hold them for
+TRICKLE_RATE (`slow_floor`, `too_slow`, `judge`). A peer trickling its pieces would hold them for
 ever, its bytes keeping the download from stalling, and the store never asked for them.
 Not a fixed rate alone: on a slow or crowded link every request is slow; at 12.5 mbit, 16
 nodes, honest peers' pieces of 2 MiB were cut at 95-98% (more than 150 in one run), their
@@ -22,6 +22,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+
+from weightcache.transfer.sources import RetryRange
 
 PEER_TIMEOUT = 5.0  # seconds one read from a peer may block: a dead peer's piece goes elsewhere
 PEER_MIN_RATE, TRICKLE_RATE, SLOW_SHARE = 64 << 10, 8 << 10, 4
@@ -71,6 +73,27 @@ def slow_floor(
 def too_slow(elapsed: float, size: int, floor: float) -> bool:
     """A piece of `size` bytes asked `elapsed` seconds ago should have arrived by now."""
     return elapsed > max(PEER_TIMEOUT, size / floor)
+
+
+class TooSlow(RetryRange):
+    """A peer's piece given up for its pace (`too_slow`, or its claim expired meanwhile),
+    after arriving at `rate` bytes/s."""
+
+    def __init__(self, reason: str, rate: float) -> None:
+        super().__init__(reason)
+        self.rate = rate
+
+
+def judge(pos: int, size: int, elapsed: float, floor: float, claim_expired: bool) -> None:
+    """Raise TooSlow if a peer's piece, `pos` of `size` bytes after `elapsed` seconds, is
+    too slow (it must average `floor` bytes/s, `too_slow`), or if it is streamed and the
+    peer's claim of it has expired (`claim_expired`): the store is asked for it instead."""
+    if too_slow(elapsed, size, floor):
+        raise TooSlow(f"too slow: {pos} of {size} bytes, less than "
+                      f"{floor / 1024:.0f} KiB/s", pos / elapsed)  # fmt: skip
+    if claim_expired:
+        raise TooSlow(f"its claim expired: {pos} of {size} bytes in {elapsed:.0f}s",
+                      pos / elapsed)  # fmt: skip
 
 
 def claim_wait(piece_size: int, store_rate: float | None, store_oldest: float) -> float:
