@@ -138,3 +138,24 @@ def test_a_valid_request_passes_with_its_pod_uid_normalised() -> None:
 def test_malformed_requests_say_what_is_wrong(raw: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why.replace("(", r"\(")):
         parse_request(raw)
+
+
+def test_a_socket_replaced_while_it_is_made_is_one_usage_error(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A file swapped in at the socket's name between bind and chmod: exit 2 in one line,
+    not a ValueError traceback, and nothing chmod-ed."""
+    import asyncio
+
+    from weightcache.errors import UsageError
+    from weightcache.node import serve
+
+    def swapped(path, mode, kind):  # type: ignore[no-untyped-def]
+        path.unlink()
+        path.write_text("planted")
+        return real(path, mode, kind)
+
+    real = serve.chmod_own
+    monkeypatch.setattr(serve, "chmod_own", swapped)
+    server = serve.SocketServer(tmp_path / "s", lambda line, send: None, Limits(4, 1.0, 1.0), 4096)
+    with pytest.raises(UsageError, match="was replaced"):
+        asyncio.run(server.start())
+    assert (tmp_path / "s").stat().st_mode & 0o777 != 0o666

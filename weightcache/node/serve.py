@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
+from weightcache.errors import UsageError
 from weightcache.node.coord import socket_address
 from weightcache.smallfile import chmod_own
 
@@ -349,7 +350,14 @@ class SocketServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with socket_address(self.path) as address:  # a deep cache dir's too long a path
             sock.bind(address)
-        chmod_own(self.path, 0o666, stat.S_IFSOCK)  # Pods may run as another uid
+        try:
+            chmod_own(self.path, 0o666, stat.S_IFSOCK)  # Pods may run as another uid
+        except ValueError as e:
+            sock.close()
+            raise UsageError(
+                f"the fetch socket {self.path} was replaced while the daemon made it ({e}); "
+                "another process writes the cache directory: stop it, then start the daemon"
+            ) from e
         self._server = await asyncio.start_unix_server(
             self._client, sock=sock, limit=self._line_limit, backlog=ACCEPT_BURST
         )
