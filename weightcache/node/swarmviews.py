@@ -124,8 +124,8 @@ class Late:
         store is still sending the first pieces to their owners): for the node after its
         stripe's owner in rank order, after 2 x `wait` for the next two, after 3 x `wait`
         the next four, and so on. A piece stuck at a dead or slow owner out of everyone's
-        view is then asked for by about one node, then by more only as it stays unseen (a
-        piece every idle node asked for at once cost 0.4 copies: 100 nodes, view 8).
+        view is then asked for by about one node, then by more only as it stays unseen
+        (design §8, A partial view).
         """
         if self.first_held is None or not self.count:
             return 0
@@ -207,8 +207,7 @@ def idle_scope(partial: bool, local: Local, orphans: int, late: int) -> int:
     idle): any with the whole membership in view; with a partial view only its own stripe,
     the stripes of members known gone, and pieces unseen for long (`Late.late`). A piece
     nobody in a partial view holds or fetches is most likely its owner's, or held out of
-    view: asking for it costs the store another copy (benchmarks/swarmsim.py: 15.2 copies
-    of a 256 MiB blob at 1,000 nodes, view 32, when an idle node asked for any)."""
+    view: asking for it would cost the store another copy (design §8, A partial view)."""
     if not partial:
         return -1
     return stripe(local.rank, local.nodes, local.have.count) | orphans | late
