@@ -35,8 +35,8 @@ removed after.
 path may not honour `--bwlimit`; a lower bound of the CPU.
 
 Then the simulator (benchmarks/swarmsim.py) with this CPU model and `--cores` (default: this
-machine's) against the swarm as measured in benchmarks/RESULTS.md ("Swarm, fourth
-pass"), and the flags that give benchmarks/swarm.py the same model (`--sim-...`).
+machine's) against the swarm measured at 400 mbit (`MEASURED`), and the flags that give
+benchmarks/swarm.py the same model (`--sim-...`).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # daemons a, b and c
 #: benchmarks; nothing outside them routes it).
 STORE_ADDR, NODES_ADDR = "198.18.0.1", "198.18.0.2"
 
-#: benchmarks/RESULTS.md, "Swarm, fourth pass" (commit 6d71f3c): 256 MiB of shards and 0.69
-#: MiB of small files, 400 mbit links; (N, store egress in links) -> (last node ready s, the
-#: daemons' CPU-s), peers on, then off; and the spread of the daemons' start (s, peers on).
+#: The swarm at commit 6d71f3c (`git show 70e0249:benchmarks/RESULTS.md`, "Swarm, fourth
+#: pass"): 256 MiB of shards and 0.69 MiB of small files, 400 mbit links; (N, store egress
+#: in links) -> (last node ready s, the daemons' CPU-s), peers on, then off; and the spread
+#: of the daemons' start (s, peers on).
 MEASURED = {(8, 1): ((15.7, 27), (48.5, 31), 0.63), (8, 4): ((13.7, 26), (14.7, 18), 0.72),
             (16, 1): ((28.4, 55), (94.9, 119), 0.57),
             (16, 4): ((35.3, 67), (29.7, 44), 0.36)}  # fmt: skip
@@ -411,7 +412,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.1f}:\n\n{report(cal)}\n")  # fmt: skip
     print(f"CPU model: {cpu.describe()}\n  swarmsim.py {cpu_flags(cpu)}\n  swarm.py "
           f"{cpu_flags(cpu, 'sim-')}\n")  # fmt: skip
-    print("against benchmarks/RESULTS.md 'Swarm, fourth pass' (256.69 MiB, 400 mbit; the "
+    print("against the swarm measured at 6d71f3c (256.69 MiB, 400 mbit; the "
           "model's blobs in turn):\n")  # fmt: skip
     print(compare(cpu, bl.parse_size(args.piece)))
 
