@@ -128,9 +128,13 @@ class PeerServer:
     daemon's event loop (weightcache/node/serve.py bounds the connections)."""
 
     def __init__(
-        self, settings: PeerSettings, layout: Layout, peers: Peers, observer: ServedObserver,
+        self,
+        settings: PeerSettings,
+        layout: Layout,
+        peers: Peers,
+        observer: ServedObserver,
         stopping: threading.Event | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.settings = settings
         self.layout = layout
         self.peers = peers
@@ -197,11 +201,17 @@ class PeerServer:
         covered = pieces.covers(start, end)
         streamed = None if covered else pieces.streamed_piece(start, end)
         if request.headers.get(HELD_ONLY) == "1" and not covered and streamed is None:
-            return self._refuse(416, "not_held", head,
-                                {"Content-Range": f"bytes */{size}", **advertised})  # fmt: skip
-        headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
-                   "X-Weightcache-Node": self.peers.node_id, LOAD: str(self._requests - 1),
-                   "X-Weightcache-Available": str(pieces.run_end(0)), **advertised}  # fmt: skip
+            return self._refuse(
+                416, "not_held", head, {"Content-Range": f"bytes */{size}", **advertised}
+            )
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Accept-Ranges": "bytes",
+            "X-Weightcache-Node": self.peers.node_id,
+            LOAD: str(self._requests - 1),
+            "X-Weightcache-Available": str(pieces.run_end(0)),
+            **advertised,
+        }
         if wanted is not None:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         resp = web.StreamResponse(status=200 if wanted is None else 206, headers=headers)
@@ -309,9 +319,14 @@ class PeerServer:
         self.observer.peer_uploaded(len(data))
 
     async def _stream(
-        self, resp: web.StreamResponse, sha256: str, piece: int, piece_size: int, start: int,
+        self,
+        resp: web.StreamResponse,
+        sha256: str,
+        piece: int,
+        piece_size: int,
+        start: int,
         end: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Send [start, end) of a piece this node is receiving from the store as its bytes
         arrive (cut-through: design §8, Swarm), at least STREAM_CHUNK at a time or what has
         arrived after STREAM_FLUSH; once the piece is not streamed any more (written, or its
@@ -365,9 +380,13 @@ class PeerServer:
                 task.add_done_callback(_retrieve)
 
     def _refuse(
-        self, code: int, reason: str, head: bool, headers: dict[str, str] | None = None,
+        self,
+        code: int,
+        reason: str,
+        head: bool,
+        headers: dict[str, str] | None = None,
         close: bool = False,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> web.StreamResponse:
         self.observer.peer_refused(reason)
         all_headers = dict(headers or {})
         if code == 401:
