@@ -254,8 +254,9 @@ def test_a_node_starts_its_next_blob_at_the_end_game_of_the_one_before() -> None
     # byte: one after the other, 2 x (HEAD round + request + 1 s); pipelined, the second
     # blob's HEAD round and request go while the first's piece (all it has to request)
     # is in flight, and the two pieces share the link
-    p = sim.Params(1, 2 * MiB, MiB, 8 * MiB, 8 * MiB, rtt=0.1, efficiency=1.0,
-                   blobs=(MiB, MiB), pipeline=1)  # fmt: skip
+    p = sim.Params(
+        1, 2 * MiB, MiB, 8 * MiB, 8 * MiB, rtt=0.1, efficiency=1.0, blobs=(MiB, MiB), pipeline=1
+    )
     assert sim.Swarm(p).run().last == pytest.approx(2.4)
     assert sim.Swarm(replace(p, pipeline=2)).run().last == pytest.approx(2.2)
 
@@ -266,8 +267,9 @@ def test_pipelined_blobs_keep_the_links_busy_between_blobs() -> None:
     # cut-through and without. The bound allows for what one request per peer first costs
     # a four-node lockstep (design §8, One request per peer first).
     for cut_through in (True, False):
-        p = sim.Params(4, 64 * MiB, 0, 400e6, 400e6, blobs=(16 * MiB,) * 4, pipeline=1,
-                       cut_through=cut_through)  # fmt: skip
+        p = sim.Params(
+            4, 64 * MiB, 0, 400e6, 400e6, blobs=(16 * MiB,) * 4, pipeline=1, cut_through=cut_through
+        )
         one, two = sim.Swarm(p).run(), sim.Swarm(replace(p, pipeline=2)).run()
         assert two.last < 0.97 * one.last
         assert two.last < 3.2
@@ -283,8 +285,7 @@ def test_the_first_node_at_a_blob_takes_its_stripe_not_the_whole_blob() -> None:
     # bound. Without cut-through, which these small shards (512 KiB pieces at 400 mbit)
     # come later with than the single blob; the single blob in 2 MiB pieces, the size the
     # bound was set with.
-    p = sim.Params(8, 64 * MiB, 0, 400e6, 400e6, blobs=(100, *(16 * MiB,) * 4),
-                   cut_through=False)  # fmt: skip
+    p = sim.Params(8, 64 * MiB, 0, 400e6, 400e6, blobs=(100, *(16 * MiB,) * 4), cut_through=False)
     shards, single = sim.Swarm(p).run(), sim.Swarm(replace(p, blobs=(), piece=2 * MiB)).run()
     assert shards.last < 1.75 * single.last
     assert shards.store_copies == pytest.approx(1.0, abs=0.05)
