@@ -35,8 +35,8 @@ removed after.
 path may not honour `--bwlimit`; a lower bound of the CPU.
 
 Then the simulator (benchmarks/swarmsim.py) with this CPU model and `--cores` (default: this
-machine's) against the swarm as measured in benchmarks/RESULTS.md ("Swarm, fourth
-pass"), and the flags that give benchmarks/swarm.py the same model (`--sim-...`).
+machine's) against the swarm measured at 400 mbit (`MEASURED`), and the flags that give
+benchmarks/swarm.py the same model (`--sim-...`).
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ ADDRS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")  # daemons a, b and c
 #: benchmarks; nothing outside them routes it).
 STORE_ADDR, NODES_ADDR = "198.18.0.1", "198.18.0.2"
 
-#: benchmarks/RESULTS.md, "Swarm, fourth pass" (commit 6d71f3c): 256 MiB of shards and 0.69
-#: MiB of small files, 400 mbit links; (N, store egress in links) -> (last node ready s, the
-#: daemons' CPU-s), peers on, then off; and the spread of the daemons' start (s, peers on).
+#: The swarm at commit 6d71f3c (`git show 70e0249:benchmarks/RESULTS.md`, "Swarm, fourth
+#: pass"): 256 MiB of shards and 0.69 MiB of small files, 400 mbit links; (N, store egress
+#: in links) -> (last node ready s, the daemons' CPU-s), peers on, then off; and the spread
+#: of the daemons' start (s, peers on).
 MEASURED = {(8, 1): ((15.7, 27), (48.5, 31), 0.63), (8, 4): ((13.7, 26), (14.7, 18), 0.72),
             (16, 1): ((28.4, 55), (94.9, 119), 0.57),
             (16, 4): ((35.3, 67), (29.7, 44), 0.36)}  # fmt: skip
@@ -177,17 +178,25 @@ class Calibration:
         the fast and the slow download (two equations, two unknowns), the CPU of this
         process's own polls taken out first: waiting for a download, it asks /readyz about
         40 times a second, 0.06-0.08 cores of the daemon, half of what was taken for busy."""
-        (fc, fs, fm), (sc, ss, sm) = ((r.cpu - r.polls * self.poll, r.seconds, r.mib)
-                                      for r in (self.fast, self.slow))  # fmt: skip
+        (fc, fs, fm), (sc, ss, sm) = (
+            (r.cpu - r.polls * self.poll, r.seconds, r.mib) for r in (self.fast, self.slow)
+        )
         per_mib = (fc / fs - sc / ss) / (fm / fs - sm / ss)
         return max(0.0, fc / fs - per_mib * fm / fs), per_mib
 
     def cpu(self, cores: float) -> Cpu:
         """The model's costs; `poll`: the swarm benchmark's polls (every SWARM_POLL s)."""
         busy, per_mib = self.split()
-        return Cpu(cores, recv=max(0.0, per_mib - self.hash), sent=self.sent, hash=self.hash,
-                   startup=sum(self.startup) / len(self.startup), busy=busy,
-                   probe=self.probe, poll=self.poll / SWARM_POLL)  # fmt: skip
+        return Cpu(
+            cores,
+            recv=max(0.0, per_mib - self.hash),
+            sent=self.sent,
+            hash=self.hash,
+            startup=sum(self.startup) / len(self.startup),
+            busy=busy,
+            probe=self.probe,
+            poll=self.poll / SWARM_POLL,
+        )
 
 
 def hash_cost(mib: int = 256) -> float:
@@ -199,8 +208,15 @@ def hash_cost(mib: int = 256) -> float:
     return (time.process_time() - began) / mib
 
 
-def spawn(args: argparse.Namespace, workdir: Path, k: int, endpoint: str,
-          env: dict[str, str], source: str, extra: list[str]) -> Daemon:  # fmt: skip
+def spawn(
+    args: argparse.Namespace,
+    workdir: Path,
+    k: int,
+    endpoint: str,
+    env: dict[str, str],
+    source: str,
+    extra: list[str],
+) -> Daemon:
     """Daemon k (0 = a, 1 = b, 2 = c) on ADDRS[k], pinning `source`; a and b are each other's
     peers, c has none."""
     name = "abc"[k]
@@ -210,8 +226,9 @@ def spawn(args: argparse.Namespace, workdir: Path, k: int, endpoint: str,
     peers = ",".join(f"{a}:{PEER_PORT}" for a in (ADDRS[:2] if k < 2 else ADDRS[2:]))
     argv = daemon_argv(args.exe, _Loopback(ADDRS[k]), home, endpoint, peers, extra)  # type: ignore[arg-type]
     with open(home / "daemon.log", "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=out, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+        )
     return Daemon(name, ADDRS[k], proc, time.monotonic())
 
 
@@ -230,21 +247,26 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
     model = bl.make_model(workdir / "model", bl.parse_size(args.size), name="swarmcal")
     link = nl.parse_rate(args.link)
     # --loopback: the daemons pace themselves; in the namespaces, tc paces every byte
-    paced = {k: ["--bwlimit", str(rate // 8), "--peer-upload-limit", str(link // 8)]
-             for k, rate in (("a", link), ("b", link // 50), ("c", link // 4))}  # fmt: skip
+    paced = {
+        k: ["--bwlimit", str(rate // 8), "--peer-upload-limit", str(link // 8)]
+        for k, rate in (("a", link), ("b", link // 50), ("c", link // 4))
+    }
     procs: list[subprocess.Popen[bytes]] = []
-    store = (nl.NetnsStore(workdir / "store", host=nl.Host("store", args.store_ns, STORE_ADDR,
-             "", "")) if args.store_ns else nl.DevStore(workdir / "store"))  # fmt: skip
+    store = (
+        nl.NetnsStore(workdir / "store", host=nl.Host("store", args.store_ns, STORE_ADDR, "", ""))
+        if args.store_ns
+        else nl.DevStore(workdir / "store")
+    )
     with store:
         bl.upload_model(model, store.endpoint_url, store.env)
         env = {**bl.peer_env(store.endpoint_url, store.env), "WEIGHTCACHE_PEER_TOKEN": "c" * 32}
 
         def start(k: int, store_bits: int) -> Daemon:
             if args.store_ns:
-                nl.run("tc", "-n", args.store_ns, "qdisc", "replace", "dev", "s0", "root",
-                       *nl.tbf_args(store_bits))  # fmt: skip
-            d = spawn(args, workdir, k, store.endpoint_url, env, model.source,
-                      paced["abc"[k]] if args.loopback else [])  # fmt: skip
+                qdisc = ("qdisc", "replace", "dev", "s0", "root")
+                nl.run("tc", "-n", args.store_ns, *qdisc, *nl.tbf_args(store_bits))
+            extra = paced["abc"[k]] if args.loopback else []
+            d = spawn(args, workdir, k, store.endpoint_url, env, model.source, extra)
             procs.append(d.proc)
             return d
 
@@ -256,8 +278,10 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
             a_cpu = a.cpu()
             _, peer = receive(b, boot_b)
             serve, sent = a.cpu() - a_cpu, a.counter("peer_upload_bytes") - sent0
-            bl.log(f"b: {b.counter('peer_bytes') / MiB:.1f} MiB from a, "
-                   f"{b.counter('origin_bytes') / MiB:.1f} MiB from the store")  # fmt: skip
+            bl.log(
+                f"b: {b.counter('peer_bytes') / MiB:.1f} MiB from a, "
+                f"{b.counter('origin_bytes') / MiB:.1f} MiB from the store"
+            )
             probe = probe_cost(a, model.sha256[max(model.listed, key=model.listed.__getitem__)])
             poll = poll_cost(a)
             c = start(2, link // 4)
@@ -266,14 +290,24 @@ def calibrate(args: argparse.Namespace, workdir: Path) -> Calibration:
             ms.stop_processes(procs)
     boots = [boot_a, boot_b, boot_c]
     return Calibration(
-        [x[1] for x in boots], [x[0] for x in boots], fast, peer, slow,
-        serve / max(sent / MiB, 1e-9), sent / MiB, hash_cost(), probe,
-        "loopback" if args.loopback else "tc", args.link, poll,
-    )  # fmt: skip
+        startup=[x[1] for x in boots],
+        startup_s=[x[0] for x in boots],
+        fast=fast,
+        peer=peer,
+        slow=slow,
+        sent=serve / max(sent / MiB, 1e-9),
+        sent_mib=sent / MiB,
+        hash=hash_cost(),
+        probe=probe,
+        mode="loopback" if args.loopback else "tc",
+        link=args.link,
+        poll=poll,
+    )
 
 
-def receive(d: Daemon, up: tuple[float, float] | None = None
-            ) -> tuple[tuple[float, float], Receive]:  # fmt: skip
+def receive(
+    d: Daemon, up: tuple[float, float] | None = None
+) -> tuple[tuple[float, float], Receive]:
     """(d's start-up: seconds, CPU-s; its download) until its model is ready."""
     up = up or d.up()
     polls = d.polls
@@ -314,15 +348,14 @@ def in_namespace(argv: list[str], link: str) -> int:
         for ns in (nodes, store):
             nl.run("ip", "netns", "add", ns)
             nl.run("ip", "-n", ns, "link", "set", "lo", "mtu", "1500", "up")
-        nl.run("ip", "-n", store, "link", "add", "s0", "type", "veth", "peer", "n0",
-               "netns", nodes)  # fmt: skip
+        nl.run("ip", "-n", store, "link", "add", "s0", "type", "veth", "peer", "n0", "netns", nodes)
         for ns, dev, addr in ((store, "s0", STORE_ADDR), (nodes, "n0", NODES_ADDR)):
             nl.run("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
             nl.run("ip", "-n", ns, "link", "set", dev, "up")
         nl.run("tc", "-n", store, "qdisc", "replace", "dev", "s0", "root", *rate)
         nl.run("tc", "-n", nodes, "qdisc", "replace", "dev", "lo", "root", *rate)
-        cmd = ["ip", "netns", "exec", nodes, sys.executable, __file__, "--inside",
-               "--store-ns", store, *argv]  # fmt: skip
+        inside = [sys.executable, __file__, "--inside", "--store-ns", store, *argv]
+        cmd = ["ip", "netns", "exec", nodes, *inside]
         return subprocess.run(cmd, check=False).returncode
     finally:
         for ns in (nodes, store):
@@ -338,8 +371,11 @@ def report(cal: Calibration) -> str:
         " / ".join(f"{s:.1f}" for s in cal.startup_s) + " s spawn to /metrics",
     )
     rows = [["start-up (a, b, c)", "", "", "", *boots]]
-    for what, r in (("a: store, link", cal.fast), ("b: peer a, link", cal.peer),
-                    ("c: store, link / 4", cal.slow)):  # fmt: skip
+    for what, r in (
+        ("a: store, link", cal.fast),
+        ("b: peer a, link", cal.peer),
+        ("c: store, link / 4", cal.slow),
+    ):
         model = busy * r.seconds + per_mib * r.mib
         rows.append([what, f"{r.mib:.0f}", f"{r.seconds:.1f}", f"{r.cpu:.2f}",
                      f"{r.cpu / r.mib:.5f} per MiB", f"model {model:.2f} CPU-s"])  # fmt: skip
@@ -359,11 +395,14 @@ def compare(cpu: Cpu, piece: int) -> str:
     rows = []
     blobs = swarmplot.model_blobs(MEASURED_SHARDS, MEASURED_BYTES)
     for (n, x), (on, off, spread) in MEASURED.items():
-        p = sim.Params(n, MEASURED_BYTES, piece, 400e6, x * 400e6, jitter=spread, cpu=cpu,
-                       blobs=blobs)  # fmt: skip
+        p = sim.Params(
+            n, MEASURED_BYTES, piece, 400e6, x * 400e6, jitter=spread, cpu=cpu, blobs=blobs
+        )
         links = sim.Swarm(replace(p, cpu=Cpu())).run().last
-        for mode, got, want in (("peers on", on, sim.Swarm(p).run()),
-                                ("peers off", off, sim.peers_off(p))):  # fmt: skip
+        for mode, got, want in (
+            ("peers on", on, sim.Swarm(p).run()),
+            ("peers off", off, sim.peers_off(p)),
+        ):
             rows.append([n, f"{x}x", mode, f"{got[0]:.1f}", f"{want.last:.1f}",
                          f"{got[0] / want.last:.2f}x", f"{got[1]:.0f}", f"{want.cpu_s:.0f}",
                          f"{links:.1f}" if mode == "peers on" else "-"])  # fmt: skip
@@ -380,8 +419,12 @@ def main() -> None:
     ap.add_argument("--loopback", action="store_true", help="no namespace: loopback, no root")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--store-ns", help=argparse.SUPPRESS)
-    ap.add_argument("--cores", type=float, default=float(os.cpu_count() or 1),
-                    help="the host's cores in the model (default: this machine's)")  # fmt: skip
+    ap.add_argument(
+        "--cores",
+        type=float,
+        default=float(os.cpu_count() or 1),
+        help="the host's cores in the model (default: this machine's)",
+    )
     ap.add_argument("--piece", default="0", help="the simulator's piece size (0: the daemons')")
     ap.add_argument("--json", type=Path, help="write the calibration here")
     ap.add_argument("--from-json", type=Path, help="a saved calibration: compare only")
@@ -393,8 +436,9 @@ def main() -> None:
     if args.from_json:
         saved: dict[str, Any] = json.loads(args.from_json.read_text())
         saved_cal = saved["calibration"]
-        cal = Calibration(**{k: Receive(**v) if isinstance(v, dict) else v
-                             for k, v in saved_cal.items()})  # fmt: skip
+        cal = Calibration(
+            **{k: Receive(**v) if isinstance(v, dict) else v for k, v in saved_cal.items()}
+        )
     else:
         args.exe = bl.available_tools(["weightcache"], required=True)[0]["weightcache"]
         bl.precompile(args.exe)  # as installed in the image: not compiled again at each start
@@ -403,16 +447,26 @@ def main() -> None:
             cal = calibrate(args, Path(tmp))
             bl.log(f"calibrated in {time.monotonic() - began:.0f} s")
         if args.json:
-            ms.write_json(args.json, {"calibration": asdict(cal),
-                                      "cpu": asdict(cal.cpu(args.cores)),
-                                      "machine": bl.machine_info(None)})  # fmt: skip
+            ms.write_json(
+                args.json,
+                {
+                    "calibration": asdict(cal),
+                    "cpu": asdict(cal.cpu(args.cores)),
+                    "machine": bl.machine_info(None),
+                },
+            )
     cpu = cal.cpu(args.cores)
-    print(f"\ncalibration ({cal.mode}, link {cal.link}); load average at the end "
-          f"{os.getloadavg()[0]:.1f}:\n\n{report(cal)}\n")  # fmt: skip
-    print(f"CPU model: {cpu.describe()}\n  swarmsim.py {cpu_flags(cpu)}\n  swarm.py "
-          f"{cpu_flags(cpu, 'sim-')}\n")  # fmt: skip
-    print("against benchmarks/RESULTS.md 'Swarm, fourth pass' (256.69 MiB, 400 mbit; the "
-          "model's blobs in turn):\n")  # fmt: skip
+    print(
+        f"\ncalibration ({cal.mode}, link {cal.link}); load average at the end "
+        f"{os.getloadavg()[0]:.1f}:\n\n{report(cal)}\n"
+    )
+    print(
+        f"CPU model: {cpu.describe()}\n  swarmsim.py {cpu_flags(cpu)}\n  swarm.py "
+        f"{cpu_flags(cpu, 'sim-')}\n"
+    )
+    print(
+        "against the swarm measured at 6d71f3c (256.69 MiB, 400 mbit; the model's blobs in turn):\n"
+    )
     print(compare(cpu, bl.parse_size(args.piece)))
 
 

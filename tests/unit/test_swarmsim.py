@@ -254,8 +254,9 @@ def test_a_node_starts_its_next_blob_at_the_end_game_of_the_one_before() -> None
     # byte: one after the other, 2 x (HEAD round + request + 1 s); pipelined, the second
     # blob's HEAD round and request go while the first's piece (all it has to request)
     # is in flight, and the two pieces share the link
-    p = sim.Params(1, 2 * MiB, MiB, 8 * MiB, 8 * MiB, rtt=0.1, efficiency=1.0,
-                   blobs=(MiB, MiB), pipeline=1)  # fmt: skip
+    p = sim.Params(
+        1, 2 * MiB, MiB, 8 * MiB, 8 * MiB, rtt=0.1, efficiency=1.0, blobs=(MiB, MiB), pipeline=1
+    )
     assert sim.Swarm(p).run().last == pytest.approx(2.4)
     assert sim.Swarm(replace(p, pipeline=2)).run().last == pytest.approx(2.2)
 
@@ -263,15 +264,12 @@ def test_a_node_starts_its_next_blob_at_the_end_game_of_the_one_before() -> None
 def test_pipelined_blobs_keep_the_links_busy_between_blobs() -> None:
     # four shards, nodes in lockstep: each blob's start (the store's pieces one by one, a
     # view round before any peer piece) overlaps the end game of the one before; with
-    # cut-through and without. (When the answer to a streamed piece's request spared its
-    # peer the next HEAD round, as a held piece's does, views went a round staler and that,
-    # not the pipeline, decided this run: 4.9 and 4.7 s against 3.00 and 3.07 s now, 3.36 and
-    # 3.21 s one blob at a time. With up to four requests per peer from the first, 2.67 s
-    # against 3.05 and 3.07: one per peer first costs this four-node lockstep, and saves far
-    # more at 1,000 nodes and in the incident; RESULTS.md, "One request per peer first".)
+    # cut-through and without. The bound allows for what one request per peer first costs
+    # a four-node lockstep (design §8, One request per peer first).
     for cut_through in (True, False):
-        p = sim.Params(4, 64 * MiB, 0, 400e6, 400e6, blobs=(16 * MiB,) * 4, pipeline=1,
-                       cut_through=cut_through)  # fmt: skip
+        p = sim.Params(
+            4, 64 * MiB, 0, 400e6, 400e6, blobs=(16 * MiB,) * 4, pipeline=1, cut_through=cut_through
+        )
         one, two = sim.Swarm(p).run(), sim.Swarm(replace(p, pipeline=2)).run()
         assert two.last < 0.97 * one.last
         assert two.last < 3.2
@@ -281,15 +279,13 @@ def test_pipelined_blobs_keep_the_links_busy_between_blobs() -> None:
 def test_the_first_node_at_a_blob_takes_its_stripe_not_the_whole_blob() -> None:
     # 8 nodes in lockstep, config.json (one piece) then four shards: the owner of
     # config.json's piece is first at every shard. Striping only among the peers on the
-    # shard, it was alone there and took each shard whole from the store, its uplink then
-    # every other node's only source (2.0x the time of one blob of the same bytes);
-    # striping among the peers seen on the revision (`SwarmMembers`), 1.62x (1.38x with up
-    # to four requests per peer from the first). Without cut-through: with it these small
-    # shards (512 KiB pieces at 400 mbit) come later than the single blob, 3.50 s against
-    # 1.88 s (RESULTS.md, Cut-through). The single blob in 2 MiB pieces, as when these
-    # ratios were measured: in the daemons' 1 MiB pieces it takes 1.86 s, not 2.48.
-    p = sim.Params(8, 64 * MiB, 0, 400e6, 400e6, blobs=(100, *(16 * MiB,) * 4),
-                   cut_through=False)  # fmt: skip
+    # shard, it would be alone there and take each shard whole from the store, its uplink
+    # then every other node's only source (twice the time of one blob of the same bytes);
+    # striping among the peers seen on the revision (`SwarmMembers`) stays well within the
+    # bound. Without cut-through, which these small shards (512 KiB pieces at 400 mbit)
+    # come later with than the single blob; the single blob in 2 MiB pieces, the size the
+    # bound was set with.
+    p = sim.Params(8, 64 * MiB, 0, 400e6, 400e6, blobs=(100, *(16 * MiB,) * 4), cut_through=False)
     shards, single = sim.Swarm(p).run(), sim.Swarm(replace(p, blobs=(), piece=2 * MiB)).run()
     assert shards.last < 1.75 * single.last
     assert shards.store_copies == pytest.approx(1.0, abs=0.05)

@@ -189,14 +189,24 @@ def _evict(name: str, revision: str, cache: Cache, index: Index) -> set[str]:
         raise  # not the index's failure: the revision cannot move to tmp/
     except (sqlite3.Error, UsageError) as e:
         if not trash:
-            log.error("not evicting %s/%s: cannot read its leases in %s: %s", name, revision,
-                      index.path, e)  # fmt: skip
+            log.error(
+                "not evicting %s/%s: cannot read its leases in %s: %s",
+                name,
+                revision,
+                index.path,
+                e,
+            )
             return set()
         # Unleased and unpinned, found in the write transaction, and already out of its
         # place: only forgetting its entry failed (a full disk). Finish, or the trash and
         # its blobs would hold the space that the eviction was for.
-        log.warning("evicted %s/%s, but %s could not record it (%s); its entry goes at the "
-                    "next eviction", name, revision, index.path, e)  # fmt: skip
+        log.warning(
+            "evicted %s/%s, but %s could not record it (%s); its entry goes at the next eviction",
+            name,
+            revision,
+            index.path,
+            e,
+        )
         removed = True
     finally:
         lock.release()

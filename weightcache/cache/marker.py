@@ -46,8 +46,11 @@ class Marker:
 
     def not_by_sha256(self) -> dict[str, str]:
         """{path: how} of the files verified by anything but a sha256 (`BY_SHA256`)."""
-        return {path: how for path, how in self.verified.items()
-                if how != BY_MANIFEST and how.partition(":")[2] not in BY_SHA256}  # fmt: skip
+        return {
+            path: how
+            for path, how in self.verified.items()
+            if how != BY_MANIFEST and how.partition(":")[2] not in BY_SHA256
+        }
 
     def verification(self) -> dict[str, int]:
         """{how: number of files verified that way}, e.g. {"sha256sums": 4} (`ls --json`)."""
@@ -98,10 +101,14 @@ class Marker:
             files = {_checked_path(p): _checked_file(p, f) for p, f in d["files"].items()}
             verified = {p: _checked_verified(p, f) for p, f in d["files"].items()}
             return cls(
-                d["name"], d["revision"], d["source"], d["manifest_sha256"], files,
+                d["name"],
+                d["revision"],
+                d["source"],
+                d["manifest_sha256"],
+                files,
                 float(d["created"]),
                 {p: how for p, how in verified.items() if how != BY_MANIFEST},
-            )  # fmt: skip
+            )
         except (KeyError, TypeError, AttributeError, OverflowError, RecursionError) as e:
             raise ValueError(f"malformed marker ({type(e).__name__}: {e})") from e
 

@@ -113,8 +113,13 @@ class Cache:
             return self.load_marker(name, revision)
         except ValueError as e:
             seen = (name, revision, str(e))  # the daemon reads markers every few seconds
-            log.log(logging.DEBUG if seen in self._warned else logging.WARNING,
-                    "ignoring unreadable marker of %s/%s: %s", name, revision, e)  # fmt: skip
+            log.log(
+                logging.DEBUG if seen in self._warned else logging.WARNING,
+                "ignoring unreadable marker of %s/%s: %s",
+                name,
+                revision,
+                e,
+            )
             self._warned.add(seen)
             return None
 
@@ -338,8 +343,12 @@ class Cache:
         copied = self.ops.link(self.layout.blob(sha256), dest)
         actual = os.stat(dest).st_size
         if actual != size:
-            log.warning("blob %s has %d bytes instead of %d; removing it to download it "
-                        "again", sha256, actual, size)  # fmt: skip
+            log.warning(
+                "blob %s has %d bytes instead of %d; removing it to download it again",
+                sha256,
+                actual,
+                size,
+            )
             self.quarantine(dest, sha256)
             raise FileNotFoundError(errno.ENOENT, f"blob {sha256} was damaged", str(dest))
         return int(copied)

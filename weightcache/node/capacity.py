@@ -121,8 +121,12 @@ class CapacityGuard:
         with self._lock:
             size, free = self.disk_space()
             look = self._look(size)
-            if (look is not None and look == self._settled and time.monotonic() <
-                    self._full_pass_at and free >= self.min_free.resolve(size)):  # fmt: skip
+            if (
+                look is not None
+                and look == self._settled
+                and time.monotonic() < self._full_pass_at
+                and free >= self.min_free.resolve(size)
+            ):
                 return
             self._settled = None
             self._collect_orphans()

@@ -182,8 +182,11 @@ class Converger:
             if retries:
                 log.error("prefetch of %s failed (retry in %.0fs): %s", source.label, delay, e)
             else:
-                log.error("prefetch of %s failed (not retried: the exit code reports it): %s",
-                          source.label, e)  # fmt: skip
+                log.error(
+                    "prefetch of %s failed (not retried: the exit code reports it): %s",
+                    source.label,
+                    e,
+                )
             return
         self.failures.pop(key, None)
         self._retry.pop(key, None)

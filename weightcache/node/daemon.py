@@ -130,29 +130,45 @@ class Daemon:
         self.index = for_cache(layout)
         self.peers = (
             Peers(settings.peer, on_bad=self.metrics.peer_marked_bad)
-            if settings.peer is not None else None
-        )  # fmt: skip
+            if settings.peer is not None
+            else None
+        )
         self.capacity = CapacityGuard(
-            self.cache, self.index, self.metrics,
-            capacity=settings.capacity, min_free=settings.min_free,
-            watermarks=settings.watermarks, pinned=lambda: self.converger.desired.pinned,
-        )  # fmt: skip
-        self.fetcher = Fetcher(layout, store_settings, observer=self.metrics,
-                               reserve=self.capacity.make_room, peers=self.peers)  # fmt: skip
+            self.cache,
+            self.index,
+            self.metrics,
+            capacity=settings.capacity,
+            min_free=settings.min_free,
+            watermarks=settings.watermarks,
+            pinned=lambda: self.converger.desired.pinned,
+        )
+        self.fetcher = Fetcher(
+            layout,
+            store_settings,
+            observer=self.metrics,
+            reserve=self.capacity.make_room,
+            peers=self.peers,
+        )
         self.coordinator = Coordinator(
             self._fetch, self.cache, self.index, self.metrics, self.stopping
         )
         self.converger = Converger(
-            settings.models_file, self.cache, self.index, self.metrics,
-            self.coordinator.wait, self.stopping, settings.node_name,
+            settings.models_file,
+            self.cache,
+            self.index,
+            self.metrics,
+            self.coordinator.wait,
+            self.stopping,
+            settings.node_name,
             settings.require_sha256,
-        )  # fmt: skip
+        )
         self.leases = LeaseReaper(self.index, settings.kubelet_pods_dir, settings.lease_max_age)
         handler = FetchSocketHandler(
             self.coordinator, settings.allow_sources, lambda: self.converger.desired
         )
-        self._socket = serve.SocketServer(layout.socket, handler.handle_line, SOCKET_LIMITS,
-                                          REQUEST_LINE_LIMIT)  # fmt: skip
+        self._socket = serve.SocketServer(
+            layout.socket, handler.handle_line, SOCKET_LIMITS, REQUEST_LINE_LIMIT
+        )
         self._loop: serve.LoopThread | None = None
         self._http: list[serve.HttpServer] = []  # the metrics port, the peer port
         self._dir_lock: int | None = None
@@ -161,9 +177,10 @@ class Daemon:
     def _fetch(self, source: Source, pod_uid: str | None) -> FetchResult:
         key = (source.name, source.revision)
         strict = self.settings.require_sha256 or any(
-            m.require_sha256 for m in self.converger.desired.models
+            m.require_sha256
+            for m in self.converger.desired.models
             if (m.source.name, m.source.revision) == key
-        )  # fmt: skip
+        )
         result = self.fetcher.fetch(source, pod_uid, require_sha256=strict)
         self.capacity.measure()
         return result
@@ -227,8 +244,9 @@ class Daemon:
     async def _listen(self) -> None:
         """The peer port and the metrics port, on the loop; UsageError if one is taken."""
         if self.peers is not None and self.settings.peer is not None:
-            server = PeerServer(self.settings.peer, self.layout, self.peers, self.metrics,
-                                self.stopping)  # fmt: skip
+            server = PeerServer(
+                self.settings.peer, self.layout, self.peers, self.metrics, self.stopping
+            )
             await server.start()
             self._http.append(server.http)
         if self.settings.metrics_addr is not None:
@@ -238,8 +256,9 @@ class Daemon:
                 bound = await http.start(host, port)
             except OSError as e:
                 where = format_hostport(host, port)
-                raise UsageError(f"cannot serve metrics on {where} ({e.strerror}); "
-                                 "choose a free --metrics-addr") from e  # fmt: skip
+                raise UsageError(
+                    f"cannot serve metrics on {where} ({e.strerror}); choose a free --metrics-addr"
+                ) from e
             self._http.append(http)
             log.info("metrics on http://%s/metrics", format_hostport(*bound))
 

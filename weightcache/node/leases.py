@@ -32,9 +32,11 @@ class LeaseReaper:
         self.max_age = max_age
         if not kubelet_pods_dir.is_dir():  # a typo or a forgotten mount: say so once
             log.warning(
-                "%s is no directory: a lease ends %s after it was taken, not when its Pod "
-                "goes; mount the kubelet's pods directory there (--kubelet-pods-dir) on a "
-                "node", kubelet_pods_dir, format_duration(max_age))  # fmt: skip
+                "%s is no directory: a lease ends %s after it was taken, not when its Pod goes; "
+                "mount the kubelet's pods directory there (--kubelet-pods-dir) on a node",
+                kubelet_pods_dir,
+                format_duration(max_age),
+            )
 
     def reap(self) -> None:
         """End the leases of Pods that are gone (see the class contract)."""

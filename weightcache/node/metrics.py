@@ -30,8 +30,8 @@ from weightcache.node.peers import REFUSAL_REASONS
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series only add noise to every scrape
 
-#: Fetch durations range from a 20 ms hit to hours for a cold 140 GB model on a shared
-#: link; buckets stopping at 51 s (OME) hide exactly the slow tail that matters.
+#: Fetch durations range from a hit in milliseconds to hours for a cold model on a shared
+#: link; buckets stopping within a minute would hide the slow tail that matters.
 DURATION_BUCKETS = (
     0.05,
     0.1,

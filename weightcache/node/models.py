@@ -151,11 +151,16 @@ def _loader() -> Any:
         def compose_node(self, parent: Any, index: Any) -> Any:
             event = self.peek_event()  # type: ignore[no-untyped-call]
             if getattr(event, "anchor", None) is not None:  # `&name` or `*name`
-                raise ComposerError(None, None, "anchors and aliases (& and *) are not "
-                                    "allowed; write each entry out", event.start_mark)  # fmt: skip
+                raise ComposerError(
+                    None,
+                    None,
+                    "anchors and aliases (& and *) are not allowed; write each entry out",
+                    event.start_mark,
+                )
             if self.depth >= MAX_DEPTH:
-                raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
-                                    event.start_mark)  # fmt: skip
+                raise ComposerError(
+                    None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark
+                )
             self.depth += 1
             try:
                 return super().compose_node(parent, index)

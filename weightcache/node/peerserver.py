@@ -55,20 +55,15 @@ PARTIAL_WAIT = READ_TIMEOUT * 2 / 3
 #: A piece streamed from the store goes out at least this much at a time (its tail, less),
 #: looked at every STREAM_POLL seconds: fewer, larger writes for the loop; but whatever has
 #: arrived once STREAM_FLUSH seconds passed without a write, well within the receiver's
-#: read timeout (swarmpace.PEER_TIMEOUT, 5 s). On a crowded link the store may send a
-#: request 10-30 kB/s: receivers waiting for 64 KiB could time out together, throw away
-#: what they had and shun a streamer that did nothing wrong.
+#: read timeout (swarmpace.PEER_TIMEOUT), since a crowded store link may send less than a
+#: chunk in that time and the receivers would shun an honest streamer (design §8, Pieces).
 STREAM_CHUNK, STREAM_POLL, STREAM_FLUSH = 64 << 10, 0.02, 1.0
 MAX_REQUESTS = 256  # uploads at once; more are answered 503 (the receiver retries elsewhere)
 #: A chunk of a response must leave within SEND_GRACE seconds plus its size at
 #: SEND_MIN_RATE bytes/s shared by the responses being served (the most seen while it is
 #: sent, judged every SEND_RECHECK seconds; never below SEND_TRICKLE), or the response is
-#: cut: a receiver that stops reading would otherwise hold one of the MAX_REQUESTS slots,
-#: and a file, for good (16 MiB alone: 94 s). Shared: a 12.5 mbit uplink serving 60
-#: pieces gives each 25 kB/s; at a fixed 256 KiB/s each, one node cut 237 honest uploads
-#: in a 16-node round and the swarm stalled (benchmarks/RESULTS.md). The price: with 16 or
-#: more responses a receiver that stops reading keeps its slot up to 30 s + 256 s for a
-#: 4 MiB piece (46 s alone).
+#: cut: a receiver that stops reading gives back its slot and file, while the honest
+#: receivers sharing a crowded uplink keep theirs (design §8, Bounds).
 SEND_GRACE, SEND_MIN_RATE, SEND_TRICKLE, SEND_RECHECK = READ_TIMEOUT, 256 << 10, 16 << 10, 0.5
 
 
@@ -133,9 +128,13 @@ class PeerServer:
     daemon's event loop (weightcache/node/serve.py bounds the connections)."""
 
     def __init__(
-        self, settings: PeerSettings, layout: Layout, peers: Peers, observer: ServedObserver,
+        self,
+        settings: PeerSettings,
+        layout: Layout,
+        peers: Peers,
+        observer: ServedObserver,
         stopping: threading.Event | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.settings = settings
         self.layout = layout
         self.peers = peers
@@ -202,11 +201,17 @@ class PeerServer:
         covered = pieces.covers(start, end)
         streamed = None if covered else pieces.streamed_piece(start, end)
         if request.headers.get(HELD_ONLY) == "1" and not covered and streamed is None:
-            return self._refuse(416, "not_held", head,
-                                {"Content-Range": f"bytes */{size}", **advertised})  # fmt: skip
-        headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
-                   "X-Weightcache-Node": self.peers.node_id, LOAD: str(self._requests - 1),
-                   "X-Weightcache-Available": str(pieces.run_end(0)), **advertised}  # fmt: skip
+            return self._refuse(
+                416, "not_held", head, {"Content-Range": f"bytes */{size}", **advertised}
+            )
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "Accept-Ranges": "bytes",
+            "X-Weightcache-Node": self.peers.node_id,
+            LOAD: str(self._requests - 1),
+            "X-Weightcache-Available": str(pieces.run_end(0)),
+            **advertised,
+        }
         if wanted is not None:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         resp = web.StreamResponse(status=200 if wanted is None else 206, headers=headers)
@@ -314,9 +319,14 @@ class PeerServer:
         self.observer.peer_uploaded(len(data))
 
     async def _stream(
-        self, resp: web.StreamResponse, sha256: str, piece: int, piece_size: int, start: int,
+        self,
+        resp: web.StreamResponse,
+        sha256: str,
+        piece: int,
+        piece_size: int,
+        start: int,
         end: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Send [start, end) of a piece this node is receiving from the store as its bytes
         arrive (cut-through: design §8, Swarm), at least STREAM_CHUNK at a time or what has
         arrived after STREAM_FLUSH; once the piece is not streamed any more (written, or its
@@ -370,9 +380,13 @@ class PeerServer:
                 task.add_done_callback(_retrieve)
 
     def _refuse(
-        self, code: int, reason: str, head: bool, headers: dict[str, str] | None = None,
+        self,
+        code: int,
+        reason: str,
+        head: bool,
+        headers: dict[str, str] | None = None,
         close: bool = False,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> web.StreamResponse:
         self.observer.peer_refused(reason)
         all_headers = dict(headers or {})
         if code == 401:

@@ -23,11 +23,8 @@ class BitmapError(ValueError):
 
 PIECE_MIN, PIECE_MAX = 256 << 10, 4 << 20  # a piece: a few MiB (design §8, Swarm)
 #: Pieces per blob at least, blob size allowing: enough to spread early (32), and more (64)
-#: while they stay at least SPLIT_MIN: the store's last pieces, held by their claimants
-#: alone, then pass on to every node sooner (a 64 MiB shard in 1 MiB pieces: with 2 MiB, 16
-#: nodes at 12.5 mbit waited 3.6-28 s on them; benchmarks/RESULTS.md). Smaller pieces cost
-#: more than they spread (a request, a choice, an advertisement each; the simulator's small
-#: shards at 400 mbit came later in 256 KiB pieces than in 512 KiB).
+#: while they stay at least SPLIT_MIN, so that the store's last pieces reach every node
+#: sooner without costing more than they spread (design §8, Data plane).
 PIECES_WANTED, PIECES_SPLIT, SPLIT_MIN = 32, 64, 1 << 20
 
 

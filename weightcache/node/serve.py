@@ -54,8 +54,10 @@ SWEEP = 0.5  # seconds between checks of the idle and header deadlines
 #: The kubelet's probes: the only requests a connection past the cap may make.
 PROBES = frozenset({"/healthz", "/readyz"})
 PROBE_THREADS = 2  # the probes' pages render on these, never queued behind /metrics
-_BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
-             b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n")  # fmt: skip
+_BUSY_503 = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n"
+)
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,15 @@ class Connections:
 
     def expired(self, now: float) -> list[Conn]:
         """Connections past their idle or header deadline (removed from the books)."""
-        late = [c for c in self.open if not c.busy and (
-            now - c.idle_since > self.limits.idle
-            or (c.head_since is not None and now - c.head_since > self.limits.header))]  # fmt: skip
+        late = [
+            c
+            for c in self.open
+            if not c.busy
+            and (
+                now - c.idle_since > self.limits.idle
+                or (c.head_since is not None and now - c.head_since > self.limits.header)
+            )
+        ]
         for c in late:
             self.open.remove(c)
         return late
@@ -177,8 +185,9 @@ def raise_fd_limit(wanted: int = 65536) -> int:
 def tcp_listener(host: str, port: int) -> socket.socket:
     """A bound TCP socket for HOST:PORT (v4 or v6; "" or "0.0.0.0" for every address).
     Raises OSError (EADDRINUSE, EADDRNOTAVAIL, ...)."""
-    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                flags=socket.AI_PASSIVE)[0][0]  # fmt: skip
+    family = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0][0]
     return socket.create_server((host, port), family=family, backlog=BACKLOG)
 
 
@@ -259,8 +268,13 @@ class HttpServer:
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen (raises OSError, e.g. EADDRINUSE); returns the bound address."""
         self._stop = asyncio.Event()
-        self._web = _Server(self._track, self.books, self._refused, access_log=None,
-                            keepalive_timeout=self.books.limits.idle)  # fmt: skip
+        self._web = _Server(
+            self._track,
+            self.books,
+            self._refused,
+            access_log=None,
+            keepalive_timeout=self.books.limits.idle,
+        )
         sock = tcp_listener(host, port)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._web, sock=sock, backlog=ACCEPT_BURST)
@@ -305,8 +319,9 @@ def page_handler(pages: dict[str, Page]) -> Handler:
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         page = pages.get(request.path)
         if request.method not in ("GET", "HEAD"):
-            return web.Response(status=405, text="method not allowed\n",
-                                headers={"Allow": "GET, HEAD"})  # fmt: skip
+            return web.Response(
+                status=405, text="method not allowed\n", headers={"Allow": "GET, HEAD"}
+            )
         if page is None:
             return web.Response(status=404, text="not found\n")
         if request.path in PROBES:
@@ -337,8 +352,7 @@ class SocketServer:
         self.books = Connections(limits)
         self._handle = handle
         self._line_limit = line_limit
-        self._pool = ThreadPoolExecutor(max_workers=limits.connections,
-                                        thread_name_prefix="socket")  # fmt: skip
+        self._pool = ThreadPoolExecutor(max_workers=limits.connections, thread_name_prefix="socket")
         self._server: asyncio.AbstractServer | None = None
         self._stop = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
@@ -408,8 +422,9 @@ class SocketServer:
         except ValueError:  # over the limit: asyncio says "Separator is not found..."
             message = f"bad request: a request line over {self._line_limit} bytes"
             log.warning("fetch socket: %s", message)
-            writer.write(json.dumps({"event": "error", "exit_code": 2, "message": message})
-                         .encode() + b"\n")  # fmt: skip
+            writer.write(
+                json.dumps({"event": "error", "exit_code": 2, "message": message}).encode() + b"\n"
+            )
             return None
         return line if line.endswith(b"\n") else None
 

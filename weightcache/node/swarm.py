@@ -1,78 +1,18 @@
-"""The swarm's piece and source choice for one node and one blob (pure: no I/O, no clock).
+"""The swarm's choice of pieces and sources for one node and one blob (pure: no I/O, no clock).
 
-A blob is exchanged in pieces (pieces.py: their sizes, and the `Bitmap` of a set of them).
-Every node advertises a `Bitmap` of the pieces it holds and one of the pieces it has in
-flight; `choose` decides, from this node's state and its (possibly stale) view of its peers,
-which requests to start next: a piece and a source, a peer's URL or `ORIGIN` (the object
-store). The caller calls it again whenever something changes (a piece arrived, a request
-failed, fresh advertisements); nothing here remembers anything between calls, so a stale or
-wrong view costs at most duplicate or idle requests, never wrong data (the data plane
-verifies every piece).
+`choose(local, peers, store, limits, rng)` decides which requests to start next, each a
+piece and a source (a peer's URL, or `ORIGIN`: the object store), from this node's state of
+the blob (`Local`: pieces held, requests in flight, its rank in the membership), its possibly
+stale view of its peers (`PeerView`: the pieces each holds, fetches and streams, its uploads),
+the store as this node sees it (`StoreView`: room and window, kept with `next_window`) and
+the bounds (`Limits`). It remembers nothing between calls: the caller calls it again
+whenever something changes, and a stale or wrong view costs at most duplicate or idle
+requests, never wrong data (the data plane verifies every piece).
 
-The policy, in the order `choose` applies it (design §8, "Swarm: pieces and source choice"):
-
-1. **The store's share, one copy.** A piece no peer in view holds or fetches (nobody claims
-   it) is fetched from the store by one node. Which node: the blob is cut into as many
-   contiguous stripes as there are known nodes (`Local.rank` of `Local.nodes`, this node's
-   rank in the sorted membership that every node discovers alike), and a node takes the
-   unclaimed pieces of its own stripe from the store, lowest first. Nodes started together
-   thus ask the store for different pieces from the first instant, when nobody has advertised
-   anything yet, and the store sends about one copy when it is the bottleneck.
-   A node whose own stripe is all claimed and that asks nothing of a store without room
-   takes, one at a time, one of the last unclaimed pieces of the stripe with the most left
-   (never its owner's next ones, `StoreView.ahead`): the store then keeps serving every
-   node until the blob's last piece is claimed, not only the slowest owner while the others
-   wait for its stripe.
-   Requests to the store (by any rule) are at most `StoreView.window` in flight: one at the
-   start, more as the store shows room (`next_window`, additive increase, multiplicative
-   decrease). Requests to a saturated store share its egress, so k at once make each piece
-   arrive k times later without making the node's share larger; few at a time, each piece
-   arrives, and spreads to the peers, while the store sends the next (a pipeline).
-2. **Peers, rarest first.** Every other missing piece that a peer with a free slot holds is
-   asked of a peer, the pieces held by the fewest peers first (random among equals, so that
-   nodes diverge and every piece spreads), each from its least busy holder: rare pieces are
-   the ones whose holders would become the bottleneck (BitTorrent's rule). A peer also
-   offers the pieces it is receiving from the store (`PeerView.streaming`), passed on as
-   their bytes arrive (cut-through): held by nobody yet, they are the rarest, so every node
-   takes each claim from its claimant while the store is still sending it, and the store's
-   one copy reaches every node at the store's pace instead of one piece-time per hop. Such
-   a piece is asked of a holder if any has one free, else of its streamer. Only pieces from
-   the store are streamed, so a streamed piece has one hop and no cycle.
-3. **The store when peers cannot keep up.** If the store has shown room (`StoreView.room`)
-   and this node's link has room that peers are not filling (`Local.spare`), or the node
-   would otherwise have nothing in flight, more pieces are asked of the store: unclaimed ones
-   outside the own stripe first (an owner that is slow, gone or unseen), then the rarest of
-   those peers hold (relieving them). A piece another node is fetching from the store and
-   nobody holds yet is its claim: it is asked of the store again only by a node that would
-   otherwise be idle, one at a time. A node therefore never waits idle while the store could
-   serve it, and the swarm is never slower than every node pulling from the store alone. A
-   store without room is left to the claimants, even by an idle node: it is sending at
-   capacity already, another request would only share that, and a copy of a piece that a
-   peer is about to have (the view may be stale) costs the store a second copy.
-   With a partial view (a node watches some of its peers, not all: a thousand nodes), a
-   piece nobody in view holds or fetches is most likely its owner's, or held by nodes out
-   of view, not unclaimed: asking the store for it would cost the store another copy just
-   when, having sent its copy, it shows room (benchmarks/swarmsim.py: 1.54 copies at 1,000
-   nodes, view 32). So a node with requests in flight leaves such pieces to its peers, and
-   an idle one asks the store for one at a time.
-4. **Endgame.** When every missing piece is already in flight and at most `Limits.endgame`
-   are missing, each is also asked of a second peer holding it that is idle (advertises no
-   upload: `PeerView.load` 0; never of more than two sources), so that the last pieces do
-   not wait on a slow sender. Only an idle one: a second copy from a busy holder takes a
-   share of its uplink from the first copies other nodes wait for, and the copy that loses
-   is thrown away (benchmarks/RESULTS.md: 8-18 MB of each node's 269 MB at N = 8, the last
-   node ready 3-5% later than with idle peers only). Not of the store: a second copy from it
-   is what rule 1 avoids, and with few pieces per node that tail alone would cost a
-   noticeable share of a copy (8 nodes x 1 piece of 64 = 1/8).
-
-Bounds (`Limits`): requests in flight per peer (one each first, more only while fewer than
-`Limits.fill` are with peers), to the store (the window, at most `Limits.per_origin`), and
-in total. A piece this
-node holds is never chosen; a piece in flight is chosen only by the endgame rule.
-
-Bitmaps are Python ints (bit i = piece i; their arithmetic is in bitsets.py) so that a
-choice over thousands of pieces and dozens of peers costs a few hundred big-integer
-operations (the simulator in benchmarks/ calls this for a thousand nodes).
+The policy and why it is so is design §8, "Swarm: pieces, source choice and the data
+plane", which numbers the rules in the order `choose` applies them: 1 the store's share
+(the own stripe, a laggard's stripe), 2 peers, rarest first (with cut-through), 3 the store
+when peers cannot keep up, 4 the endgame.
 """
 
 from __future__ import annotations
@@ -194,7 +134,7 @@ def choose(
     limits: Limits,
     rng: random.Random,
 ) -> list[Request]:
-    """The requests to start now, at most what the limits leave free (policy: module doc).
+    """The requests to start now, at most what the limits leave free (policy: design §8).
 
     Guarantees: no piece in `local.have`; a piece in `local.inflight` only in the endgame,
     from a source it is not in flight from; at most `limits` requests in flight per peer, to
@@ -246,14 +186,8 @@ class _Plan:
         """The pieces rule 3 may ask the store for besides those peers hold: all when the
         view has every node (or none yet: the first decision) or when this node is idle
         (`choose` then asks for one at a time with a partial view); with a partial view and
-        requests in flight, only the own stripe.
-
-        In a partial view, a piece nobody in view holds or fetches is most likely claimed,
-        or held, by nodes out of view (its stripe's owner and those it spread to), not
-        unclaimed: asking the store for it costs the store another copy, typically just
-        after the store has sent its copy and shows room. A busy node gets it from its peers
-        as soon as one in view has it; an idle one still asks the store (never idle while
-        the store has room).
+        requests in flight, only the own stripe, since a piece nobody in a partial view
+        has is most likely held or claimed out of it (design §8, A partial view).
         """
         return self.stripe if self.partial and self.busy() else -1
 
@@ -293,20 +227,12 @@ class _Plan:
     def origin_laggard(self, ahead: int | None, rng: random.Random) -> None:
         """Rule 1, once the own stripe is claimed: with nothing asked of the store (which has
         shown no room), one of the last unclaimed pieces of the stripe that has the most
-        left, from the store.
+        left, from the store, so that every node's share of the store stays busy until the
+        blob's last piece is claimed (design §8, A laggard's stripe).
 
-        Every node's share of the store then stays busy until the blob's last piece is
-        claimed, instead of the store serving only the slowest owner (whose stream shares
-        its downlink with its peers' pieces) while the others wait for its stripe. It costs
-        no copy as long as views are fresh enough: the piece is unclaimed; the owner, who
-        takes its stripe lowest first, keeps the next `ahead` pieces (at least one), which
-        it may have claimed since it last advertised (none is taken before the store's rate
-        is measured); nodes that run out together take from different stripes among those
-        with the most left, and different pieces among their last, at random. Only while
-        every node is in view with the blob: a piece unclaimed in a partial view is most
-        likely claimed out of it, and a node early at a blob would otherwise take it all,
-        one piece at a time, from under owners about to start (benchmarks/swarmsim.py: 1.4
-        to 1.6 store copies with small shards).
+        The owner keeps its next `ahead` pieces (at least one), which it may have claimed
+        since it last advertised; none is taken before `ahead` is measured, nor without
+        every node in view; nodes that run out together pick stripes and pieces at random.
         """
         if len(self.peers) < self.local.nodes - 1 or self.slots.get(ORIGIN, 0):
             return
@@ -327,12 +253,9 @@ class _Plan:
         the store as it arrives), each from its least busy holder, else from its streamer.
 
         One request per peer first, as many peers as offer something; a peer gets a second
-        (up to `Limits.per_peer`) only while fewer than `Limits.fill` are in flight to peers.
-        Every request shares this node's link with the others, so each one more makes every
-        piece in flight arrive later, and a piece helps the other nodes only once it is
-        here: enough requests to fill the link, over as many uplinks as possible (one
-        holder's four would take its whole uplink from the others), and no more. With one
-        or two peers offering, a few requests each keep the link full between pieces.
+        (up to `Limits.per_peer`) only while fewer than `Limits.fill` are in flight to
+        peers: enough requests to fill this node's link, over as many uplinks as possible
+        (design §8, One request per peer first).
         """
         for bound in range(1, self.limits.per_peer + 1):
             self._peers_up_to(bound, rng)

@@ -36,9 +36,14 @@ class StoreGate:
     the download's loop reads it, its workers report to it."""
 
     def __init__(
-        self, limits: Limits, downloader: RangedDownloader, where: str, label: str,
-        piece_size: int, lag: float,
-    ) -> None:  # fmt: skip
+        self,
+        limits: Limits,
+        downloader: RangedDownloader,
+        where: str,
+        label: str,
+        piece_size: int,
+        lag: float,
+    ) -> None:
         """`lag`: how long a peer's view of this node may be out of date (`StoreView.ahead`)."""
         self.limits, self.downloader, self.where, self.label = limits, downloader, where, label
         self.piece_size, self.lag = piece_size, lag
@@ -135,8 +140,13 @@ class StoreGate:
         if throttled:
             self.downloader.observer.throttled()
         attempts = self.downloader.settings.max_attempts
-        log.warning("%s: a piece from the store failed, attempt %d/%d (%s)", self.label,
-                    failures, attempts, error)  # fmt: skip
+        log.warning(
+            "%s: a piece from the store failed, attempt %d/%d (%s)",
+            self.label,
+            failures,
+            attempts,
+            error,
+        )
         if failures < attempts:
             return None
         return TransientError(

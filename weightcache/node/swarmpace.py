@@ -7,9 +7,8 @@ lower, at a SLOW_SHARE-th of this node's download rate per request in flight (of
 store's rate per request, for a piece a peer streams from the store), but never below
 TRICKLE_RATE (`slow_floor`, `too_slow`, `judge`). A peer trickling its pieces would hold them for
 ever, its bytes keeping the download from stalling, and the store never asked for them.
-Not a fixed rate alone: on a slow or crowded link every request is slow; at 12.5 mbit, 16
-nodes, honest peers' pieces of 2 MiB were cut at 95-98% (more than 150 in one run), their
-peers shunned and the pieces asked again: the last node ready at 2.2x the link's time.
+Not a fixed rate alone: on a slow or crowded link every honest request is slow, and a fixed
+floor would cut honest peers' pieces and shun their peers (design §8, Data plane).
 
 A peer's claim of a piece (in flight there, not held) expires after `claim_wait`: CLAIM_FACTOR
 times as long as a piece takes from the store here, at least CLAIM_GRACE. A stuck or hostile

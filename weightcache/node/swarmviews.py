@@ -76,9 +76,14 @@ P = TypeVar("P", str, int)  # a peer: its URL (the daemons), its index (the simu
 
 
 def watch(
-    members: Sequence[P], watched: Sequence[P], drop: Collection[P], size: int,
-    rng: random.Random, rotate: int = 0, busy: Collection[P] = (),
-) -> list[P]:  # fmt: skip
+    members: Sequence[P],
+    watched: Sequence[P],
+    drop: Collection[P],
+    size: int,
+    rng: random.Random,
+    rotate: int = 0,
+    busy: Collection[P] = (),
+) -> list[P]:
     """The peers to watch: all `members` when there are at most `size`; else those of
     `watched` still members and not in `drop`, but `rotate` random ones not `busy` (serving
     this node pieces), topped up to `size` with a random sample of the other members not
@@ -124,8 +129,8 @@ class Late:
         store is still sending the first pieces to their owners): for the node after its
         stripe's owner in rank order, after 2 x `wait` for the next two, after 3 x `wait`
         the next four, and so on. A piece stuck at a dead or slow owner out of everyone's
-        view is then asked for by about one node, then by more only as it stays unseen (a
-        piece every idle node asked for at once cost 0.4 copies: 100 nodes, view 8).
+        view is then asked for by about one node, then by more only as it stays unseen
+        (design §8, A partial view).
         """
         if self.first_held is None or not self.count:
             return 0
@@ -177,8 +182,9 @@ def unclaim(views: Sequence[PeerView], expired: Mapping[str, int]) -> list[PeerV
             streaming = view.streaming
             if streaming is not None:
                 streaming = Bitmap(count, streaming.bits & ~gone)
-            view = replace(view, fetching=Bitmap(count, view.fetching.bits & ~gone),
-                           streaming=streaming)  # fmt: skip
+            view = replace(
+                view, fetching=Bitmap(count, view.fetching.bits & ~gone), streaming=streaming
+            )
         out.append(view)
     return out
 
@@ -207,25 +213,33 @@ def idle_scope(partial: bool, local: Local, orphans: int, late: int) -> int:
     idle): any with the whole membership in view; with a partial view only its own stripe,
     the stripes of members known gone, and pieces unseen for long (`Late.late`). A piece
     nobody in a partial view holds or fetches is most likely its owner's, or held out of
-    view: asking for it costs the store another copy (benchmarks/swarmsim.py: 15.2 copies
-    of a 256 MiB blob at 1,000 nodes, view 32, when an idle node asked for any)."""
+    view: asking for it would cost the store another copy (design §8, A partial view)."""
     if not partial:
         return -1
     return stripe(local.rank, local.nodes, local.have.count) | orphans | late
 
 
 def idle_requests(
-    local: Local, views: Sequence[PeerView], store: StoreView, limits: Limits,
-    rng: random.Random, scope: int,
-) -> list[Request]:  # fmt: skip
+    local: Local,
+    views: Sequence[PeerView],
+    store: StoreView,
+    limits: Limits,
+    rng: random.Random,
+    scope: int,
+) -> list[Request]:
     """The store's requests of an idle node: `choose` as if the store had room, over the
     pieces of `scope` that nobody in view holds or fetches (another node's claim is not
     asked for again)."""
     claimed, _ = in_view(views)
     count = local.have.count
     eligible = scope & ~claimed & ((1 << count) - 1)
-    masked = Local(Bitmap(count, local.have.bits | ((1 << count) - 1) & ~eligible),
-                   local.inflight, local.rank, local.nodes, local.spare)  # fmt: skip
+    masked = Local(
+        Bitmap(count, local.have.bits | ((1 << count) - 1) & ~eligible),
+        local.inflight,
+        local.rank,
+        local.nodes,
+        local.spare,
+    )
     room = StoreView(True, store.window)
     return [r for r in choose(masked, views, room, limits, rng) if r.source == ORIGIN]
 
@@ -234,9 +248,13 @@ class PeerViews:
     """The peers of one blob's swarm as this node sees them. Thread-safe."""
 
     def __init__(
-        self, peers: Peers, sha256: str, size: int, piece_size: int,
+        self,
+        peers: Peers,
+        sha256: str,
+        size: int,
+        piece_size: int,
         members: SwarmMembers | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.peers, self.sha256, self.size, self.piece_size = peers, sha256, size, piece_size
         self.count = -(-size // piece_size)
         self.lock = threading.Lock()
@@ -284,8 +302,11 @@ class PeerViews:
         themselves dead (no answer for MEMBER_TTL since this blob began): they will swarm
         this one, and their stripes are theirs (under the lock)."""
         fresh = now - self.began < MEMBER_TTL
-        return {u for u in self.members.get()
-                if fresh or now - self.heard_at.get(u, -MEMBER_TTL) < MEMBER_TTL}  # fmt: skip
+        return {
+            u
+            for u in self.members.get()
+            if fresh or now - self.heard_at.get(u, -MEMBER_TTL) < MEMBER_TTL
+        }
 
     def watching(self) -> tuple[int, int]:
         """(the peers HEAD rounds ask now, the peers discovery lists)."""
@@ -361,16 +382,22 @@ class PeerViews:
             self.views = {u: v for u, v in self.views.items() if u in alive}
             # an answer ends a first failure's leave (a timeout on a busy host), not a repeat's
             again = {u for u, n in self.strikes.items() if n > 1}
-            self.shunned = {u: t for u, t in self.shunned.items()
-                            if t > now and (u not in answered or u in again)}  # fmt: skip
+            self.shunned = {
+                u: t
+                for u, t in self.shunned.items()
+                if t > now and (u not in answered or u in again)
+            }
         for url, answer in answers.items():
             if answer is not None:
                 self.heard(url, answer[1])
 
     def heard(
-        self, url: str, headers: Mapping[str, str], piece_answer: bool = False,
+        self,
+        url: str,
+        headers: Mapping[str, str],
+        piece_answer: bool = False,
         streamed: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A peer's answer: its view, or (no pieces advertised: 404) none. A `piece_answer`
         spares the peer the next HEAD round unless `streamed` (module docstring)."""
         try:

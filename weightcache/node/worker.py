@@ -67,8 +67,11 @@ class Worker:
             self.error = f"{type(e).__name__}: {e}"
             log.error(
                 "the %s step failed (%d in a row), retrying in %.0fs: %s",
-                self.name, self.failures, self._delay(), self.error,
-            )  # fmt: skip
+                self.name,
+                self.failures,
+                self._delay(),
+                self.error,
+            )
             log.debug("the %s step failed", self.name, exc_info=True)
             return
         finally:

@@ -178,10 +178,12 @@ def gc(
     # Below 0 (other files leave less than the floor free): evict what can be, down to 0.
     target = max(0, min(capacity.resolve(disk_size), by_floor))
     plan = eviction.plan_eviction(revisions, sizes, usage, target)
-    unmet = "" if by_floor >= 0 else (
-        f"; --min-free {min_free} ({floor} bytes) cannot be kept even by an empty cache: "
-        "other files use the disk, free them or lower --min-free"
-    )  # fmt: skip
+    unmet = ""
+    if by_floor < 0:
+        unmet = (
+            f"; --min-free {min_free} ({floor} bytes) cannot be kept even by an empty cache: "
+            "other files use the disk, free them or lower --min-free"
+        )
     if dry_run:
         return f"would remove {orphans} bytes of orphaned blobs; would {plan.describe()}{unmet}"
     freed = eviction.execute(plan, cache, index)

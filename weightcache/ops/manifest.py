@@ -165,8 +165,14 @@ def make_manifest(prefix: PrefixStore, observer: TransferObserver) -> tuple[byte
     digests = prefix.hash_files(selection.files, observer)
     total = sum(selection.files.values())
     seconds = max(time.monotonic() - start, 1e-6)
-    log.info("hashed %d files (%s) under %s in %.1fs (%s/s)", len(digests), human(total),
-             prefix.url, seconds, human(total / seconds))  # fmt: skip
+    log.info(
+        "hashed %d files (%s) under %s in %.1fs (%s/s)",
+        len(digests),
+        human(total),
+        prefix.url,
+        seconds,
+        human(total / seconds),
+    )
     return render([(h, p) for p, h in digests.items()]), selection
 
 

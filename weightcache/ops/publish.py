@@ -108,8 +108,9 @@ def _already_published(
     try:
         listed = store.list_sizes(dest.bucket, dest.prefix)
     except AccessDenied as e:
-        log.warning("not checked whether %s is already published: listing is refused (%s)",
-                    dest.url, e)  # fmt: skip
+        log.warning(
+            "not checked whether %s is already published: listing is refused (%s)", dest.url, e
+        )
         return False
     if MANIFEST_NAME not in listed:
         return False
