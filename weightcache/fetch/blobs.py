@@ -158,6 +158,20 @@ def holder_stalled(cache: Cache, timeout: float) -> Callable[[], bool]:
     return stalled
 
 
+def check_space(layout: Layout, need: int, reserve: Callable[[int], None] | None) -> None:
+    """Before a download of `need` more bytes: `reserve(need)` (the daemon evicts to make
+    room under its capacity bound; it raises NoSpaceError when it cannot), then raise
+    NoSpaceError if the cache disk has less free."""
+    if reserve is not None:
+        reserve(need)
+    _, free = layout.disk_space()  # tmp/ is on the cache's filesystem
+    if need > free:
+        raise NoSpaceError(
+            f"the cache disk at {layout.root} has {human(free)} free but the download "
+            f"needs {human(need)} more; free space or evict old revisions (weightcache gc)"
+        )
+
+
 @dataclass(frozen=True)
 class Check:
     """One file to download from the origin and verify: its job, and what its bytes must
@@ -253,9 +267,10 @@ class BlobFetch:
                 wanted.setdefault(entry.sha256, entry)
         if not wanted:
             return 0
-        self._check_space(list(wanted.values()))
-        fetched = 0
         pending = list(wanted.values())
+        need = sum(e.size - min(self.cache.partial_bytes(e.sha256), e.size) for e in pending)
+        check_space(self.layout, need, self._reserve)
+        fetched = 0
         while pending:
             # A batch at a time: each lock held is an fd (50k files must not need 50k).
             batch, pending = pending[:LOCK_BATCH], pending[LOCK_BATCH:]
@@ -417,15 +432,3 @@ class BlobFetch:
 
         strikes = Strikes(source, struck)
         return verify_from_origin(self._downloader, todo, check, publish, reject, strikes)
-
-    def _check_space(self, entries: list[ManifestEntry]) -> None:
-        need = sum(e.size - min(self.cache.partial_bytes(e.sha256), e.size) for e in entries)
-        if self._reserve is not None:
-            self._reserve(need)
-        _, free = self.layout.disk_space()  # tmp/ is on the cache's filesystem
-        if need > free:
-            raise NoSpaceError(
-                f"the cache disk at {self.layout.root} has {human(free)} free but the "
-                f"download needs {human(need)} more; free space or evict old revisions "
-                "(weightcache gc)"
-            )

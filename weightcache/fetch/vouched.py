@@ -38,9 +38,15 @@ from weightcache.cache.manifest import (
 )
 from weightcache.cache.marker import BY_SHA256
 from weightcache.cache.store import Cache
-from weightcache.errors import NoSpaceError, SourceError
-from weightcache.fetch.blobs import LOCK_BATCH, Check, Strikes, holder_stalled, verify_from_origin
-from weightcache.progress import human
+from weightcache.errors import SourceError
+from weightcache.fetch.blobs import (
+    LOCK_BATCH,
+    Check,
+    Strikes,
+    check_space,
+    holder_stalled,
+    verify_from_origin,
+)
 from weightcache.sourceurl import Source
 from weightcache.transfer.checksums import COMPOSITE_SUFFIX, Vouch, available, composite_parts
 from weightcache.transfer.sources import BlobSource
@@ -176,7 +182,8 @@ class VouchedFetch:
         for v in pending:
             by_key.setdefault(v.key, []).append(v)
         firsts = [same[0] for same in by_key.values()]
-        self._check_space(firsts)
+        need = sum(v.size - _allocated(self.layout.vouched_partial(v.key), v.size) for v in firsts)
+        check_space(self.layout, need, self._reserve)
         sha256s: dict[str, str] = {}
         fetched = 0
         for i in range(0, len(firsts), LOCK_BATCH):  # each lock held is an fd
@@ -240,18 +247,6 @@ class VouchedFetch:
         else:
             self.cache.publish_blob(partial, sha256)
         return sha256
-
-    def _check_space(self, files: list[Vouched]) -> None:
-        need = sum(v.size - _allocated(self.layout.vouched_partial(v.key), v.size) for v in files)
-        if self._reserve is not None:
-            self._reserve(need)
-        _, free = self.layout.disk_space()
-        if need > free:
-            raise NoSpaceError(
-                f"the cache disk at {self.layout.root} has {human(free)} free but the "
-                f"download needs {human(need)} more; free space or evict old revisions "
-                "(weightcache gc)"
-            )
 
 
 def _ambiguous(source: Source, v: Vouched, got: str) -> SourceError:
