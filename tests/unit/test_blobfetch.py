@@ -137,16 +137,25 @@ def test_blobs_come_from_the_origin_once(layout: Layout, origin: Origin) -> None
     assert failures == []
 
 
+class SmallDisk(Layout):
+    """A cache whose disk has 1 MiB free."""
+
+    def disk_space(self) -> tuple[int, int]:
+        return 1 << 30, 1 << 20
+
+
 def test_a_download_larger_than_the_free_disk_is_refused_before_a_byte(
-    layout: Layout, origin: Origin
+    tmp_path: Path, origin: Origin
 ) -> None:
-    """The capacity bound is asked for room first (`reserve`), then the disk is checked."""
+    """The capacity bound is asked for room first (`reserve`), then the disk is checked.
+    Were it not checked, the fetch would fail on `more.bin`, which the origin lacks."""
+    layout = SmallDisk.open(tmp_path / "cache")
     reserved: list[int] = []
     fetch, _ = blob_fetch(layout, origin, reserve=reserved.append)
-    huge = ManifestEntry("huge.bin", "ab" * 32, 1 << 50)
-    with pytest.raises(NoSpaceError, match=r"free but the download needs 1024\.0TiB more"):
-        fetch.bring(SOURCE, Manifest((*origin.manifest.entries, huge), "0" * 64))
-    assert reserved == [900 * KiB + (1 << 50)]
+    more = ManifestEntry("more.bin", "ab" * 32, 1 << 20)
+    with pytest.raises(NoSpaceError, match=r"has 1\.0MiB free but the download needs 1\.9MiB"):
+        fetch.bring(SOURCE, Manifest((*origin.manifest.entries, more), "0" * 64))
+    assert reserved == [900 * KiB + (1 << 20)]
     assert not list(layout.tmp.glob("*.part"))
 
 
