@@ -107,13 +107,16 @@ def test_object_not_matching_its_checksum_is_exit_4_and_nothing_is_published(
     recorded: str,
 ) -> None:  # fmt: skip
     prefix = f"{uniq}/m/r1"
-    put_vouched(bare_s3, prefix, {"w.bin": (_bytes(MiB + 5, "w"), algorithm)})
+    size = MiB + 5
+    put_vouched(bare_s3, prefix, {"w.bin": (_bytes(size, "w"), algorithm)})
     proxy.configure(corrupt_rate=1.0, scope="ranged")  # every byte range has one byte flipped
 
     proc = wc.fetch(f"s3://{BUCKET}/{prefix}", cache_dir, endpoint=proxy.url)
     message = assert_fails(proc, 4)
     assert f"{algorithm.lower()} mismatch for w.bin" in message, message
     assert recorded in message and "SHA256SUMS" not in message, message
+    sent = proxy.stats().bytes_for("w.bin")
+    assert 2 * size <= sent < 3 * size, f"downloaded twice, then exit 4: {sent} bytes sent"
     assert not (cache_dir / "m" / "r1").exists()
     assert list(blobs_dir(cache_dir).iterdir()) == []
     assert not list((cache_dir / ".weightcache" / "tmp").glob("*.part*"))

@@ -10,6 +10,7 @@ import hashlib
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from weightcache.cache.layout import Layout
 from weightcache.cache.manifest import Manifest, ManifestEntry
 from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings
-from weightcache.errors import IntegrityError, Interrupted, TransientError
+from weightcache.errors import IntegrityError, Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch, NodePeers, SwarmMembers
 from weightcache.sourceurl import Source
 from weightcache.transfer.pacing import Backoff
@@ -108,8 +109,9 @@ def origin(tmp_path: Path) -> Origin:
 
 
 def blob_fetch(
-    layout: Layout, origin: Origin, peers: NodePeers[str] | None = None
-) -> tuple[BlobFetch, list[int]]:
+    layout: Layout, origin: Origin, peers: NodePeers[str] | None = None,
+    reserve: Callable[[int], None] | None = None,
+) -> tuple[BlobFetch, list[int]]:  # fmt: skip
     """A BlobFetch on local files, and the list its verify failures are counted in."""
     downloader = RangedDownloader(
         OriginSettings(part_size=256 * KiB, max_concurrency=4, timeout=60),
@@ -117,7 +119,7 @@ def blob_fetch(
     )
     failures: list[int] = []
     fetch = BlobFetch(layout, Cache(layout), 60.0, lambda: downloader, origin.blob,
-                      lambda: failures.append(1), peers=peers)  # fmt: skip
+                      lambda: failures.append(1), reserve, peers)  # fmt: skip
     return fetch, failures
 
 
@@ -133,6 +135,28 @@ def test_blobs_come_from_the_origin_once(layout: Layout, origin: Origin) -> None
     assert_all_published(layout, origin)
     assert fetch.bring(SOURCE, origin.manifest) == 0  # all in the cache now
     assert failures == []
+
+
+class SmallDisk(Layout):
+    """A cache whose disk has 1 MiB free."""
+
+    def disk_space(self) -> tuple[int, int]:
+        return 1 << 30, 1 << 20
+
+
+def test_a_download_larger_than_the_free_disk_is_refused_before_a_byte(
+    tmp_path: Path, origin: Origin
+) -> None:
+    """The capacity bound is asked for room first (`reserve`), then the disk is checked.
+    Were it not checked, the fetch would fail on `more.bin`, which the origin lacks."""
+    layout = SmallDisk.open(tmp_path / "cache")
+    reserved: list[int] = []
+    fetch, _ = blob_fetch(layout, origin, reserve=reserved.append)
+    more = ManifestEntry("more.bin", "ab" * 32, 1 << 20)
+    with pytest.raises(NoSpaceError, match=r"has 1\.0MiB free but the download needs 1\.9MiB"):
+        fetch.bring(SOURCE, Manifest((*origin.manifest.entries, more), "0" * 64))
+    assert reserved == [900 * KiB + (1 << 20)]
+    assert not list(layout.tmp.glob("*.part"))
 
 
 def test_with_peers_every_blob_is_claimed_and_brought_by_the_swarm(

@@ -35,13 +35,14 @@ from weightcache.transfer.sources import BlobSource
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from weightcache.transfer.ranged import RangedDownloader
+    from weightcache.transfer.ranged import BlobJob, Downloaded, RangedDownloader
 
 log = logging.getLogger(__name__)
 #: Blob locks (one fd each) held at once by one fetch.
 LOCK_BATCH = 64
 
 ClaimT = TypeVar("ClaimT")
+T = TypeVar("T")
 
 
 class SwarmMembers:
@@ -157,6 +158,88 @@ def holder_stalled(cache: Cache, timeout: float) -> Callable[[], bool]:
     return stalled
 
 
+def check_space(layout: Layout, need: int, reserve: Callable[[int], None] | None) -> None:
+    """Before a download of `need` more bytes: `reserve(need)` (the daemon evicts to make
+    room under its capacity bound; it raises NoSpaceError when it cannot), then raise
+    NoSpaceError if the cache disk has less free."""
+    if reserve is not None:
+        reserve(need)
+    _, free = layout.disk_space()  # tmp/ is on the cache's filesystem
+    if need > free:
+        raise NoSpaceError(
+            f"the cache disk at {layout.root} has {human(free)} free but the download "
+            f"needs {human(need)} more; free space or evict old revisions (weightcache gc)"
+        )
+
+
+@dataclass(frozen=True)
+class Check:
+    """One file to download from the origin and verify: its job, and what its bytes must
+    give. Its mismatches count by `key`, the content whatever its path (a blob's sha256,
+    a vouched file's `Vouched.key`)."""
+
+    job: BlobJob
+    key: str
+    expected: str  # by the job's `check` algorithm, else sha256
+    vouched_by: str  # what a mismatch names (Manifest.vouched_by)
+
+    @property
+    def algorithm(self) -> str:
+        return self.job.check or "sha256"
+
+    def got(self, done: Downloaded) -> str:
+        """What the downloaded bytes give, by the algorithm they must match."""
+        return (done.checks if self.job.check else done.digests)[self.job.label]
+
+
+class Strikes:
+    """The contents whose bytes from the origin did not verify so far (`Check.key`): a
+    file's first mismatch is downloaded once more, its second is exit 4."""
+
+    def __init__(self, source: Source, struck: Iterable[str] = ()) -> None:
+        self.source = source
+        self._struck = set(struck)
+
+    def strike(self, c: Check, got: str) -> None:
+        """Log a mismatch; raise IntegrityError at the second of its content."""
+        path = c.job.label
+        log.warning("%s mismatch for %s (expected %s, got %s)", c.algorithm, path, c.expected, got)
+        if c.key in self._struck:
+            raise IntegrityError(
+                f"{c.algorithm} mismatch for {path} in {self.source.label}: expected "
+                f"{c.expected}, got {got}; the object in {self.source.url}/{path} differs "
+                f"from {c.vouched_by} (checked twice)"
+            )
+        self._struck.add(c.key)
+
+
+def verify_from_origin(
+    downloader: Callable[[], RangedDownloader], todo: list[T], check: Callable[[T], Check],
+    publish: Callable[[T, Downloaded], None], reject: Callable[[T, str], None],
+    strikes: Strikes,
+) -> int:  # fmt: skip
+    """Download `todo` from the origin until every file has verified and is published;
+    return the bytes from the origin. `check(item)` makes its job each time; a file whose
+    bytes do not match is `reject`ed (discard its partial, count the failure, or raise) and
+    downloaded once more, and its second mismatch raises IntegrityError (`strikes`)."""
+    fetched = 0
+    while todo:
+        checks = [check(item) for item in todo]
+        done = downloader().download([c.job for c in checks])
+        fetched += done.received.get("origin", 0)  # this call's, not the daemon's
+        bad = []
+        for item, c in zip(todo, checks, strict=True):
+            got = c.got(done)
+            if got == c.expected:
+                publish(item, done)
+                continue
+            reject(item, got)
+            strikes.strike(c, got)
+            bad.append(item)
+        todo = bad
+    return fetched
+
+
 class BlobFetch:
     """Brings blobs into one cache from peers and the origin. Built by `Fetcher`, which
     lends it the process's downloader and its origin (both built on first use)."""
@@ -184,9 +267,10 @@ class BlobFetch:
                 wanted.setdefault(entry.sha256, entry)
         if not wanted:
             return 0
-        self._check_space(list(wanted.values()))
-        fetched = 0
         pending = list(wanted.values())
+        need = sum(e.size - min(self.cache.partial_bytes(e.sha256), e.size) for e in pending)
+        check_space(self.layout, need, self._reserve)
+        fetched = 0
         while pending:
             # A batch at a time: each lock held is an fd (50k files must not need 50k).
             batch, pending = pending[:LOCK_BATCH], pending[LOCK_BATCH:]
@@ -242,7 +326,7 @@ class BlobFetch:
         fetched, failed = self._from_swarm(source, [w for w in todo if not w.private])
         rest = [w for w in todo if w.private] + failed
         # every byte of a failed one came from the origin: one strike
-        return fetched + self._from_origin(source, rest, {w.sha256: 1 for w in failed})
+        return fetched + self._from_origin(source, rest, [w.sha256 for w in failed])
 
     def _from_swarm(self, source: Source, todo: list[Wanted]) -> tuple[int, list[Wanted]]:
         """(bytes from the origin, the blobs not published) of `todo` brought by the swarm,
@@ -330,56 +414,21 @@ class BlobFetch:
                     "downloading it once more", w.entry.path, w.sha256, done.digest)  # fmt: skip
         return False
 
-    def _from_origin(
-        self, source: Source, todo: list[Wanted], strikes: dict[str, int] | None = None
-    ) -> int:
-        """Download from the origin; a mismatch is downloaded once more, a second one of
-        the same file is exit 4 (`strikes`: mismatches of the origin's bytes so far)."""
+    def _from_origin(self, source: Source, todo: list[Wanted], struck: Iterable[str] = ()) -> int:
+        """Download from the origin, verify, publish (`verify_from_origin`; `struck`: the
+        blobs whose origin bytes already did not verify once)."""
         from weightcache.transfer.ranged import BlobJob
 
-        fetched = 0
-        strikes = dict(strikes or {})
-        while todo:
-            jobs = [
-                BlobJob(self._origin_blob(source, w.entry), w.entry.size, w.partial, w.entry.path)
-                for w in todo
-            ]
-            done = self._downloader().download(jobs)
-            fetched += done.received.get("origin", 0)  # this call's, not the daemon's
-            bad = []
-            for w in todo:
-                got = done.digests[w.entry.path]
-                if got == w.sha256:
-                    self.cache.publish_blob(w.partial, w.sha256)
-                    continue
-                self._reject(source, w, got, strikes)
-                bad.append(w)
-            todo = bad
-        return fetched
+        def check(w: Wanted) -> Check:
+            job = BlobJob(self._origin_blob(source, w.entry), w.entry.size, w.partial, w.entry.path)
+            return Check(job, w.sha256, w.sha256, w.vouched_by)
 
-    def _reject(self, source: Source, w: Wanted, got: str, strikes: dict[str, int]) -> None:
-        """Drop a blob whose bytes did not verify; raise IntegrityError at its second
-        strike."""
-        e = w.entry
-        self.cache.discard_partial(w.partial)
-        self._verify_failed()
-        log.warning("sha256 mismatch for %s (expected %s, got %s)", e.path, e.sha256, got)
-        strikes[e.sha256] = strikes.get(e.sha256, 0) + 1
-        if strikes[e.sha256] >= 2:
-            raise IntegrityError(
-                f"sha256 mismatch for {e.path} in {source.label}: expected {e.sha256}, "
-                f"got {got}; the object in {source.url}/{e.path} differs from "
-                f"{w.vouched_by} (checked twice)"
-            )
+        def reject(w: Wanted, got: str) -> None:
+            self.cache.discard_partial(w.partial)
+            self._verify_failed()
 
-    def _check_space(self, entries: list[ManifestEntry]) -> None:
-        need = sum(e.size - min(self.cache.partial_bytes(e.sha256), e.size) for e in entries)
-        if self._reserve is not None:
-            self._reserve(need)
-        _, free = self.layout.disk_space()  # tmp/ is on the cache's filesystem
-        if need > free:
-            raise NoSpaceError(
-                f"the cache disk at {self.layout.root} has {human(free)} free but the "
-                f"download needs {human(need)} more; free space or evict old revisions "
-                "(weightcache gc)"
-            )
+        def publish(w: Wanted, done: Downloaded) -> None:
+            self.cache.publish_blob(w.partial, w.sha256)
+
+        strikes = Strikes(source, struck)
+        return verify_from_origin(self._downloader, todo, check, publish, reject, strikes)

@@ -38,15 +38,21 @@ from weightcache.cache.manifest import (
 )
 from weightcache.cache.marker import BY_SHA256
 from weightcache.cache.store import Cache
-from weightcache.errors import IntegrityError, NoSpaceError, SourceError
-from weightcache.fetch.blobs import LOCK_BATCH, holder_stalled
-from weightcache.progress import human
+from weightcache.errors import SourceError
+from weightcache.fetch.blobs import (
+    LOCK_BATCH,
+    Check,
+    Strikes,
+    check_space,
+    holder_stalled,
+    verify_from_origin,
+)
 from weightcache.sourceurl import Source
 from weightcache.transfer.checksums import COMPOSITE_SUFFIX, Vouch, available, composite_parts
 from weightcache.transfer.sources import BlobSource
 
 if TYPE_CHECKING:
-    from weightcache.transfer.ranged import RangedDownloader
+    from weightcache.transfer.ranged import Downloaded, RangedDownloader
     from weightcache.transfer.sources import RevisionSource
 
 log = logging.getLogger(__name__)
@@ -176,7 +182,8 @@ class VouchedFetch:
         for v in pending:
             by_key.setdefault(v.key, []).append(v)
         firsts = [same[0] for same in by_key.values()]
-        self._check_space(firsts)
+        need = sum(v.size - _allocated(self.layout.vouched_partial(v.key), v.size) for v in firsts)
+        check_space(self.layout, need, self._reserve)
         sha256s: dict[str, str] = {}
         fetched = 0
         for i in range(0, len(firsts), LOCK_BATCH):  # each lock held is an fd
@@ -208,30 +215,30 @@ class VouchedFetch:
     def _download_verified(
         self, source: Source, todo: list[Vouched], private: dict[str, bool]
     ) -> tuple[dict[str, str], int]:
+        """({key: sha256}, bytes from the origin) of `todo`, each verified by the checksum
+        its store vouches for (`verify_from_origin`); a mismatch of an ambiguous checksum
+        is exit 3 at once."""
         from weightcache.transfer.ranged import BlobJob
 
         sha256s: dict[str, str] = {}
-        fetched = 0
-        strikes: set[str] = set()
-        while todo:
-            partials = {v.key: self.layout.vouched_partial(v.key, private[v.key]) for v in todo}
-            jobs = [BlobJob(self._origin_blob(source, v.path), v.size, partials[v.key], v.path,
-                            check=v.algorithm, check_parts=v.parts) for v in todo]  # fmt: skip
-            done = self._downloader().download(jobs)
-            fetched += done.received.get("origin", 0)
-            bad = []
-            for v in todo:
-                got = done.checks[v.path]
-                if got == v.digest:
-                    sha256s[v.key] = self._publish(partials[v.key], done.digests[v.path], v.size)
-                    continue
-                self.cache.discard_partial(partials[v.key])
-                if v.ambiguous:  # downloading it again would prove nothing more
-                    raise _ambiguous(source, v, got)
-                self._verify_failed()
-                self._strike(source, v, got, strikes)
-                bad.append(v)
-            todo = bad
+        partials = {v.key: self.layout.vouched_partial(v.key, private[v.key]) for v in todo}
+
+        def check(v: Vouched) -> Check:
+            job = BlobJob(self._origin_blob(source, v.path), v.size, partials[v.key], v.path,
+                          check=v.algorithm, check_parts=v.parts)  # fmt: skip
+            return Check(job, v.key, v.digest, "the checksum its store recorded for it")
+
+        def reject(v: Vouched, got: str) -> None:
+            self.cache.discard_partial(partials[v.key])
+            if v.ambiguous:  # downloading it again would prove nothing more
+                raise _ambiguous(source, v, got)
+            self._verify_failed()
+
+        def publish(v: Vouched, done: Downloaded) -> None:
+            sha256s[v.key] = self._publish(partials[v.key], done.digests[v.path], v.size)
+
+        strikes = Strikes(source)
+        fetched = verify_from_origin(self._downloader, todo, check, publish, reject, strikes)
         return sha256s, fetched
 
     def _publish(self, partial: Path, sha256: str, size: int) -> str:
@@ -240,31 +247,6 @@ class VouchedFetch:
         else:
             self.cache.publish_blob(partial, sha256)
         return sha256
-
-    @staticmethod
-    def _strike(source: Source, v: Vouched, got: str, strikes: set[str]) -> None:
-        """Log a mismatch; raise IntegrityError at the file's second."""
-        log.warning("%s mismatch for %s (the store vouches for %s, got %s)",
-                    v.algorithm, v.path, v.digest, got)  # fmt: skip
-        if v.key in strikes:
-            raise IntegrityError(
-                f"{v.algorithm} mismatch for {v.path} in {source.label}: the store vouches "
-                f"for {v.digest}, got {got}; the object in {source.url}/{v.path} differs from "
-                "the checksum its store recorded for it (checked twice)"
-            )
-        strikes.add(v.key)
-
-    def _check_space(self, files: list[Vouched]) -> None:
-        need = sum(v.size - _allocated(self.layout.vouched_partial(v.key), v.size) for v in files)
-        if self._reserve is not None:
-            self._reserve(need)
-        _, free = self.layout.disk_space()
-        if need > free:
-            raise NoSpaceError(
-                f"the cache disk at {self.layout.root} has {human(free)} free but the "
-                f"download needs {human(need)} more; free space or evict old revisions "
-                "(weightcache gc)"
-            )
 
 
 def _ambiguous(source: Source, v: Vouched, got: str) -> SourceError:
