@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import CLI, REPO_ROOT, cli_env
 from tests.support.checks import assert_fails
 from tests.support.webservers import web_page
+from weightcache.ops.devstore import DevStore
 
 #: A pointer to a document the repository does not hold (spelled so that this file does not
 #: match itself); the code points to docs/design.md instead, as "design §N".
@@ -439,8 +440,20 @@ def test_demo_leaves_nothing_in_tmpdir(store: Any, tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "a hit, no network" in proc.stdout
         assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+        # weed puts its sockets in /tmp whatever TMPDIR says, named for their ports
+        port = re.search(r"S3 endpoint http://127.0.0.1:(\d+)", proc.stdout)
+        assert port, proc.stdout
+        assert not Path(f"/tmp/seaweedfs-s3-{port[1]}.sock").exists(), "a socket left in /tmp"
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_stopped_dev_store_leaves_no_socket_in_tmp(tmp_path: Path) -> None:
+    store = DevStore(tmp_path / "store").start()
+    store.stop()
+    left = [p.name for p in Path("/tmp").glob("seaweedfs-*.sock")
+            if int(p.stem.rsplit("-", 1)[1]) in store.ports.values()]  # fmt: skip
+    assert left == [], left
 
 
 def test_demo_with_a_workdir_it_cannot_write_names_the_workdir(wc: CLI, tmp_path: Path) -> None:
