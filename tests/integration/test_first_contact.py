@@ -658,7 +658,8 @@ def test_demo_serve_stopped_by_sigterm_or_a_closed_terminal_cleans_up(
     store: Any, tmp_path: Path, stop: signal.Signals
 ) -> None:
     """`timeout` or a supervisor (SIGTERM), a closed terminal (SIGHUP): as Ctrl-C, the
-    store stops and the temporary directory goes; exit 143, no traceback."""
+    store stops and the temporary directory goes; exit 143, no traceback, and no error
+    line: the stop was asked for."""
     tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
     out = tmp_path / "demo.out"
     try:
@@ -676,7 +677,8 @@ def test_demo_serve_stopped_by_sigterm_or_a_closed_terminal_cleans_up(
         code = proc.wait(timeout=60)
         text = out.read_text()
         assert code == 143, text[-3000:]
-        assert f"stopped by {stop.name}" in text and "Traceback" not in text, text[-3000:]
+        assert f"weightcache: the demo was stopped by {stop.name}" in text, text[-3000:]
+        assert "weightcache: error" not in text and "Traceback" not in text, text[-3000:]
         assert _running_under(tmp) == [], "the demo left its store running"
         assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
     finally:

