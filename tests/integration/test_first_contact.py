@@ -456,6 +456,25 @@ def test_a_stopped_dev_store_leaves_no_socket_in_tmp(tmp_path: Path) -> None:
     assert left == [], left
 
 
+def test_demo_whose_daemon_dies_says_so_with_its_last_lines(store: Any, tmp_path: Path) -> None:
+    """A daemon that exits (here refusing a WEIGHTCACHE_ variable) ends the demo at once with
+    the daemon's exit code and what it said, not a wait for /readyz ending in `Connection
+    refused`."""
+    proc = subprocess.run(
+        CLI(store, tmp_path).argv("demo", "--size", "1MiB"),
+        env=cli_env(store, {"WEIGHTCACHE_PEER_VIEW": "0"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("weightcache: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "daemon exited" in errors[0] and "--peer-view" in errors[0], errors[0]
+    assert "Connection refused" not in proc.stderr, proc.stderr
+
+
 def test_demo_with_a_workdir_it_cannot_write_names_the_workdir(wc: CLI, tmp_path: Path) -> None:
     """Not the cache directory the demo would make inside it: the user gave --workdir."""
     afile = tmp_path / "afile"

@@ -21,9 +21,10 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from weightcache.errors import TransientError, UsageError
+from weightcache.errors import TransientError, UsageError, WeightcacheError
 from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
@@ -35,6 +36,8 @@ STORE_STOP_GRACE = 2.0
 #: Seconds the demo's node daemon gets to stop on SIGTERM (it promises its `grace` of 25 s)
 #: before it is killed: the demo ends either way, with a line saying so.
 DAEMON_STOP_WAIT = 30.0
+#: Lines of a daemon's log that the demo shows when the daemon exits unasked.
+DAEMON_LOG_LINES = 3
 
 
 def generate_model(root: Path, size: int) -> None:
@@ -173,11 +176,16 @@ def _started(store: DevStore, grace: float) -> Iterator[DevStore]:
 
 
 def _last_line(path: Path) -> str:
+    return next(iter(_last_lines(path, 1)), "")
+
+
+def _last_lines(path: Path, count: int) -> list[str]:
+    """The last `count` non-blank lines of the file at `path` (none if it cannot be read)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
-        return ""
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return []
+    return [line.strip() for line in lines if line.strip()][-count:]
 
 
 def _serve(store: DevStore, example: list[str]) -> None:
@@ -196,12 +204,17 @@ def _serve(store: DevStore, example: list[str]) -> None:
     raise UsageError("the demo store exited on its own; see its weed.log")
 
 
-def wait_prefetched(url: str, timeout: float = 120, poll: float = 0.5) -> None:
+def wait_prefetched(
+    url: str, timeout: float = 120, poll: float = 0.5, daemon: DaemonProcess | None = None
+) -> None:
     """Return once the daemon at `url` serves with every pinned revision ready: /readyz is
     200 as soon as it serves, its body says "ready" alone when no pin is missing. Raises
-    TransientError with its last answer after `timeout` seconds."""
+    TransientError with its last answer after `timeout` seconds, and at once `daemon`'s
+    DaemonExited if it exits first."""
     deadline, last = time.monotonic() + timeout, "no answer"
     while time.monotonic() < deadline:
+        if daemon is not None:
+            daemon.check()
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
                 last = resp.read().decode(errors="replace").strip()
@@ -214,6 +227,33 @@ def wait_prefetched(url: str, timeout: float = 120, poll: float = 0.5) -> None:
         f"the demo's node daemon did not have its pinned model ready in {timeout:g}s (its "
         f"/readyz said: {last}); run the demo again with --workdir to look at its cache"
     )
+
+
+class DaemonExited(WeightcacheError):
+    """The demo's node daemon exited before the demo stopped it: its exit code (its own
+    error's, 1 for anything else) and its last log lines."""
+
+    def __init__(self, code: int, log: Path) -> None:
+        super().__init__(
+            f"the demo's node daemon exited on its own with code {code}; the end of its "
+            f"log: {' | '.join(_last_lines(log, DAEMON_LOG_LINES))} (--workdir keeps all "
+            "of it)"
+        )
+        self.exit_code = code if code in range(2, 7) else 1
+
+
+@dataclass
+class DaemonProcess:
+    """The demo's running daemon and its log."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def check(self) -> None:
+        """Raise DaemonExited if the daemon is no longer running."""
+        code = self.process.poll()
+        if code is not None:
+            raise DaemonExited(code, self.log)
 
 
 def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) -> None:
@@ -241,11 +281,13 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
         daemon = subprocess.Popen(args, env=env, stderr=stderr)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_prefetched(url)
+        running = DaemonProcess(daemon, log)
+        wait_prefetched(url, daemon=running)
         print("readyz: ready, and the pinned model was prefetched")
         _say("a Pod's fetch on that node: a hit, counted by the daemon")
         _run([*wc, "fetch", source, "--cache-dir", str(node), "--json"], env)
         time.sleep(0.2)
+        running.check()
         _say("the daemon's metrics")
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
             for line in resp.read().decode().splitlines():
