@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import CLI, Published
 from tests.integration.daemon_helpers import entry, write_models
-from tests.support.checks import assert_ok_path, describe
+from tests.support.checks import assert_fails, assert_ok_path, describe
 
 KiB = 1024
 
@@ -40,3 +40,10 @@ def test_gc_states_its_target_and_what_keeps_it_from_being_met(
         assert "pinned/r1" in warning and "1024" in warning, describe(gc)
     assert_ok_path(wc.fetch(pub.source, cache_dir, "--no-daemon"), pub.local_path(cache_dir))
 
+
+def test_a_mistyped_command_gets_the_closest_one(wc: CLI) -> None:
+    for typed, meant in (("fech", "fetch"), ("prefech", "prefetch"), ("dmeo", "demo")):
+        message = assert_fails(wc.run(typed, timeout=60), 2)
+        assert f"No such command '{typed}'" in message and f"'{meant}'" in message, message
+    message = assert_fails(wc.run("zzzzzz", timeout=60), 2)
+    assert "Did you mean" not in message, message
