@@ -583,7 +583,8 @@ class _Readyz(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         type(self).answers += 1
-        body = b"ready\n" if self.answers >= 3 else b"ready; pinned not yet ready: m/r1\n"
+        waiting = b"ready; pinned revisions not cached yet: m/r1\n"
+        body = b"ready\n" if self.answers >= 3 else waiting
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -606,7 +607,7 @@ def test_demo_waits_for_the_pinned_model_not_only_for_the_daemon_to_serve() -> N
         wait_prefetched(url, timeout=30, poll=0.05)
         assert _Readyz.answers == 3
         _Readyz.answers = -10_000
-        with pytest.raises(WeightcacheError, match="pinned not yet ready: m/r1"):
+        with pytest.raises(WeightcacheError, match="pinned revisions not cached yet: m/r1"):
             wait_prefetched(url, timeout=0.5, poll=0.05)
     finally:
         server.shutdown()
