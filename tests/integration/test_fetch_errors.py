@@ -331,6 +331,13 @@ def test_an_unreachable_store_is_exit_6_naming_the_endpoint_and_its_variable(
                   env={**guarded, "AWS_ENDPOINT_URL": endpoint}, timeout=60)  # fmt: skip
     message = assert_fails(proc, 6)
     assert endpoint in message and "AWS_ENDPOINT_URL" in message, message
+    # one warning for each call that retries, not one per attempt; the error counts them
+    assert re.search(r"\d+ attempts in \d+s", message), message
+    warnings = [line for line in proc.stderr.splitlines() if " WARNING " in line]
+    assert len(warnings) <= 2 and "attempt 2/" not in proc.stderr, describe(proc)
+    verbose = wc.run("-vv", "fetch", "s3://models/p/m/r", "--cache-dir", cache_dir, "--timeout",
+                     "3s", env={**guarded, "AWS_ENDPOINT_URL": endpoint}, timeout=60)  # fmt: skip
+    assert "attempt 2/" in verbose.stderr, describe(verbose)
 
 
 # --- the cache directory -----------------------------------------------------------------
