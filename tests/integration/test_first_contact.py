@@ -165,7 +165,7 @@ def test_publish_refused_by_the_store_is_exit_3_saying_access_denied(
     model.mkdir()
     (model / "config.json").write_text("{}")
     message = assert_fails(wc.run("publish", model, f"s3://models/{uniq}/m/r1", env=creds), 3)
-    assert "access denied" in message and "write" in message, message
+    assert "access denied" in message and next(iter(creds)) in message, message
 
 
 def test_publish_keeps_to_its_bwlimit(wc: CLI, uniq: str, tmp_path: Path) -> None:
