@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -145,6 +144,8 @@ class DirectoryRevision:
 
     @property
     def manifest_hint(self) -> str:
+        import shlex  # an error's, off a fetch's path
+
         root = shlex.quote(str(self.root))
         sums = shlex.quote(str(self.root / "SHA256SUMS"))
         return (
