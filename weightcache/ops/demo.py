@@ -65,8 +65,13 @@ WC = [sys.executable, "-m", "weightcache"]
 
 def shown(args: list[str]) -> str:
     """`args` (WC and its arguments) as a user would type them: `weightcache ...` where
-    that is on PATH, else `python -m weightcache ...` (not this interpreter's full path)."""
-    name = ["weightcache"] if shutil.which("weightcache") else ["python", "-m", "weightcache"]
+    that is on PATH, else `python -m weightcache ...` where `python` on PATH is this
+    interpreter's (an activated venv), else this interpreter's path (a venv run without
+    activating it, whose `python` the shell would not find)."""
+    python = shutil.which("python")
+    here = python is not None and Path(python).parent == Path(sys.executable).parent
+    name = (["weightcache"] if shutil.which("weightcache")
+            else ["python" if here else sys.executable, "-m", "weightcache"])  # fmt: skip
     return shlex.join([*name, *args[len(WC) :]] if args[: len(WC)] == WC else args)
 
 
