@@ -705,3 +705,34 @@ def test_demo_serve_stopped_by_sigterm_or_a_closed_terminal_cleans_up(
         assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
     finally:
         _end_demo(proc, tmp)
+
+
+def test_demo_stopped_by_ctrl_c_mid_way_says_so_without_promising_a_resume(
+    store: Any, tmp_path: Path
+) -> None:
+    """Ctrl-C while the daemon runs (to the terminal's whole process group): exit 130 and
+    the demo's own line, not a fetch's "partial files are kept for resume" for files its
+    temporary directory took away."""
+    tmp = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    out = tmp_path / "demo.out"
+    try:
+        with open(out, "wb") as fh:
+            proc = subprocess.Popen(
+                CLI(store, tmp_path).argv("demo", "--size", "4MiB"),
+                env=cli_env(store, {"TMPDIR": str(tmp)}),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
+        _read_until(out, "node daemon on a second", proc, timeout=300)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=60)
+        text = out.read_text()
+        assert code == 130, text[-3000:]
+        assert "weightcache: the demo was stopped by SIGINT" in text, text[-3000:]
+        assert "resume" not in text and "Traceback" not in text, text[-3000:]
+        assert sorted(p.name for p in tmp.iterdir()) == [], "the demo left files in TMPDIR"
+    finally:
+        _end_demo(proc, tmp)

@@ -114,6 +114,11 @@ def demo(workdir: Path | None, size: int, serve: bool) -> None:
         # asked for, so not an error line; 143 as for any command that SIGTERM ends
         click.echo(f"weightcache: {e}", err=True)
         sys.exit(143)
+    except KeyboardInterrupt:
+        # not a fetch's "partial files are kept": the demo's files went with it (or stay
+        # in --workdir)
+        click.echo("weightcache: the demo was stopped by SIGINT", err=True)
+        sys.exit(130)
 
 
 #: The status a shell shows for a process killed by SIGPIPE (128 + 13), as for `yes | head`.
