@@ -23,7 +23,7 @@ back to back in their namespaces. Measured from outside the daemons:
 - a node's *ready* time: from the first spawn until the revision's completion marker
   appears in its cache (looked for every `--poll` s, 0.1, from the host) and its /readyz
   then says every pinned revision is ready (body `ready`; while one is missing: `ready;
-  pinned not yet ready: NAME/REV`). /readyz's status means "serving" (design §5), so the
+  pinned revisions not cached yet: NAME/REV`). /readyz's status means "serving" (design §5), so the
   body is what counts. *up* is when /readyz first answered (polled every `--poll` s until
   then: the daemon's start-up, Python and imports, included in *ready*); after that the
   daemon is not asked until its marker is there (`Poller`);
@@ -87,7 +87,7 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def pinned_ready(readyz_text: str) -> bool:
     """True when /readyz answered "ready" with no pinned revision still missing (its body
-    names them: "ready; pinned not yet ready: NAME/REV ...")."""
+    names them: "ready; pinned revisions not cached yet: NAME/REV ...")."""
     return readyz_text.strip() == "ready"
 
 

@@ -58,9 +58,28 @@ def parse_size(text: str, what: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+#: Bit rates, spelt out as bits (`2Gbit`, `100Mbps`): powers of 1000, as links are sold.
+_BIT_PREFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BITS = re.compile(_NUMBER + r"([kmgt]?)(?:bit|bps)\s*", re.IGNORECASE)
+#: `2Gb`, `100mb`, `2Gib`: a b that some read as bits and others as bytes.
+_AMBIGUOUS = re.compile(_NUMBER + r"([kmgtKMGT][iI]?)b\s*")
+
+
 def parse_rate(text: str, what: str = "rate") -> int:
-    """`2G` or `2G/s` -> bytes per second."""
-    return parse_size(str(text).removesuffix("/s"), what)
+    """`2G`, `2G/s`, `2GB/s` -> bytes per second; `2Gbit`, `2Gbit/s`, `2Gbps` -> bits per
+    second, in bytes. Refuses a lowercase b after a prefix (`2Gb`) as ambiguous."""
+    body = str(text).removesuffix("/s")
+    bits = _BITS.fullmatch(body)
+    if bits is not None:
+        return int(float(bits.group(1)) * _BIT_PREFIXES[bits.group(2).lower()]) // 8
+    ambiguous = _AMBIGUOUS.fullmatch(body)
+    if ambiguous is not None:
+        n, prefix = ambiguous.group(1), ambiguous.group(2)[0].upper()
+        raise UsageError(
+            f"invalid {what} {text!r}: ambiguous, {prefix}b may mean bits or bytes; write "
+            f"{n}{prefix}B or {n}{prefix}iB for bytes per second, {n}{prefix}bit for bits"
+        )
+    return parse_size(body, what)
 
 
 def parse_duration(text: str, what: str = "duration") -> float:

@@ -115,10 +115,19 @@ def test_verify_of_a_revision_that_is_not_there_is_exit_2(
 
 def _bare_python(root: Path) -> Path:
     """The interpreter of a new venv at `root` that sees this one's packages but has no
-    scripts of its own (no `weed` beside it)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(root)], check=True)  # fmt: skip
-    return root / "bin" / "python"
+    scripts of its own (no `weed` beside it). Not `--system-site-packages`: run from a
+    venv, that exposes the base interpreter's packages instead of this one's."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    python = root / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    # addsitedir, not a bare path: it runs the .pth files there (an editable install's).
+    ours = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    lines = "".join(f"import site; site.addsitedir({d!r})\n" for d in ours)
+    (Path(purelib) / "weightcache-tests.pth").write_text(lines)
+    return python
 
 
 def _demo(wc: CLI, python: Path, workdir: Path, path: Path) -> subprocess.CompletedProcess[str]:

@@ -113,7 +113,7 @@ def test_daemon_readiness_follows_models_file(
     status, body = daemon.get("/readyz")
     assert status == 200, (status, body, daemon.log())
     assert len(markers(cache_dir)) < 2, "the prefetch finished before /readyz was asked"
-    assert "pinned not yet ready:" in body and "beta/r1" in body, body
+    assert "pinned revisions not cached yet:" in body and "beta/r1" in body, body
     pinned = {k: v for k, v in daemon.metrics().items() if 'pinned="true"' in k}
     beta = f'weightcache_revision_ready{{name="{b.name}",pinned="true",revision="r1"}}'
     assert pinned.get(beta) == 0, pinned

@@ -46,7 +46,8 @@ def test_an_entry_failing_with_an_oserror_never_stops_the_others(
     wait_for("the good model to be prefetched", lambda: is_marked(cache_dir, good), timeout=60)
     assert_revision_ok(cache_dir, good.name, good.rev, good.model)
     status, body = daemon.get("/readyz")  # serving: an unfetchable pin is an alert, not NotReady
-    assert (status, body) == (200, "ready; pinned not yet ready: blocked/r1\n"), daemon.log()
+    expected = "ready; pinned revisions not cached yet: blocked/r1\n"
+    assert (status, body) == (200, expected), daemon.log()
     blocked_series = 'weightcache_revision_ready{name="blocked",pinned="true",revision="r1"}'
     assert daemon.metrics()[blocked_series] == 0, daemon.metrics()
     # A bad entry is the entry's problem, not the daemon's: /healthz stays 200.

@@ -122,7 +122,14 @@ def test_no_manifest_is_exit_3_saying_how_to_make_one(
     model = _model(tmp_path, [1 * MiB], manifest=False)
     message = assert_fails(wc.fetch(f"file://{model.root}", cache_dir, "--no-daemon"), 3)
     assert f"no {MANIFEST} at file://{model.root}/{MANIFEST}" in message, message
-    assert "sha256sum > SHA256SUMS" in message, message
+    command = f"weightcache manifest {model.root} > {model.root}/{MANIFEST}"
+    assert f"`{command}`" in message, message
+    # what that command does, and then the fetch works
+    made = wc.run("-q", "manifest", model.root)
+    assert made.returncode == 0, made.stderr
+    (model.root / MANIFEST).write_text(made.stdout)
+    assert_ok_path(wc.fetch(f"file://{model.root}", cache_dir, "--no-daemon"),
+                   cache_dir / model.root.parent.name / model.root.name)  # fmt: skip
 
 
 def test_a_missing_directory_is_exit_3(wc: CLI, tmp_path: Path, cache_dir: Path) -> None:

@@ -406,12 +406,17 @@ def test_peers_cutting_or_trickling_every_piece_are_left_for_the_store(
         took = time.monotonic() - started
         assert cuts.stats().faults.get("truncate", 0) >= 1, "the cutting peer was never asked"
         assert trickles.stats().requests >= 2, "the trickling peer was never asked"
-        # once its pieces are given up, their pace shows that the store (fast here) has room,
-        # and the store takes what is left: the trickler is not given a second round
+        # Once its pieces are given up, their pace shows that the store (fast here) has room,
+        # and the store takes what is left. On a loaded host the store may have no piece
+        # measured by then, and a first failure's leave ends at the peer's next answer (a
+        # busy host's timeout, swarmviews.py): one more round. A second failure's leave
+        # is not ended by answers and doubles; asked for ever, the trickler would get a
+        # round every PEER_TIMEOUT.
         trickled = trickles.stats().ranged_gets
-        assert trickled <= Limits().per_peer, f"{trickled} pieces asked of the trickler"
+        assert trickled <= 2 * Limits().per_peer, f"{trickled} pieces asked of the trickler"
     assert_node_ok(cold, pub)
-    print(f"failing peers: {took:.1f}s, store {proxy.stats().bytes_for(label)} bytes")
+    print(f"failing peers: {took:.1f}s, store {proxy.stats().bytes_for(label)} bytes, "
+          f"{trickled} pieces asked of the trickler")  # fmt: skip
     assert proxy.stats().bytes_for(label) >= pub.model.total_size
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +40,12 @@ Doc = dict[str, Any]
 
 
 def require_tool(name: str, install: str) -> str:
-    """The path of an executable these tests cannot do without; fails with the install step."""
-    path = shutil.which(name)
+    """The path of an executable these tests cannot do without, beside this interpreter (a
+    venv run without activating it) or on PATH; fails with the install step."""
+    path = shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
     if path is None:
-        pytest.fail(f"`{name}` is not on PATH; install it with: {install}")
+        pytest.fail(f"`{name}` is neither beside {sys.executable} nor on PATH; install it "
+                    f"with: {install}")  # fmt: skip
     return path
 
 

@@ -102,6 +102,23 @@ def test_parse_rate_invalid(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
+    [("2Gbit", 250_000_000), ("2gbit/s", 250_000_000), ("100Mbps", 12_500_000),
+     ("800kbit", 100_000), ("1Tbit/s", 125_000_000_000), ("80bit", 10)],
+)  # fmt: skip
+def test_parse_rate_takes_bits_named_as_bits(text: str, expected: int) -> None:
+    assert parse_rate(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2Gb", "2gb/s", "100Mb", "100mb", "5kb", "1Tb/s", "2Gib"])
+def test_parse_rate_refuses_a_b_that_may_be_bits(text: str) -> None:
+    """`2Gb` reads as gigabits to many and as gigabytes to others: neither is guessed."""
+    with pytest.raises(UsageError, match=r"ambiguous.*B or .*iB for bytes.*bit for bits") as e:
+        parse_rate(text, "--bwlimit")
+    assert text in str(e.value) and "--bwlimit" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
     [
         ("30s", 30.0),
         ("10m", 600.0),

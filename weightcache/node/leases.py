@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from weightcache.cache.index import Index
-from weightcache.config import format_duration, parse_pod_uid
+from weightcache.config import KUBELET_PODS_DIR, format_duration, parse_pod_uid
 from weightcache.errors import UsageError
+from weightcache.node.labels import in_cluster
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,16 @@ class LeaseReaper:
         self.index = index
         self.pods_dir = kubelet_pods_dir
         self.max_age = max_age
-        if not kubelet_pods_dir.is_dir():  # a typo or a forgotten mount: say so once
-            log.warning(
-                "%s is no directory: a lease ends %s after it was taken, not when its Pod goes; "
-                "mount the kubelet's pods directory there (--kubelet-pods-dir) on a node",
+        if not kubelet_pods_dir.is_dir():
+            # A typo or a forgotten mount is said once; the default off a cluster (a
+            # laptop, a CI job) is no mistake, and is said only at -vv.
+            level = logging.WARNING
+            if kubelet_pods_dir == KUBELET_PODS_DIR and not in_cluster():
+                level = logging.DEBUG
+            log.log(
+                level,
+                "%s is no directory: a lease ends %s after it was taken, not when its Pod "
+                "goes; mount the kubelet's pods directory there (--kubelet-pods-dir) on a node",
                 kubelet_pods_dir,
                 format_duration(max_age),
             )

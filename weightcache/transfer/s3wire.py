@@ -147,16 +147,25 @@ def translate(e: BaseException, what: str) -> WeightcacheError:
     return WeightcacheError(f"{what}: unexpected {type(e).__name__}: {e}")
 
 
+_KEYS = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or the role"
+_SOURCE = "(or the AWS_PROFILE, credentials file or role that supplies the keys)"
+#: The refusals that tell which half of the key pair is wrong, and where it is set.
+_WRONG_KEY = {
+    "InvalidAccessKeyId": f"the store knows no such access key: check AWS_ACCESS_KEY_ID {_SOURCE}",
+    "SignatureDoesNotMatch": "the secret key does not match the access key: check "
+    f"AWS_SECRET_ACCESS_KEY {_SOURCE}",
+}
+
+
 def _refused(what: str, code: str, status: int, message: str) -> WeightcacheError:
     """The error for the store's refusal (its S3 error code and HTTP status)."""
     if code in _TRANSIENT_CODES or status >= 500 or status == 429:
         return TransientError(f"{what}: {code or status} from the object store")
     if code in _DENIED_CODES or status == 403:
         verb = "write to" if what.startswith("PUT") else "read"
-        return AccessDenied(
-            f"{what}: access denied ({code or status}); check the credentials and that "
-            f"they may {verb} this bucket"
-        )
+        fix = _WRONG_KEY.get(code, f"check the credentials ({_KEYS}) and that they may {verb} "
+                             "this bucket")  # fmt: skip
+        return AccessDenied(f"{what}: access denied ({code or status}); {fix}")
     if code == "NoSuchBucket":
         return SourceError(f"{what}: the bucket does not exist; check the source URL")
     if code in ("NoSuchKey", "404", "NotFound") or status == 404:

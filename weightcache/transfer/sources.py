@@ -144,14 +144,19 @@ class DirectoryRevision:
     directory itself): one pointing elsewhere is refused, so that a source cannot make the
     cache (or the node daemon, design §5) copy files from outside the allowed prefixes."""
 
-    manifest_hint = (
-        "write one beside the files with `find . -type f ! -name SHA256SUMS -printf "
-        "'%P\\0' | xargs -0 sha256sum > SHA256SUMS` run in that directory, or publish the "
-        "model to s3:// with `weightcache publish`"
-    )
-
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    @property
+    def manifest_hint(self) -> str:
+        import shlex  # an error's, off a fetch's path
+
+        root = shlex.quote(str(self.root))
+        sums = shlex.quote(str(self.root / "SHA256SUMS"))
+        return (
+            f"write one beside the files with `weightcache manifest {root} > {sums}`, or "
+            "publish the model to s3:// with `weightcache publish`"
+        )
 
     @property
     def url(self) -> str:
