@@ -1,6 +1,7 @@
 """CPU and GIL per GiB of a cold single-node fetch, next to s5cmd and sha256 alone.
 
     python benchmarks/nodecpu.py [--size 1G] [--rounds 3] [--rate 200] [--also-rev REV]
+                                 [--also-args "--max-concurrency 4"]
                                  [--weightcache-rev REV] [--no-perf] [--out DIR]
     python benchmarks/nodecpu.py --analyze DIR     # the tables again, from saved runs
 
@@ -14,15 +15,20 @@ download into a fresh empty directory (removed and `sync`ed afterwards):
    reports it: the rusage of the child (also printed) adds its start and the page-cache
    reads, which s5cmd's column already charges for the same bytes;
 3. `weightcache fetch` (the working tree, or `--weightcache-rev`; `--also-rev` adds a second
-   variant right after it): user and sys from `wait4`, its interpreter's start included;
+   variant right after it, `--also-args` one with more `weightcache fetch` arguments): user
+   and sys from `wait4`, its interpreter's start included;
 4. each variant under `py-spy record --gil --threads -r RATE -f raw`: py-spy keeps only the
-   samples in which a thread holds the GIL, at most one per tick, so GIL-held seconds are
-   samples / RATE. py-spy reads CPython's own record of the GIL's holder. The run checks
-   this on a known load (`calibrate`: one thread holding the GIL for a measured thread CPU
-   time while another hashes without it) and prints both. A thread that holds the GIL
-   while descheduled (2 loaded cores) counts: on a busy machine this reads high;
-5. s5cmd and each variant under `perf record -e cpu-clock -g` (unless `--no-perf` or perf does not
-   work): CPU by where it ran (profile_cold.perf_buckets).
+   samples in which a thread holds the GIL (CPython's current thread state, which is NULL
+   while the GIL is released), at most one per tick, so GIL-held seconds are samples / RATE.
+   The run checks this on a known load (`calibrate`: one thread holding the GIL for a
+   measured thread CPU time while another hashes without it) and prints both. A thread
+   that holds the GIL while descheduled counts: this is GIL-held wall time, and on a busy
+   machine it reads high. The part "in the transfer" (stacks under the downloader) is the
+   per-byte part; the start, listing and publish are paid once per fetch;
+5. s5cmd and each variant under `perf record -e cpu-clock -g` (unless `--no-perf` or perf
+   does not work): CPU by where it ran (profile_cold.perf_buckets). Its CPU in the
+   interpreter and libc, which run (almost) only with the GIL held, is the GIL's CPU
+   whatever the load, start-up included.
 
 Target (per-byte CPU, peers off): weightcache's CPU per GiB <= 1.3 x (s5cmd's + sha256's),
 both from the same round; the ratio printed is weightcache / that bound (<= 1 meets it).
@@ -37,6 +43,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -93,6 +100,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--rate", type=float, default=200, help="py-spy samples per second")
     p.add_argument("--also-rev", metavar="REV", help="also run weightcache as of this commit")
+    p.add_argument("--also-args", metavar="ARGS", action="append", default=[],
+                   help="also run the first variant with these fetch arguments")  # fmt: skip
     p.add_argument("--no-perf", action="store_true", help="skip the perf profiles")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before kill")
     p.add_argument("--out", type=Path, default=bl.REPO / "benchmarks" / "out" / "nodecpu",
@@ -113,6 +122,9 @@ def variants(args: argparse.Namespace) -> dict[str, list[str]]:
         out["weightcache"] = [sys.executable, "-m", "weightcache"]
     if args.also_rev:
         out[f"weightcache@{args.also_rev}"] = [str(bl.weightcache_snapshot(args.also_rev))]
+    first = next(iter(out.values()))
+    for extra in args.also_args:
+        out[f"weightcache {extra}"] = [*first, "--", *shlex.split(extra)]
     for exe in out.values():
         bl.precompile(exe)
     return out
@@ -157,6 +169,8 @@ def gil_samples(raw: Path, transfer_only: bool = False) -> int:
 #: A stack in the transfer proper: a download's worker threads and its main thread from
 #: the workers' start to the last digest. The rest (start, imports, listing, SHA256SUMS,
 #: publish, exit) is paid once per fetch, not per byte.
+#: perf's buckets of code that runs only with the GIL held (profile_cold.perf_buckets).
+INTERPRETER = ("user: python interpreter", "user: python interpreter: GC", "user: libc")
 TRANSFER = re.compile(r"RangedDownloader\.(_work|_download) ")
 
 
@@ -197,7 +211,8 @@ def run_rounds(
 
     def fetch(tool: str, exe: list[str], dest: Path) -> list[str]:
         name = "s5cmd" if tool == "s5cmd" else "weightcache"
-        return bl.fetch_command(name, exe, model, store.endpoint_url, dest)
+        cut = exe.index("--") if "--" in exe else len(exe)  # the fetch arguments after it
+        return bl.fetch_command(name, exe[:cut], model, store.endpoint_url, dest, exe[cut + 1 :])
 
     for rnd in range(1, args.rounds + 1):
         one("cpu", "s5cmd", rnd, fetch("s5cmd", s5, workdir / "d" / "s5"), workdir / "d" / "s5")
@@ -307,8 +322,12 @@ def analyze(summary: dict[str, object]) -> str:
         held = [gil_samples(Path(str(r["raw"]))) / rate / gib for r in mine]
         moving = [gil_samples(Path(str(r["raw"])), True) / rate / gib for r in mine]
         walls = [float(r["wall_s"]) for r in cpu if r["tool"] == tool]  # type: ignore[arg-type]
+        perfs = [Path(str(r["perf"])) for r in records if r["kind"] == "perf" and r["tool"] == tool]
+        interp = [sum(n for k, n in pc.perf_buckets(f.read_text()).items() if k in INTERPRETER)
+                  / pc.PERF_HZ / gib for f in perfs]  # fmt: skip
         grows.append([
             tool, _spread(held), _spread(moving), _spread([1 / h for h in moving if h > 0], 2),
+            _spread(interp),
             ms.fmt_num(gib / _med(walls)) if walls else "n/a",
             ms.fmt_num(_med([float(r["wall_s"]) for r in mine])),  # type: ignore[arg-type]
         ])  # fmt: skip
@@ -318,10 +337,13 @@ def analyze(summary: dict[str, object]) -> str:
         f"Calibration: a thread measured holding the GIL for {cal.get('spun_s', 0):.3f} "
         f"CPU-s ({cal.get('spun_wall_s', 0):.3f} s wall) while another hashed; py-spy "
         f"counted {cal.get('gil_s', 0):.3f} s. `in the transfer`: stacks under "
-        "RangedDownloader._work or ._download, the per-byte part; the ceiling is 1 / that\n"
+        "RangedDownloader._work or ._download, the per-byte part; the ceiling is 1 / that. "
+        "`interpreter CPU` (perf): CPU in the interpreter and libc, which run (almost) only "
+        "with the GIL held: the GIL's CPU share whatever the load, start-up included\n"
     )
     headers = ["variant", "GIL-held s/GiB, whole fetch", "in the transfer",
-               "ceiling GiB/s", "measured GiB/s (unprofiled wall)", "profiled wall s"]  # fmt: skip
+               "ceiling GiB/s", "interpreter CPU s/GiB (perf)",
+               "measured GiB/s (unprofiled wall)", "profiled wall s"]  # fmt: skip
     lines.append(ms.md_table(headers, grows))
     for tool in wcs:
         raws = [Path(str(r["raw"])) for r in gil if r["tool"] == tool]
