@@ -197,7 +197,8 @@ def run_rounds(
         if r.returncode != 0:
             problem = f"exit {r.returncode}: {r.stderr_tail.strip()[-400:]}"
         elif dest is not None:
-            problem = bl.check_tree(bl.ready_dir(tool, model, dest), model)
+            name = "weightcache" if tool.startswith("weightcache") else tool
+            problem = bl.check_tree(bl.ready_dir(name, model, dest), model)
         if problem:
             raise SystemExit(f"{kind} {tool} round {rnd} failed: {problem}")
         records.append({"kind": kind, "tool": tool, "round": rnd, "wall_s": r.wall_s,

@@ -36,8 +36,6 @@ SAVE_INTERVAL = 0.25
 #: Bytes of a partial hashed per mapping when its written prefix is read back
 #: (`_hash_mapped`); also what a mapping adds to the resident size while it is hashed.
 HASH_WINDOW = 2 << 20
-#: Shared and read-only, its pages mapped at once rather than one fault per few pages.
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _never() -> bool:
@@ -235,8 +233,9 @@ class PartialFile:
         short reads back through `preadv`, which says so)."""
         base = self.hashed - self.hashed % mmap.ALLOCATIONGRANULARITY
         try:
-            mapped = mmap.mmap(self.fd, end - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ,
-                               offset=base)  # fmt: skip
+            # Not MAP_POPULATE: Python 3.11 maps holding the GIL, and the pages are better
+            # faulted in by hashlib's update, which runs without it.
+            mapped = mmap.mmap(self.fd, end - base, prot=mmap.PROT_READ, offset=base)
         except (OSError, ValueError):
             return False
         try:
