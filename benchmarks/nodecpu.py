@@ -263,15 +263,16 @@ def _hash_cpu(rec: dict[str, object]) -> float:
 
 
 def leaf_functions(raw: Path) -> collections.Counter[str]:
-    """GIL-held samples by the innermost Python function (file basename:function)."""
+    """GIL-held samples in the transfer (TRANSFER) by the innermost weightcache frame
+    (file basename:function:line): the line says which C call, if any, it was in."""
     c: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
+        if not count.isdigit() or not TRANSFER.search(stack):
             continue
         frames = [m for m in (pc._FRAME.match(f) for f in stack.split(";")) if m]
-        leaf = f"{Path(frames[-1]['file']).name}:{frames[-1]['func']}" if frames else "(none)"
-        c[leaf] += int(count)
+        own = [m for m in frames if "/weightcache/" in m["file"]] or frames
+        c[f"{Path(own[-1]['file']).name}:{own[-1]['func']}:{own[-1]['line']}"] += int(count)
     return c
 
 
@@ -368,7 +369,7 @@ def analyze(summary: dict[str, object]) -> str:
                                  [[b, _spread(buckets[b])] for b in top
                                   if max(buckets[b]) >= 0.002]))  # fmt: skip
         top = sorted(leaves, key=lambda k: -_med(leaves[k]))[:12]
-        lines.append(f"\n{tool}: GIL-held s/GiB by innermost Python function\n")
+        lines.append(f"\n{tool}: GIL-held s/GiB in the transfer by innermost weightcache line\n")
         lines.append(ms.md_table(["function", "GIL s/GiB"], [[k, _spread(leaves[k])] for k in top]))
     for tool in ["s5cmd", *wcs]:
         files = [Path(str(r["perf"])) for r in records if r["kind"] == "perf" and r["tool"] == tool]
