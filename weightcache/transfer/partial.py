@@ -36,6 +36,10 @@ SAVE_INTERVAL = 0.25
 #: Bytes of a partial hashed per mapping when its written prefix is read back
 #: (`_hash_mapped`); also what a mapping adds to the resident size while it is hashed.
 HASH_WINDOW = 2 << 20
+#: Shared, read-only, its pages mapped by the mmap call (which holds the GIL on Python
+#: 3.11): faulted in from hashlib's update instead, the workers' concurrent writes to the
+#: file cost more kernel time.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _never() -> bool:
@@ -233,9 +237,8 @@ class PartialFile:
         short reads back through `preadv`, which says so)."""
         base = self.hashed - self.hashed % mmap.ALLOCATIONGRANULARITY
         try:
-            # Not MAP_POPULATE: Python 3.11 maps holding the GIL, and the pages are better
-            # faulted in by hashlib's update, which runs without it.
-            mapped = mmap.mmap(self.fd, end - base, prot=mmap.PROT_READ, offset=base)
+            mapped = mmap.mmap(self.fd, end - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ,
+                               offset=base)  # fmt: skip
         except (OSError, ValueError):
             return False
         try:
