@@ -201,7 +201,8 @@ def run_rounds(
             problem = bl.check_tree(bl.ready_dir(name, model, dest), model)
         records.append({"kind": kind, "tool": tool, "round": rnd, "wall_s": r.wall_s,
                         "user_s": r.user_s, "sys_s": r.sys_s, "stdout": r.stdout_tail,
-                        "stderr": r.stderr_tail[-600:], "failed": problem})  # fmt: skip
+                        "stderr": r.stderr_tail[-600:], "failed": problem,
+                        "maxrss_mib": r.maxrss_mib})  # fmt: skip
         failed = f"  FAILED: {problem}" if problem else ""
         bl.log(f"round {rnd} {kind:5s} {tool:24s} {r.wall_s:6.2f} s wall, user {r.user_s:5.2f}"
                f" s, sys {r.sys_s:5.2f} s{failed}")  # fmt: skip
@@ -295,14 +296,21 @@ def analyze(summary: dict[str, object]) -> str:
         tot = [u + s for u, s in zip(user, sys_, strict=True)]
         walls = [float(r["wall_s"]) for r in cpu if r["tool"] == tool]  # type: ignore[arg-type]
         label = f"{SHA}, whole child (start, reads)" if tool == SHA else tool
+        rss = [float(r.get("maxrss_mib", "nan")) for r in cpu if r["tool"] == tool]  # type: ignore[arg-type]
         rows.append([label, str(len(tot)), _spread(user), _spread(sys_), _spread(tot),
-                     ms.fmt_num(_med(walls))])  # fmt: skip
+                     ms.fmt_num(_med(walls)), ms.fmt_num(_med(rss), 1)])  # fmt: skip
         if tool == SHA:
             hashed = [_hash_cpu(r) / gib for r in cpu if r["tool"] == SHA]
-            rows.append([f"{SHA}, update() only", str(len(hashed)), "", "", _spread(hashed), ""])
+            rows.append(
+                [f"{SHA}, update() only", str(len(hashed)), "", "", _spread(hashed), "", ""]
+            )
     lines.append(f"CPU per GiB received, from each child's rusage (median (min-max) of "
                  f"{summary['rounds']} interleaved rounds)\n")  # fmt: skip
-    lines.append(ms.md_table(["run", "n", "user s/GiB", "sys s/GiB", "CPU s/GiB", "wall s"], rows))
+    lines.append(
+        ms.md_table(
+            ["run", "n", "user s/GiB", "sys s/GiB", "CPU s/GiB", "wall s", "peak RSS MiB"], rows
+        )
+    )
     rounds = sorted({int(r["round"]) for r in cpu})  # type: ignore[call-overload]
     trows = []
     for tool in wcs:
