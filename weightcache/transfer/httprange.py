@@ -281,6 +281,11 @@ class HttpRanges:
         requests (Interrupted). Safe from a signal handler's thread."""
         self._open.interrupt()
 
+    @property
+    def stopped(self) -> threading.Event:
+        """Set by `interrupt()`: what the retry loops of its clients wait on."""
+        return self._open.stopped
+
     def _connection(
         self, url: urllib.parse.SplitResult, timeout: float, ca_env: str | None = "AWS_CA_BUNDLE"
     ) -> http.client.HTTPConnection:
