@@ -5,7 +5,6 @@ that can only be sent whole is read."""
 from __future__ import annotations
 
 import http.client
-import random
 import threading
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import cast
 
 import pytest
 
+from tests.support.pauses import interrupted_in_pause, long_backoff
 from tests.support.webservers import silent_server
 from weightcache.errors import IntegrityError, Interrupted, SourceError, TransientError, UsageError
 from weightcache.transfer import httprange
@@ -25,7 +25,7 @@ from weightcache.transfer.httpsource import (
     check_http_status,
     manifest_paths,
 )
-from weightcache.transfer.pacing import Backoff, Retries
+from weightcache.transfer.pacing import Retries
 from weightcache.transfer.sources import FileBlob, RetryRange, part_size_for
 
 URL = "http://h/m/v1/model.bin"
@@ -272,19 +272,12 @@ def test_interrupt_ends_a_listing_waiting_on_a_silent_server() -> None:
             http.request("GET", f"{server.url}/m/r/x", {}, 5.0, None)
 
 
-class _Top(random.Random):
-    """Full jitter at its top: every pause is the backoff's whole cap."""
-
-    def uniform(self, a: float, b: float) -> float:
-        return b
-
-
 def test_interrupt_ends_the_pause_between_two_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM while a request is waiting to be sent again (a 503, then its backoff): the
     wait ends at once, Interrupted, and no other attempt is made."""
     http = HttpRanges()
     revision = HttpRevision(http, "http://h/m/r", timeout=600.0)
-    revision._retries = Retries(600.0, 6, Backoff(base=300.0, cap=300.0, rng=_Top()))
+    revision._retries = Retries(600.0, 6, long_backoff())
     failed = threading.Event()
     attempts: list[str] = []
 
@@ -294,18 +287,5 @@ def test_interrupt_ends_the_pause_between_two_attempts(monkeypatch: pytest.Monke
         raise RetryRange("HTTP 503")
 
     monkeypatch.setattr(http, "request", request)
-    raised: list[BaseException] = []
-
-    def read() -> None:
-        try:
-            revision.read_bytes("SHA256SUMS")
-        except BaseException as e:
-            raised.append(e)
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    assert failed.wait(10.0)
-    http.interrupt()
-    thread.join(10.0)  # not the 300 s of the pause
-    assert not thread.is_alive()
+    raised = interrupted_in_pause(lambda: revision.read_bytes("SHA256SUMS"), failed, http.interrupt)
     assert [type(e) for e in raised] == [Interrupted] and len(attempts) == 1

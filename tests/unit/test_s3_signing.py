@@ -197,42 +197,27 @@ def test_interrupt_ends_the_pause_between_two_attempts_of_a_call(
 ) -> None:
     """SIGTERM while a control-plane call waits to be tried again: the wait ends at once,
     Interrupted, and no other attempt is made."""
-    import random
     import threading
 
+    from tests.support.pauses import interrupted_in_pause, long_backoff
     from weightcache.config import OriginSettings
     from weightcache.errors import Interrupted
-    from weightcache.transfer.pacing import Backoff
     from weightcache.transfer.s3 import Origin
-
-    class Top(random.Random):
-        def uniform(self, a: float, b: float) -> float:
-            return b  # every pause the backoff's whole cap
 
     for name, value in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
     settings = OriginSettings(endpoint_url="http://127.0.0.1:9", timeout=600.0)
-    origin = Origin(settings, Backoff(base=300.0, cap=300.0, rng=Top()))
+    origin = Origin(settings, long_backoff())
     failed = threading.Event()
     attempts: list[int] = []
-    raised: list[BaseException] = []
 
     def attempt() -> None:
         attempts.append(1)
         failed.set()
         raise ConnectionResetError("reset by the store")
 
-    def call() -> None:
-        try:
-            origin.call("LIST s3://models/m/r/", attempt)
-        except BaseException as e:
-            raised.append(e)
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    assert failed.wait(10.0)
-    origin.interrupt()
-    thread.join(10.0)  # not the 300 s of the pause
-    assert not thread.is_alive()
+    raised = interrupted_in_pause(
+        lambda: origin.call("LIST s3://models/m/r/", attempt), failed, origin.interrupt
+    )
     assert [type(e) for e in raised] == [Interrupted] and attempts == [1]
