@@ -150,7 +150,9 @@ def top_other(path: Path, n: int = 8) -> list[tuple[int, str]]:
 
 PERF_HZ = 999
 
-_SYSCALL = re.compile(r"^(?:__x64_sys_|__se_sys_|__do_sys_|ksys_)(\w+)")
+#: A system call's kernel entry frame; preadv and pwritev enter through do_preadv (their
+#: samples were counted as "no syscall" without it).
+_SYSCALL = re.compile(r"^(?:__x64_sys_|__se_sys_|__do_sys_|ksys_|do_(?=p(?:read|write)v))(\w+)")
 
 
 def perf_buckets(script_text: str) -> collections.Counter[str]:

@@ -4,10 +4,12 @@ source's account comes from, which refusal is retried, throttled or final)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
+from typing import Any
 
 import pytest
 
-from weightcache.errors import IntegrityError, SourceError, UsageError
+from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.sourceurl import Source, SourcePrefix
 from weightcache.transfer import azure
 from weightcache.transfer.azure import (
@@ -16,6 +18,7 @@ from weightcache.transfer.azure import (
     refused,
     split_location,
 )
+from weightcache.transfer.pacing import Backoff, Retries
 from weightcache.transfer.sources import RetryRange
 
 ABFS = "abfs://models@acct01.dfs.core.windows.net"
@@ -175,3 +178,39 @@ def test_a_chunk_that_never_comes_is_retried_and_cancelled(
     assert blob.futures[1].cancelled()
     reader.close()
     assert all(f.done() for f in blob.futures)
+
+
+def test_a_control_call_logs_each_attempt_and_gives_up_in_the_shared_wording(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An account that resets every connection: each attempt logged (the first a warning),
+    then one TransientError counting them; a refusal is not retried."""
+    monkeypatch.setattr(azure, "_filesystem", lambda account: object())
+    failures: list[BaseException] = []
+
+    def submit(fs: Any, coro: Any) -> cf.Future[Any]:
+        coro.close()
+        future: cf.Future[Any] = cf.Future()
+        future.set_exception(failures.pop(0) if failures else ConnectionResetError("reset"))
+        return future
+
+    async def listing() -> None:
+        return None
+
+    monkeypatch.setattr(azure, "_submit", submit)
+    revision = azure.AzureRevision("az://c/m/r", "c", "m/r", 600.0)
+    revision._retries = Retries(600.0, 3, Backoff(base=0.0, cap=0.0))
+    where = "az://c/m/r/"
+    with caplog.at_level(logging.DEBUG, "weightcache"), pytest.raises(TransientError) as raised:
+        revision._call(where, listing)
+    assert str(raised.value) == (
+        f"giving up on {where} after 3 attempts in 0s, last: ConnectionResetError: reset; "
+        "check that the storage account is reachable"
+    )
+    assert [(r.levelno, r.getMessage().split(" (")[0]) for r in caplog.records] == [
+        (logging.WARNING, f"{where}: attempt 1/3 failed"),
+        (logging.DEBUG, f"{where}: attempt 2/3 failed"),
+    ]
+    failures.append(azure.refused(where, 404, "ContainerNotFound"))
+    with pytest.raises(SourceError):
+        revision._call(where, listing)

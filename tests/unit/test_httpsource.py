@@ -12,6 +12,7 @@ from typing import cast
 
 import pytest
 
+from tests.support.pauses import interrupted_in_pause, long_backoff
 from tests.support.webservers import silent_server
 from weightcache.errors import IntegrityError, Interrupted, SourceError, TransientError, UsageError
 from weightcache.transfer import httprange
@@ -24,6 +25,7 @@ from weightcache.transfer.httpsource import (
     check_http_status,
     manifest_paths,
 )
+from weightcache.transfer.pacing import Retries
 from weightcache.transfer.sources import FileBlob, RetryRange, part_size_for
 
 URL = "http://h/m/v1/model.bin"
@@ -268,3 +270,22 @@ def test_interrupt_ends_a_listing_waiting_on_a_silent_server() -> None:
         assert server.accepted == 1
         with pytest.raises(Interrupted):  # and nothing new starts
             http.request("GET", f"{server.url}/m/r/x", {}, 5.0, None)
+
+
+def test_interrupt_ends_the_pause_between_two_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while a request is waiting to be sent again (a 503, then its backoff): the
+    wait ends at once, Interrupted, and no other attempt is made."""
+    http = HttpRanges()
+    revision = HttpRevision(http, "http://h/m/r", timeout=600.0)
+    revision._retries = Retries(600.0, 6, long_backoff())
+    failed = threading.Event()
+    attempts: list[str] = []
+
+    def request(*args: object, **kwargs: object) -> object:
+        attempts.append(str(args[1]))
+        failed.set()
+        raise RetryRange("HTTP 503")
+
+    monkeypatch.setattr(http, "request", request)
+    raised = interrupted_in_pause(lambda: revision.read_bytes("SHA256SUMS"), failed, http.interrupt)
+    assert [type(e) for e in raised] == [Interrupted] and len(attempts) == 1

@@ -5,14 +5,20 @@ sha256 the Hub vouches for."""
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
+from typing import cast
 
 import pytest
 
 from weightcache.cache.manifest import parse
-from weightcache.errors import SourceError, UsageError
+from weightcache.errors import Interrupted, SourceError, UsageError
 from weightcache.fetch.vouched import vouched_manifest
 from weightcache.node.models import parse_entry
 from weightcache.sourceurl import Source, SourcePrefix
+from weightcache.transfer.hub import HubBlob, read_whole
+from weightcache.transfer.pacing import Backoff, Retries
+from weightcache.transfer.sources import RetryRange
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -109,3 +115,27 @@ def test_a_file_without_a_sha256_needs_a_manifest() -> None:
         vouched_manifest(source, sizes)  # type: ignore[arg-type]
     with pytest.raises(SourceError, match="no SHA256SUMS at hf://org/m@main/SHA256SUMS; commit"):
         vouched_manifest(_Vouching({}), sizes)  # type: ignore[arg-type]
+
+
+def test_a_small_file_read_logs_each_attempt_and_stops_when_interrupted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Hub that keeps answering 503 for config.json: each failed attempt is logged, and
+    SIGTERM (the connections' stop switch) ends the retries, where they went on silently."""
+    stop = threading.Event()
+    reads: list[int] = []
+
+    class Blob:
+        where = "hf://org/m@c0ffee/config.json"
+
+        def open_range(self, start: int, end: int, size: int, timeout: float) -> None:
+            reads.append(start)
+            if len(reads) == 2:
+                stop.set()
+            raise RetryRange("HTTP 503 from the Hub")
+
+    retries = Retries(600.0, 6, Backoff(base=0.0, cap=0.0))
+    with caplog.at_level(logging.WARNING), pytest.raises(Interrupted):
+        read_whole(cast(HubBlob, Blob()), 10, retries, stop)
+    assert len(reads) == 2
+    assert f"{Blob.where}: attempt 1/6 failed (HTTP 503 from the Hub)" in caplog.text

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from typing import TYPE_CHECKING
 
 import pytest
 
-from weightcache.transfer.pacing import AIMDGate, Backoff, Retries, TokenBucket, tries
+from weightcache.errors import Interrupted, SourceError, TransientError
+from weightcache.transfer.pacing import (
+    AIMDGate,
+    Backoff,
+    Retries,
+    TokenBucket,
+    Verdict,
+    retrying,
+    tries,
+)
 
 if TYPE_CHECKING:
     from tests.unit.conftest import FakeClock
@@ -313,3 +323,103 @@ def test_retries_stop_at_the_attempts_or_when_the_budget_would_be_passed() -> No
 
 def test_tries_reads_as_english() -> None:
     assert (tries(1), tries(6)) == ("1 attempt", "6 attempts")
+
+
+# -- retrying ----------------------------------------------------------------------------------
+
+
+class _Flaky:
+    """An attempt that fails with each of `failures` in turn, then returns "done"."""
+
+    def __init__(self, *failures: Exception) -> None:
+        self.failures = list(failures)
+        self.calls = 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "done"
+
+
+def _classify(e: Exception) -> Verdict:
+    """Timeouts are worth another attempt; anything else is a refusal."""
+    if isinstance(e, TimeoutError):
+        return f"timed out: {e}"
+    return SourceError(f"refused: {e}")
+
+
+class _Stop(threading.Event):
+    """A stop switch whose waits pass on the fake clock; set on its `at`-th wait."""
+
+    def __init__(self, clock: FakeClock, at: int = 0) -> None:
+        super().__init__()
+        self.clock, self.at, self.waits = clock, at, 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        self.clock.sleep(timeout or 0.0)
+        if self.waits == self.at:
+            self.set()
+        return self.is_set()
+
+
+def _retries(clock: FakeClock, attempts: int = 4, wait: float = 2.0) -> Retries:
+    return Retries(60.0, attempts, _Fixed(wait), clock=clock, sleep=clock.sleep)
+
+
+def test_retrying_tries_again_what_classify_calls_retryable(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    call = _Flaky(TimeoutError("a"), TimeoutError("b"))
+    caplog.set_level(logging.DEBUG, logger="weightcache.transfer.pacing")
+    assert retrying("GET x", call, _classify, _retries(clock), "try again") == "done"
+    assert call.calls == 3 and clock.sleeps == [2.0, 2.0]
+    # the first failure a warning, the next a debug line, each counted against the attempts
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "GET x: attempt 1/4 failed (timed out: a); retrying in 2.0s"),
+        (logging.DEBUG, "GET x: attempt 2/4 failed (timed out: b); retrying in 2.0s"),
+    ]
+
+
+def test_retrying_raises_the_translation_of_what_no_retry_fixes(clock: FakeClock) -> None:
+    call = _Flaky(TimeoutError("a"), PermissionError("no"))
+    with pytest.raises(SourceError, match="refused: no") as raised:
+        retrying("GET x", call, _classify, _retries(clock), "try again")
+    assert call.calls == 2 and isinstance(raised.value.__cause__, PermissionError)
+    own = _Flaky(SourceError("missing"))  # a translation the attempt raised itself
+    with pytest.raises(SourceError, match="missing") as raised:
+        retrying("GET x", own, lambda e: e, _retries(clock), "try again")
+    assert raised.value.__cause__ is None and own.calls == 1
+
+
+def test_retrying_gives_up_in_one_wording_counting_attempts_and_time(clock: FakeClock) -> None:
+    call = _Flaky(*[TimeoutError(str(n)) for n in range(9)])
+    with pytest.raises(TransientError) as raised:
+        retrying("LIST s3://b/p/", call, _classify, _retries(clock), "check the store")
+    assert str(raised.value) == (
+        "giving up on LIST s3://b/p/ after 4 attempts in 6s, last: timed out: 3; check the store"
+    )
+    assert call.calls == 4 and isinstance(raised.value.__cause__, TimeoutError)
+
+
+def test_retrying_stops_when_interrupted_between_attempts(clock: FakeClock) -> None:
+    stop = _Stop(clock, at=1)  # set during the pause after the first failure
+    call = _Flaky(TimeoutError("a"), TimeoutError("b"))
+    with pytest.raises(Interrupted):
+        retrying("GET x", call, _classify, _retries(clock), "try again", stop)
+    assert call.calls == 1 and stop.waits == 1
+    # set before the call: nothing is tried; set while it failed: not retried, not refused
+    stop.set()
+    with pytest.raises(Interrupted):
+        retrying("GET x", call, _classify, _retries(clock), "try again", stop)
+    assert call.calls == 1
+    failing = _Flaky(PermissionError("a connection shut down"))
+    other = _Stop(clock)
+
+    def interrupted_attempt() -> str:
+        other.set()
+        return failing()
+
+    with pytest.raises(Interrupted):
+        retrying("GET x", interrupted_attempt, _classify, _retries(clock), "try again", other)

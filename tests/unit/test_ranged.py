@@ -342,6 +342,52 @@ def test_the_source_checksum_covers_bytes_hashed_as_they_land_and_read_back(
         partial.close()
 
 
+def _written_from(partial: PartialFile, data: bytes, hashed: int) -> None:
+    """`data` written and every part done, the first `hashed` bytes hashed as they landed."""
+    partial.write(memoryview(data), 0)
+    partial.hash_landed(memoryview(data)[:hashed], 0)
+    for index, (_, end) in enumerate(partial.state.parts):
+        partial.wrote(index, end)
+        partial.mark_done(index)
+
+
+def test_written_bytes_are_hashed_back_in_place_not_copied_through_a_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-back maps the file (no preadv copy), from an offset off a page boundary
+    and across several windows, and the source checksum sees the same bytes."""
+    data = random.Random(12).randbytes(3 * partial_module.HASH_WINDOW + 5 * PART + 7)
+    partial = PartialFile.open(tmp_path / "b.part", "b", len(data), PART, check="md5")
+    try:
+        _written_from(partial, data, 1001)
+
+        def no_copy(*args: object) -> int:
+            raise AssertionError("read back through preadv")
+
+        monkeypatch.setattr(os, "preadv", no_copy)
+        assert partial.finish(bytearray(PART)) == hashlib.sha256(data).hexdigest()
+        assert partial.check_digest == hashlib.md5(data).hexdigest()
+    finally:
+        partial.close()
+
+
+def test_a_partial_that_cannot_be_mapped_is_hashed_back_through_the_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = random.Random(13).randbytes(2 * partial_module.HASH_WINDOW + 3)
+    partial = PartialFile.open(tmp_path / "b.part", "b", len(data), PART)
+    try:
+        _written_from(partial, data, 5)
+
+        def refuse(*args: object, **kwargs: object) -> object:
+            raise OSError(errno.ENODEV, "no mmap here")
+
+        monkeypatch.setattr(partial_module.mmap, "mmap", refuse)
+        assert partial.finish(bytearray(PART)) == hashlib.sha256(data).hexdigest()
+    finally:
+        partial.close()
+
+
 def test_the_digest_is_set_only_once_every_byte_is_hashed_and_fsynced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

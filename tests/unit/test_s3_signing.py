@@ -190,3 +190,34 @@ def test_credentials_with_a_line_break_or_space_are_refused_naming_the_variable(
     with pytest.raises(UsageError, match=rf"^{name} holds a line break") as raised:
         check_credentials({**good, name: value})
     assert value.strip() not in str(raised.value)  # the secret is not printed
+
+
+def test_interrupt_ends_the_pause_between_two_attempts_of_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM while a control-plane call waits to be tried again: the wait ends at once,
+    Interrupted, and no other attempt is made."""
+    import threading
+
+    from tests.support.pauses import interrupted_in_pause, long_backoff
+    from weightcache.config import OriginSettings
+    from weightcache.errors import Interrupted
+    from weightcache.transfer.s3 import Origin
+
+    for name, value in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    settings = OriginSettings(endpoint_url="http://127.0.0.1:9", timeout=600.0)
+    origin = Origin(settings, long_backoff())
+    failed = threading.Event()
+    attempts: list[int] = []
+
+    def attempt() -> None:
+        attempts.append(1)
+        failed.set()
+        raise ConnectionResetError("reset by the store")
+
+    raised = interrupted_in_pause(
+        lambda: origin.call("LIST s3://models/m/r/", attempt), failed, origin.interrupt
+    )
+    assert [type(e) for e in raised] == [Interrupted] and attempts == [1]

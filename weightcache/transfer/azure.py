@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -41,11 +40,10 @@ from weightcache.config import is_digits
 from weightcache.errors import (
     IntegrityError,
     SourceError,
-    TransientError,
     UsageError,
     WeightcacheError,
 )
-from weightcache.transfer.pacing import Retries, tries
+from weightcache.transfer.pacing import Retries, Verdict, retrying
 from weightcache.transfer.sources import RangeReader, RetryRange
 
 T = TypeVar("T")
@@ -260,24 +258,21 @@ class AzureRevision:
     def _call(self, where: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """A control-plane call, retried with backoff on what a retry may fix; raises the
         translated error, TransientError once the revision's Retries are spent."""
-        began, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
+
+        def attempt() -> T:
             future = _submit(self._fs, make())
             try:
                 return future.result(min(self._retries.budget, CONTROL_TIMEOUT))
-            except Exception as e:
+            except Exception:
                 future.cancel()
-                error = translate(e, where)
-                if isinstance(error, WeightcacheError):
-                    raise error from e
-                delay = self._retries.pause(attempt, began)
-                if delay is None:
-                    raise TransientError(
-                        f"{where}: failed: {tries(attempt)} in {time.monotonic() - began:.0f}s, "
-                        f"last: {error}; check that the storage account is reachable"
-                    ) from e
-                time.sleep(delay)
+                raise
+
+        def classify(e: Exception) -> Verdict:
+            error = translate(e, where)
+            return error if isinstance(error, WeightcacheError) else str(error)
+
+        advice = "check that the storage account is reachable"
+        return retrying(where, attempt, classify, self._retries, advice)
 
 
 class AzureBlob:

@@ -166,7 +166,12 @@ class OpenConnections:
     def __init__(self) -> None:
         self._open: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self.interrupted = False
+        #: Set by `interrupt()`: the retry loops of the control plane wait on it.
+        self.stopped = threading.Event()
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped.is_set()
 
     def check(self) -> None:
         """Interrupted once `interrupt()` was called."""
@@ -187,7 +192,7 @@ class OpenConnections:
 
     def interrupt(self) -> None:
         with self._lock:
-            self.interrupted = True
+            self.stopped.set()
             conns = list(self._open)
         for conn in conns:
             sock = conn.sock
@@ -275,6 +280,11 @@ class HttpRanges:
         """Shut every connection down (a request on one fails at once) and refuse new
         requests (Interrupted). Safe from a signal handler's thread."""
         self._open.interrupt()
+
+    @property
+    def stopped(self) -> threading.Event:
+        """Set by `interrupt()`: what the retry loops of its clients wait on."""
+        return self._open.stopped
 
     def _connection(
         self, url: urllib.parse.SplitResult, timeout: float, ca_env: str | None = "AWS_CA_BUNDLE"

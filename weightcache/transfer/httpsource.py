@@ -30,14 +30,13 @@ import os
 import re
 import ssl
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable
 
 from weightcache.config import is_digits
 from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.pacing import Retries, retry_level, tries
+from weightcache.transfer.pacing import Retries, Verdict, retrying
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 log = logging.getLogger(__name__)
@@ -344,25 +343,15 @@ class HttpRevision:
     ) -> tuple[http.client.HTTPResponse, bytes]:
         """`call()`, again after a backoff while it raises RetryRange (within the
         revision's Retries, then TransientError); a certificate the system does not trust
-        is SourceError."""
-        began, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
-            try:
-                return call()
-            except ssl.SSLCertVerificationError as e:
-                raise SourceError(
+        is SourceError; Interrupted after the connections' `interrupt()`."""
+
+        def classify(e: Exception) -> Verdict:
+            if isinstance(e, ssl.SSLCertVerificationError):
+                return SourceError(
                     f"{location}: {e.verify_message}; if the server's CA is private, point "
                     "SSL_CERT_FILE at a bundle that holds it"
-                ) from e
-            except RetryRange as e:
-                delay = self._retries.pause(attempt, began)
-                if delay is None:
-                    raise TransientError(
-                        f"giving up on {location} after {tries(attempt)} in "
-                        f"{time.monotonic() - began:.0f}s, last: {e}; run the fetch again "
-                        "when the server recovers (or give it longer with --timeout)"
-                    ) from e
-                log.log(retry_level(attempt), "%s: attempt %d/%d failed (%s); retrying in "
-                        "%.1fs", location, attempt, REQUEST_ATTEMPTS, e, delay)  # fmt: skip
-                time.sleep(delay)
+                )
+            return str(e) if isinstance(e, RetryRange) else e
+
+        advice = "run the fetch again when the server recovers (or give it longer with --timeout)"
+        return retrying(location, call, classify, self._retries, advice, self._http.stopped)

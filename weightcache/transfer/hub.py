@@ -23,17 +23,16 @@ import logging
 import os
 import re
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 from weightcache.config import check_endpoint_url
-from weightcache.errors import SourceError, TransientError, UsageError
+from weightcache.errors import SourceError, UsageError
 from weightcache.sourceurl import HUB_COMMIT
 from weightcache.transfer.httprange import HttpRanges
 from weightcache.transfer.hubinfo import HubFile, HubListing, parse_info, parse_tree
-from weightcache.transfer.pacing import Backoff, Retries, tries
+from weightcache.transfer.pacing import Backoff, Retries, Verdict, retrying
 from weightcache.transfer.sources import READ_TIMEOUT, RangeReader, RetryRange
 
 #: Tries of one metadata call (the revision's listing) through 429, 5xx and network errors.
@@ -47,6 +46,8 @@ MAX_REDIRECTS = 5
 _PINNED_KEEP = 32
 _pinned: dict[tuple[str, str, str], HubListing] = {}
 _pinned_lock = threading.Lock()
+#: What to do when the Hub kept failing.
+_LATER = "try again later (or give it longer with --timeout)"
 log = logging.getLogger(__name__)
 
 
@@ -96,7 +97,7 @@ class HubRevision:
         f = self.listing().files.get(relpath)
         if f is None:
             raise SourceError(f"no {relpath} in {self.url} (commit {self.commit})")
-        return read_whole(self.blob(relpath), f.size, self._retries)
+        return read_whole(self.blob(relpath), f.size, self._retries, self._http.stopped)
 
     def blob(self, relpath: str) -> HubBlob:
         hub = _hub()
@@ -177,37 +178,29 @@ class HubRevision:
         through 429, 5xx and network errors. Raises SourceError (refused, HF_HUB_OFFLINE),
         TransientError (the Hub kept failing)."""
         hub = _hub()
-        began, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
-            try:
-                r = hub.utils.get_session().get(
-                    url, headers=hub.utils.build_hf_headers(), params=params,
-                    timeout=min(self._retries.budget, READ_TIMEOUT),
-                )  # fmt: skip
-                hub.utils.hf_raise_for_status(r)
-                following: str | None = r.links.get("next", {}).get("url")
-                return r.content, following
-            except hub.errors.HfHubHTTPError as e:
+
+        def get() -> tuple[bytes, str | None]:
+            r = hub.utils.get_session().get(
+                url, headers=hub.utils.build_hf_headers(), params=params,
+                timeout=min(self._retries.budget, READ_TIMEOUT),
+            )  # fmt: skip
+            hub.utils.hf_raise_for_status(r)
+            following: str | None = r.links.get("next", {}).get("url")
+            return r.content, following
+
+        def classify(e: Exception) -> Verdict:
+            if isinstance(e, hub.errors.HfHubHTTPError):
                 status = getattr(e.response, "status_code", 0)
-                if status != 429 and status < 500:
-                    raise self._refusal(e, hub) from e
-                last = f"HTTP {status}"
-            except Exception as e:  # httpx's network errors
-                if isinstance(e, hub.errors.OfflineModeIsEnabled):
-                    raise SourceError(
-                        f"{self.url}: HF_HUB_OFFLINE is set, so the Hub cannot be asked; "
-                        "unset it, or fetch a revision already in the cache by its commit"
-                    ) from e
-                last = f"{type(e).__name__}: {e}"
-            delay = self._retries.pause(attempt, began)
-            if delay is None:
-                raise TransientError(
-                    f"the Hub at {hub.constants.ENDPOINT} did not answer for {self.url} after "
-                    f"{tries(attempt)} in {time.monotonic() - began:.0f}s (last: {last}); "
-                    "try again later (or give it longer with --timeout)"
+                return f"HTTP {status}" if status == 429 or status >= 500 else self._refusal(e, hub)
+            if isinstance(e, hub.errors.OfflineModeIsEnabled):
+                return SourceError(
+                    f"{self.url}: HF_HUB_OFFLINE is set, so the Hub cannot be asked; "
+                    "unset it, or fetch a revision already in the cache by its commit"
                 )
-            time.sleep(delay)
+            return f"{type(e).__name__}: {e}"  # httpx's network errors
+
+        return retrying(f"GET {url} for {self.url}", get, classify, self._retries,
+                        _LATER, self._http.stopped)  # fmt: skip
 
     def _refusal(self, e: Any, hub: Any) -> SourceError:
         """The SourceError for the Hub's 4xx on the listing."""
@@ -349,22 +342,15 @@ def _head_failure(status: int, reply: dict[str, str], where: str) -> Exception:
     return SourceError(f"{where}: unexpected HTTP {status} from the Hub")
 
 
-def read_whole(blob: HubBlob, size: int, retries: Retries) -> bytes:
+def read_whole(
+    blob: HubBlob, size: int, retries: Retries, stop: threading.Event | None = None
+) -> bytes:
     """A small file's bytes, retried through what a range read retries, within
-    `retries`. Raises SourceError, TransientError."""
-    began, attempt = time.monotonic(), 0
-    while True:
-        attempt += 1
-        try:
-            return _read_once(blob, size, min(retries.budget, READ_TIMEOUT))
-        except RetryRange as e:
-            delay = retries.pause(attempt, began)
-            if delay is None:
-                raise TransientError(
-                    f"cannot read {blob.where} after {tries(attempt)} (last: {e}); try "
-                    "again later (or give it longer with --timeout)"
-                ) from e
-            time.sleep(delay)
+    `retries`. Raises SourceError, TransientError, Interrupted once `stop` is set."""
+    timeout = min(retries.budget, READ_TIMEOUT)
+    return retrying(blob.where, lambda: _read_once(blob, size, timeout),
+                    lambda e: str(e) if isinstance(e, RetryRange) else e, retries, _LATER,
+                    stop)  # fmt: skip
 
 
 def _read_once(blob: HubBlob, size: int, timeout: float) -> bytes:

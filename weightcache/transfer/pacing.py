@@ -1,6 +1,7 @@
-"""Pure pacing objects: token bucket, AIMD concurrency gate, backoff. Clocks are injected.
+"""Pure pacing objects: token bucket, AIMD concurrency gate, backoff, and the one retry
+loop of every control-plane call (`retrying`). Clocks are injected.
 
-All three are thread-safe; none of them does I/O, so they are unit-tested with a fake clock.
+The objects are thread-safe; none of them does I/O, so they are unit-tested with a fake clock.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from weightcache.errors import Interrupted, TransientError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 Clock = Callable[[], float]
 Sleep = Callable[[float], None]
 
@@ -137,6 +143,7 @@ class Retries:
     attempts: int
     backoff: Backoff = field(default_factory=Backoff)
     clock: Clock = time.monotonic
+    sleep: Sleep = time.sleep
 
     def pause(self, attempt: int, began: float) -> float | None:
         """The pause before try `attempt + 1` of a call begun at `began` (this clock), or
@@ -157,3 +164,54 @@ def retry_level(attempt: int) -> int:
 def tries(n: int) -> str:
     """ "1 attempt", "3 attempts": for messages."""
     return "1 attempt" if n == 1 else f"{n} attempts"
+
+
+#: A backend's reading of one failed attempt (`classify`): a str is its cause, and another
+#: attempt may fix it; an exception is raised as it is (the backend's translation).
+Verdict = str | Exception
+
+
+def retrying(
+    what: str,
+    attempt: Callable[[], T],
+    classify: Callable[[Exception], Verdict],
+    retries: Retries,
+    advice: str,
+    stop: threading.Event | None = None,
+) -> T:
+    """`attempt()`'s result, tried again after a backoff while `classify` names its failure
+    a cause worth retrying, within `retries`. Each failed attempt is logged as `attempt
+    2/6` (`retry_level`). `what` names the call in messages; `advice` says what to do once
+    the attempts are spent.
+
+    Raises what `classify` returns for a failure no retry fixes (chained to it); Interrupted
+    once `stop` is set (before an attempt, after a failure, or during the pause);
+    TransientError "giving up on <what> after N attempts in Ts, last: <cause>; <advice>"
+    when the attempts or the budget are spent, chained to the last failure."""
+    began, n = retries.clock(), 0
+    while True:
+        n += 1
+        if stop is not None and stop.is_set():
+            raise Interrupted()
+        try:
+            return attempt()
+        except Exception as e:
+            if stop is not None and stop.is_set():  # a connection shut down by interrupt()
+                raise Interrupted() from e
+            verdict = classify(e)
+            if isinstance(verdict, Exception):
+                if verdict is e:
+                    raise
+                raise verdict from e
+            delay = retries.pause(n, began)
+            if delay is None:
+                raise TransientError(
+                    f"giving up on {what} after {tries(n)} in {retries.clock() - began:.0f}s, "
+                    f"last: {verdict}; {advice}"
+                ) from e
+            log.log(retry_level(n), "%s: attempt %d/%d failed (%s); retrying in %.1fs",
+                    what, n, retries.attempts, verdict, delay)  # fmt: skip
+            if stop is None:
+                retries.sleep(delay)
+            elif stop.wait(delay):
+                raise Interrupted() from e

@@ -38,10 +38,11 @@ from weightcache.transfer.sources import (
 )
 
 log = logging.getLogger(__name__)
-#: Bytes per worker read and per hashing read-back, into one preallocated buffer per
-#: thread: no large allocation per chunk, so RSS stays flat (glibc arenas per thread
-#: otherwise hoard freed chunks). 256 KiB stays in the CPU cache between recv and pwrite:
-#: measured on 4 GiB, kernel time 2.1 s vs 5.7-7.8 s with 1 MiB, wall 5.5 s vs 7.7-8.8 s.
+#: Bytes per worker read (and per hashing read-back where a file cannot be mapped), into
+#: one preallocated buffer per thread: no large allocation per chunk, so RSS stays flat
+#: (glibc arenas per thread otherwise hoard freed chunks). 256 KiB stays in the CPU cache
+#: between recv and pwrite: measured on 4 GiB, kernel time 2.1 s vs 5.7-7.8 s with 1 MiB,
+#: wall 5.5 s vs 7.7-8.8 s.
 BUFFER = 256 << 10
 #: Bytes that move the stall clock: less than this in `--timeout` seconds (over all of a
 #: download's connections) is a trickle, not progress, and ends the download with exit 6.

@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from weightcache.config import OriginSettings
-from weightcache.errors import Interrupted, SourceError, TransientError
+from weightcache.errors import SourceError, TransientError
 from weightcache.transfer.httprange import (
     OpenConnections,
     ca_file,
@@ -38,7 +37,7 @@ from weightcache.transfer.httprange import (
     read_small_body,
     too_large,
 )
-from weightcache.transfer.pacing import Backoff, Retries, retry_level, tries
+from weightcache.transfer.pacing import Backoff, Retries, Verdict, retrying
 from weightcache.transfer.s3wire import UNSUPPORTED, StoreError, listing_page, translate
 from weightcache.transfer.sigv4 import PRESIGN_SECONDS, check_credentials, static_signer
 from weightcache.transfer.sources import SMALL_BODY_MAX
@@ -122,36 +121,16 @@ class Origin:
     # -- the retry loop shared by every control-plane call ---------------------------------
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run fn, retrying transient failures until `--timeout` without success."""
-        start = time.monotonic()
-        attempt = 0
-        while True:
-            attempt += 1
-            self._open.check()
-            try:
-                return fn()
-            except Exception as e:
-                if self._open.interrupted:  # its connection shut down by interrupt()
-                    raise Interrupted() from e
-                error = translate(e, what)
-                if not isinstance(error, TransientError):
-                    raise error from e
-                delay = self._retries.pause(attempt, start)
-                if delay is None:
-                    raise TransientError(
-                        f"{what} failed: {tries(attempt)} in {time.monotonic() - start:.0f}s, "
-                        f"last: {error}; check that {self._store()} is reachable"
-                    ) from e
-                log.log(
-                    retry_level(attempt),
-                    "%s: attempt %d/%d failed (%s); retrying in %.1fs",
-                    what,
-                    attempt,
-                    self.settings.max_attempts,
-                    error,
-                    delay,
-                )
-                time.sleep(delay)
+        """Run fn, retrying transient failures until `--timeout` without success; every
+        botocore or network error translated (`s3wire.translate`). Raises Interrupted
+        after `interrupt()`."""
+
+        def classify(e: Exception) -> Verdict:
+            error = translate(e, what)
+            return str(error) if isinstance(error, TransientError) else error
+
+        advice = f"check that {self._store()} is reachable"
+        return retrying(what, fn, classify, self._retries, advice, self._open.stopped)
 
     # -- operations ---------------------------------------------------------------------------
 
