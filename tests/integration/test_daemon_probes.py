@@ -1,5 +1,5 @@
-"""The kubelet's probes against scrapers of the metrics port (design §5, Bounds): with every
-connection the scrapers may hold busy on /metrics, /healthz and /readyz still answer, so a
+"""The kubelet's probes against scrapers of the metrics port (design §5, Bounds): with as many
+scrapes in progress as the port serves at once, /healthz and /readyz still answer, so a
 scrape storm cannot get the daemon restarted by its liveness probe.
 
 The daemon's own HTTP server and limits on loopback, with a /metrics page that the test
@@ -75,7 +75,7 @@ def test_probes_answer_while_scrapers_hold_every_connection_busy(
     held_metrics: tuple[serve.HttpServer, int, threading.Event, list[str]],
 ) -> None:
     http, port, release, rendered = held_metrics
-    cap = HTTP_LIMITS.connections
+    cap = HTTP_LIMITS.requests
     scrapers = []
     try:
         for _ in range(cap):

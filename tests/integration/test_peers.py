@@ -46,11 +46,12 @@ from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings
 from weightcache.node import peerserver
+from weightcache.node.admission import Limits
 from weightcache.node.peerpieces import encode_pieces
 from weightcache.node.peers import HELD_ONLY, PIECE_SIZE, PIECES, STREAMING, Peers
 from weightcache.node.peerserver import PeerServer
 from weightcache.node.pieces import Bitmap
-from weightcache.node.serve import Limits, LoopThread
+from weightcache.node.serve import LoopThread
 from weightcache.ops.devstore import free_port
 from weightcache.transfer.parts import PartState
 

@@ -1,5 +1,5 @@
-"""The connection books of the daemon's listeners (weightcache/node/serve.py) and the fetch
-socket's request check (weightcache/node/coord.py): pure, with literal clocks."""
+"""The connection and request books of the daemon's listeners (weightcache/node/admission.py)
+and the fetch socket's request check (weightcache/node/coord.py): pure, with literal clocks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from weightcache.node.admission import Conn, Connections, Limits, Requests
 from weightcache.node.coord import parse_request
-from weightcache.node.serve import Conn, Connections, Limits
 
 LIMITS = Limits(connections=3, idle=30.0, header=10.0)
 
@@ -46,30 +46,24 @@ def test_at_the_cap_with_every_connection_busy_the_new_one_is_refused() -> None:
     assert books.open == conns
 
 
-def test_past_a_busy_cap_the_reserve_admits_connections_marked_reserved() -> None:
-    books = Connections(Limits(connections=2, idle=30.0, header=10.0, reserved=1))
-    busy = [conn(), conn()]
-    for c in busy:
-        assert books.admit(c) is None and not c.reserved
-        Connections.started(c)
-    probe, extra = conn(9.0), conn(10.0)
-    assert books.admit(probe) is None and probe.reserved
-    Connections.started(probe)
-    assert books.admit(extra) is extra, "past cap and reserve: refused"
-    assert books.open == [*busy, probe]
+def test_scrapes_at_their_cap_are_refused_and_probes_still_taken() -> None:
+    """Admission by request, not by connection: a connection's path is unknown until its
+    request is read, so only then can a scraper be told from the kubelet's probe."""
+    reqs = Requests(Limits(connections=8, idle=30.0, header=10.0, requests=2, probes=1))
+    assert [reqs.take("/metrics") for _ in range(3)] == [True, True, False]
+    assert reqs.take("/healthz") and not reqs.take("/readyz"), "one probe at once"
+    reqs.done("/healthz")
+    assert reqs.take("/readyz"), "a probe's slot is free again"
+    reqs.done("/metrics")
+    assert reqs.take("/metrics") and not reqs.take("/metrics")
 
 
-def test_an_idle_connection_makes_room_before_the_reserve_is_used() -> None:
-    books = Connections(Limits(connections=2, idle=30.0, header=10.0, reserved=1))
-    a, b = conn(1.0), conn(2.0)
-    books.admit(a)
-    books.admit(b)
-    Connections.started(b)
-    new = conn(9.0)
-    assert books.admit(new) is a and not new.reserved
-    late = conn(10.0)  # every regular slot busy or taken: the reserve
-    Connections.started(new)
-    assert books.admit(late) is None and late.reserved
+def test_without_probe_slots_probes_count_with_the_other_requests() -> None:
+    reqs = Requests(Limits(connections=8, idle=30.0, header=10.0, requests=1))
+    assert reqs.take("/healthz") and not reqs.take("/metrics")
+    reqs.done("/healthz")
+    unbounded = Requests(LIMITS)  # requests=0: only the connection cap bounds them
+    assert all(unbounded.take("/x") for _ in range(100))
 
 
 def test_idle_and_header_deadlines() -> None:

@@ -51,6 +51,7 @@ from weightcache.config import (
 from weightcache.errors import UsageError, WeightcacheError
 from weightcache.fetch import Fetcher, FetchResult
 from weightcache.node import serve
+from weightcache.node.admission import Limits
 from weightcache.node.capacity import CapacityGuard
 from weightcache.node.converger import Converger
 from weightcache.node.coordinator import Coordinator, FetchSocketHandler
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 
 #: The fetch socket: Pods waiting at once (a node runs at most ~110 Pods), and 5 s for the
 #: request line, which `fetch` sends as soon as it connects (design §5, Bounds).
-SOCKET_LIMITS = serve.Limits(connections=256, idle=5.0, header=5.0)
+SOCKET_LIMITS = Limits(connections=256, idle=5.0, header=5.0)
 REQUEST_LINE_LIMIT = 64 << 10  # bytes; a request is ~300
 #: Seconds the lease-and-capacity step (reap, evict: file renames and deletes) may run
 #: before /healthz says it is stuck. The converge step has none: a download may take an
@@ -75,9 +76,10 @@ REQUEST_LINE_LIMIT = 64 << 10  # bytes; a request is ~300
 HOUSEKEEPING_STUCK_AFTER = 300.0
 #: Leases or accesses in a row that state.db refused before /healthz says so.
 UNRECORDED_UNHEALTHY = 3
-#: /metrics, /healthz, /readyz: scrapers share the 64 connections; 8 more are the kubelet's
-#: probes' alone (serve.PROBES), so scrapers holding all 64 busy never fail liveness.
-HTTP_LIMITS = serve.Limits(connections=64, idle=30.0, header=10.0, reserved=8)
+#: /metrics, /healthz, /readyz: 64 scrapes at once and 8 probes apart (admission.PROBES), so
+#: scrapers at their cap never fail liveness. The connections past those 72 hold the ones
+#: whose request is not read yet, so a probe's is not closed to make room for scrapers'.
+HTTP_LIMITS = Limits(connections=256, idle=30.0, header=10.0, requests=64, probes=8)
 TEXT = "text/plain; charset=utf-8"
 
 

@@ -34,9 +34,10 @@ from aiohttp import web
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings, format_hostport
 from weightcache.errors import UsageError
+from weightcache.node.admission import Limits
 from weightcache.node.peerpieces import Pieces, advertise, partial_pieces
 from weightcache.node.peers import ASKER, BLOB_PATH, HELD_ONLY, LOAD, Peers
-from weightcache.node.serve import HttpServer, Limits
+from weightcache.node.serve import HttpServer
 from weightcache.transfer.pacing import TokenBucket
 from weightcache.transfer.sources import READ_TIMEOUT
 

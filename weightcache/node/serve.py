@@ -2,17 +2,14 @@
 
 Three servers share the loop: the metrics/health HTTP port, the peer port (both aiohttp)
 and the Unix socket the Pods' `fetch` talks to (JSON lines, weightcache/node/coord.py). None
-of them trusts a client to behave, so every connection is bounded:
+of them trusts a client to behave, so every connection and request is bounded by the books
+of weightcache/node/admission.py:
 
-- a connection cap per server; a new connection at the cap closes the oldest one that is
-  not in the middle of a request (so a flood of idle connections never locks out the
-  kubelet's probes or a Pod's fetch), and is refused only when every slot is busy;
-- on the metrics port, a few slots past the cap for the kubelet's probes only (PROBES),
-  rendered on threads of their own: scrapers keeping every slot busy slow /metrics but
-  never fail liveness (a failed liveness probe restarts the daemon, downloads and all);
-- an idle timeout (no request started) and a header timeout (a request started but its
-  head, or the socket's request line, not complete): one byte every few seconds does not
-  keep a connection open;
+- a connection cap per server, an idle timeout and a header timeout;
+- on the HTTP ports, a cap on requests in progress, checked when a request's head is read;
+  on the metrics port the kubelet's probes have slots of their own, their pages rendered
+  on threads of their own: scrapers at their cap slow /metrics but never fail liveness (a
+  failed liveness probe restarts the daemon, downloads and all);
 - a real listen backlog, so a burst of connections is queued by the kernel, not dropped.
 
 Work that may block (disk reads, /metrics rendering, a fetch waiting on a download) runs
@@ -32,7 +29,6 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +36,15 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError
 
 from weightcache.errors import UsageError
+from weightcache.node.admission import (
+    PROBES,
+    Conn,
+    Connections,
+    Limits,
+    Requests,
+    close_all,
+    sweep,
+)
 from weightcache.node.coord import socket_address
 from weightcache.smallfile import chmod_own
 
@@ -50,107 +55,11 @@ BACKLOG = 1024  # connections the kernel queues before we accept them (somaxconn
 #: Connections asyncio accepts in one go. Its default (the backlog) would open 1024 fds
 #: before the cap gets a chance to close any: EMFILE at the container's default limit.
 ACCEPT_BURST = 16
-SWEEP = 0.5  # seconds between checks of the idle and header deadlines
-#: The kubelet's probes: the only requests a connection past the cap may make.
-PROBES = frozenset({"/healthz", "/readyz"})
 PROBE_THREADS = 2  # the probes' pages render on these, never queued behind /metrics
 _BUSY_503 = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
     b"Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n"
 )
-
-
-@dataclass(frozen=True)
-class Limits:
-    """How one server bounds its connections."""
-
-    connections: int  # open at once, busy or not
-    idle: float  # seconds a connection may wait without starting a request
-    header: float  # seconds from a request's first byte to its complete head (or line)
-    reserved: int = 0  # connections past the cap, admitted for PROBES requests only
-
-
-@dataclass(eq=False)
-class Conn:
-    """One open connection as the bookkeeping sees it; `close` ends it from the loop."""
-
-    close: Callable[[], None]
-    idle_since: float
-    head_since: float | None = None  # a request's first byte arrived, its head did not
-    busy: bool = False  # a request is being served
-    reserved: bool = False  # admitted past the cap: PROBES requests only
-
-
-@dataclass
-class Connections:
-    """The open connections of one server: the cap and the deadlines. Pure bookkeeping
-    (the clock is passed in); the caller closes what it returns. Loop thread only."""
-
-    limits: Limits
-    open: list[Conn] = field(default_factory=list)
-
-    def admit(self, conn: Conn) -> Conn | None:
-        """Take `conn` in. At the cap, return the connection to close to make room (the
-        one idle longest); when every connection is busy, take it in past the cap as
-        `reserved` while `limits.reserved` allows, else return `conn` itself (refused)."""
-        victim = None
-        cap = self.limits.connections
-        if len(self.open) >= cap:
-            idle = [c for c in self.open if not c.busy]
-            if idle:
-                victim = min(idle, key=lambda c: c.idle_since)
-                self.open.remove(victim)
-            elif len(self.open) >= cap + self.limits.reserved:
-                return conn
-        conn.reserved = len(self.open) >= cap
-        self.open.append(conn)
-        return victim
-
-    def forget(self, conn: Conn) -> None:
-        with contextlib.suppress(ValueError):
-            self.open.remove(conn)
-
-    @staticmethod
-    def received(conn: Conn, now: float) -> None:
-        if not conn.busy and conn.head_since is None:
-            conn.head_since = now
-
-    @staticmethod
-    def started(conn: Conn) -> None:
-        conn.busy, conn.head_since = True, None
-
-    @staticmethod
-    def finished(conn: Conn, now: float) -> None:
-        conn.busy, conn.idle_since, conn.head_since = False, now, None
-
-    def expired(self, now: float) -> list[Conn]:
-        """Connections past their idle or header deadline (removed from the books)."""
-        late = [
-            c
-            for c in self.open
-            if not c.busy
-            and (
-                now - c.idle_since > self.limits.idle
-                or (c.head_since is not None and now - c.head_since > self.limits.header)
-            )
-        ]
-        for c in late:
-            self.open.remove(c)
-        return late
-
-
-def close_all(conns: list[Conn]) -> None:
-    for c in conns:
-        with contextlib.suppress(Exception):
-            c.close()
-
-
-async def sweep(books: Connections, stop: asyncio.Event) -> None:
-    """Close connections past their deadlines until `stop` is set."""
-    while not stop.is_set():
-        close_all(books.expired(time.monotonic()))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), SWEEP)
 
 
 class LoopThread:
@@ -256,8 +165,9 @@ class HttpServer:
     def __init__(
         self, handler: Handler, limits: Limits, refused: Callable[[], None] = lambda: None
     ) -> None:
-        """`refused()` is called for each connection turned away at the cap (a 503)."""
+        """`refused()` is called for each connection or request turned away (a 503)."""
         self.books = Connections(limits)
+        self.requests = Requests(limits)
         self._handler = handler
         self._refused = refused
         self._server: asyncio.Server | None = None
@@ -284,17 +194,18 @@ class HttpServer:
         return str(bound[0]), int(bound[1])
 
     async def _track(self, request: web.BaseRequest) -> web.StreamResponse:
-        conn = getattr(request.protocol, "conn", None)
-        if conn is not None and conn.reserved and request.path not in PROBES:
-            self._refused()  # a scraper in a probe's slot: as if refused at the cap
+        if not self.requests.take(request.path):
+            self._refused()
             busy = web.Response(status=503, text="busy\n")
             busy.force_close()
             return busy
+        conn = getattr(request.protocol, "conn", None)
         if conn is not None:
             Connections.started(conn)
         try:
             return await self._handler(request)
         finally:
+            self.requests.done(request.path)
             if conn is not None:
                 Connections.finished(conn, time.monotonic())
 
