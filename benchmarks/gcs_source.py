@@ -127,7 +127,7 @@ def loop_share(model: bl.Model, server: FakeGcs, work: Path) -> str:
     from weightcache.config import OriginSettings
     from weightcache.fetch import Fetcher
     from weightcache.sourceurl import Source
-    from weightcache.transfer.gcs import GcsClient
+    from weightcache.transfer.backends.gcs import GcsClient
 
     GcsClient.shared()
     loop = next(t.native_id for t in threading.enumerate() if t.name == "gcs-io")

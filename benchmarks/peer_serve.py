@@ -35,9 +35,9 @@ import weightcache
 print(weightcache.__file__, file=sys.stderr)
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings
-from weightcache.node.peers import Peers
-from weightcache.node.peerserver import PeerServer
-from weightcache.node.serve import LoopThread
+from weightcache.swarm.client import Peers
+from weightcache.swarm.server import PeerServer
+from weightcache.listeners.http import LoopThread
 
 class Quiet:
     def peer_uploaded(self, n): pass

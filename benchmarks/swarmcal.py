@@ -328,9 +328,9 @@ def probe_cost(a: Daemon, sha256: str, count: int = 300) -> float:
     """CPU-s per HEAD of a swarm's view round: `Peers.probe` (the daemons' own code, its
     own connection each) in this process, and daemon a answering it."""
     from weightcache.config import PeerSettings
-    from weightcache.node.peers import Peers
+    from weightcache.swarm.entry import NodeSwarm
 
-    peers = Peers(PeerSettings(("127.0.0.9", 9), "c" * 32))
+    peers = NodeSwarm(PeerSettings(("127.0.0.9", 9), "c" * 32))
     mine, theirs = time.process_time(), a.cpu()
     for _ in range(count):
         peers.probe(f"{a.addr}:{PEER_PORT}", sha256)

@@ -19,7 +19,7 @@ piece once one delivers it; nothing fails in the simulator): j holds the whole p
 and g goes on from it. A stop for any other reason would let g complete on bytes j never
 got; none exists here. The store's flows have no upstream: a streamed piece has one hop.
 Not modelled: the daemons' peer server passes a streamed piece on in chunks of at least
-64 KiB, looking every 20 ms (`peerserver.STREAM_CHUNK`, `STREAM_POLL`), so a level copy
+64 KiB, looking every 20 ms (`server.STREAM_CHUNK`, `STREAM_POLL`), so a level copy
 lags its upstream by up to that much there.
 
 CPU (`Cpu`, off by default: a real cluster has a node's cores per node): the host has
@@ -54,9 +54,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from weightcache.node.pieces import piece_size_for
-from weightcache.node.swarm import Limits
-from weightcache.node.swarmviews import VIEW_EVERY
+from weightcache.swarm.choice import RequestLimits
+from weightcache.swarm.pieces import piece_size_for
+from weightcache.swarm.views import VIEW_EVERY
 
 MiB = 1 << 20
 #: Event kinds of the simulation's one queue; END, BOOTED and CAUGHT are the network's own.
@@ -177,7 +177,7 @@ class Params:
     view: int = 32  # peers a node watches at most
     efficiency: float = 0.95  # payload share of a link's rate
     seed: int = 1
-    limits: Limits = field(default_factory=Limits)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     cpu: Cpu = field(default_factory=Cpu)  # the host's CPU (swarmnet.py); off by default
     blobs: tuple[int, ...] = ()  # the blobs' sizes in the daemons' order; () = one of `size`
     # blobs a node brings at once at most (1 or 2): the next starts when every piece of the last

@@ -1,4 +1,4 @@
-"""Swarm simulator: N nodes fetch a model's blobs through `weightcache.node.swarm.choose`.
+"""Swarm simulator: N nodes fetch a model's blobs through `weightcache.swarm.choice.choose`.
 
     python benchmarks/swarmsim.py [--nodes 8,16] [--size 256M] [--piece 4M] [--link 400M]
                                   [--store-rate 1x,4x] [--rtt 0.001] [--refresh 0.5]
@@ -9,7 +9,7 @@
 
 A discrete-event simulation of the piece and source choice past what this machine can run.
 Every node calls the exact pure function the daemons use, with what a daemon's download of
-a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
+a blob (weightcache/swarm/download.py, `SwarmDownload`) would know and when:
 - *Blobs one after another* (`Params.blobs`, as `fetch/blobs.py` brings them; the command
   line simulates one blob of `--size`), each in pieces of `--piece` or, with 0, of the
   daemons' own size (`piece_size_for`: 1 MiB for a 64 MiB shard, 256 KiB for a small file).
@@ -31,7 +31,7 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
   and by every answer to a piece request (its headers advertise too). An idle node waits
   for the next round or answer, as the daemon's loop does; after IDLE_GRACE idle it asks
   the store regardless of its room (not for pieces someone in view holds or fetches; with a
-  partial view only for those of `swarmviews.idle_scope`: its stripe, orphaned stripes,
+  partial view only for those of `views.idle_scope`: its stripe, orphaned stripes,
   late pieces).
 - *The store's room and window* as the daemon measures them, after each piece from the
   store, fresh for each blob: room if that request ran ROOM_FACTOR times as fast as the
@@ -41,9 +41,9 @@ a blob (weightcache/node/swarmfetch.py, `SwarmDownload`) would know and when:
 A node watches at most `--view` peers (the daemons' `--peer-view`): a random sample, whose
 members that do not advertise the blob for MEMBER_TTL are replaced (found gone: their
 stripes orphaned) and one of which, not serving it pieces, is rotated each round, as
-`swarmviews.watch` does for the daemons; rarity is then local, as in BitTorrent, and its
+`views.watch` does for the daemons; rarity is then local, as in BitTorrent, and its
 stripe is among all N nodes. `--dead` members (a random few) never start.
-A peer's claim expires as the daemons' do (`swarmviews.Claims`, `swarmpace.claim_wait`):
+A peer's claim expires as the daemons' do (`views.Claims`, `pace.claim_wait`):
 its piece is the store's again.
 Not modelled: the daemon's 0.1 s loop tick (a node chooses at each event), a HEAD's
 RTT (the round's answers are its peers' state at the round), failures (but `--dead`),
@@ -126,12 +126,20 @@ from swarmnet import (  # the setting and closed forms live with the model; used
 )
 
 from weightcache.config import DEFAULT_PEER_VIEW
-from weightcache.node.pieces import Bitmap, piece_count
-from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, StoreView, choose, next_window
-from weightcache.node.swarmchoice import IDLE_GRACE
-from weightcache.node.swarmorigin import ALONE_GRACE, ROOM_FACTOR
-from weightcache.node.swarmpace import claim_wait
-from weightcache.node.swarmviews import (
+from weightcache.swarm.choice import (
+    ORIGIN,
+    Local,
+    PeerView,
+    RequestLimits,
+    StoreView,
+    choose,
+    next_window,
+)
+from weightcache.swarm.chooser import IDLE_GRACE
+from weightcache.swarm.pace import claim_wait
+from weightcache.swarm.pieces import Bitmap, piece_count
+from weightcache.swarm.storegate import ALONE_GRACE, ROOM_FACTOR
+from weightcache.swarm.views import (
     GONE_SECONDS,
     MEMBER_TTL,
     ROTATE,
@@ -148,7 +156,7 @@ from weightcache.node.swarmviews import (
 __all__ = ["Cpu", "Flow", "MiB", "Network", "Outcome", "Params", "Swarm", "bound", "fmt_bits",
            "line", "parse_bits", "peers_off", "run", "store_rates", "today"]  # fmt: skip
 
-#: The daemon's rules (weightcache/node/swarmchoice.py, `Chooser.choose`): its link is
+#: The daemon's rules (weightcache/swarm/chooser.py, `Chooser.choose`): its link is
 #: spare while it receives less than this share of the best rate it has seen for the blob.
 SPARE = 0.6
 
@@ -557,7 +565,7 @@ class Swarm:
         alone = not node.view and self.net.now - node.began >= ALONE_GRACE
         room = rate >= ROOM_FACTOR * peer if peer is not None else alone
         window = next_window(node.store.window, room, self.p.limits)
-        lag = 2 * self.p.refresh  # swarmviews.VIEW_LAG at the daemons' VIEW_EVERY
+        lag = 2 * self.p.refresh  # views.VIEW_LAG at the daemons' VIEW_EVERY
         ahead = math.ceil(lag * node.per_request["origin"] * window / self.blobs[node.blob][1])
         node.store = StoreView(room, window, ahead)
 
@@ -618,7 +626,7 @@ def row(r: dict[str, object]) -> list[object]:
     ln, bd = float(str(r["line"])), float(str(r["bound"]))
     return [
         p["nodes"], fmt_bits(p["store_rate"]), sum(piece_count(*b) for b in Params(**{**p,
-            "limits": Limits(), "cpu": Cpu()}).layout()), p["pipeline"],
+            "limits": RequestLimits(), "cpu": Cpu()}).layout()), p["pipeline"],
         "on" if p["cut_through"] else "off",
         f"{s['last']:.1f}", f"{s['p50']:.1f}", f"{s['store_copies']:.2f}",
         f"{s['last'] / ln:.2f}", f"{s['p50'] / ln:.2f}", f"{off['last']:.1f}",
@@ -644,12 +652,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dead", default=0, type=int, help="members that never start")
     ap.add_argument("--efficiency", default=0.95, type=float, help="payload share of a link")
-    ap.add_argument("--per-peer", default=Limits.per_peer, type=int)
-    ap.add_argument("--fill", default=Limits.fill, type=int)
-    ap.add_argument("--per-origin", default=Limits.per_origin, type=int)
-    ap.add_argument("--claims", default=Limits.claims, type=int)
-    ap.add_argument("--total", default=Limits.total, type=int)
-    ap.add_argument("--endgame", default=Limits.endgame, type=int)
+    ap.add_argument("--per-peer", default=RequestLimits.per_peer, type=int)
+    ap.add_argument("--fill", default=RequestLimits.fill, type=int)
+    ap.add_argument("--per-origin", default=RequestLimits.per_origin, type=int)
+    ap.add_argument("--claims", default=RequestLimits.claims, type=int)
+    ap.add_argument("--total", default=RequestLimits.total, type=int)
+    ap.add_argument("--endgame", default=RequestLimits.endgame, type=int)
     ap.add_argument("--seed", default=1, type=int)
     ap.add_argument("--seeds", default=1, type=int, help="runs per setting (seed onwards), medians")
     ap.add_argument("--pipeline", default=str(Params.pipeline),
@@ -667,8 +675,14 @@ def main(argv: list[str] | None = None) -> int:
                     "(the first seed of each setting)")  # fmt: skip
     add_cpu_options(ap)
     a = ap.parse_args(argv)
-    limits = Limits(per_peer=a.per_peer, fill=a.fill, per_origin=a.per_origin, claims=a.claims,
-                    total=a.total, endgame=a.endgame)  # fmt: skip
+    limits = RequestLimits(
+        per_peer=a.per_peer,
+        fill=a.fill,
+        per_origin=a.per_origin,
+        claims=a.claims,
+        total=a.total,
+        endgame=a.endgame,
+    )
     cpu = cpu_from_args(a)
     if a.calibration:
         cpu = Cpu(**json.loads(a.calibration.read_text())["cpu"])

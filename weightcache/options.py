@@ -43,7 +43,7 @@ from weightcache.errors import UsageError
 
 if TYPE_CHECKING:
     from weightcache.cache.eviction import Watermarks
-    from weightcache.node.daemon import DaemonSettings
+    from weightcache.daemon.daemon import DaemonSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -281,7 +281,7 @@ def daemon_settings(kw: dict[str, Any]) -> DaemonSettings:
     """Pop the node options (`node_options`, `--capacity`; for `daemon` also
     `serving_options`, `--allow-source` and `peer_options`) out of a command's keyword
     arguments into settings; what `prefetch` does not take keeps its default."""
-    from weightcache.node.daemon import DaemonSettings  # the daemon's imports: not on a hit
+    from weightcache.daemon.daemon import DaemonSettings  # the daemon's imports: not on a hit
 
     return DaemonSettings(
         models_file=kw.pop("models_file"),

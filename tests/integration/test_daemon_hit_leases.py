@@ -24,7 +24,7 @@ from tests.integration.daemon_helpers import (
 from tests.support.cached import add_revision
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
-from weightcache.node.coordinator import LEASES_PER_POD
+from weightcache.daemon.coordinator import LEASES_PER_POD
 
 POD = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
 HITS = 'weightcache_fetches_total{result="hit"}'

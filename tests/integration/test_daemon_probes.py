@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.daemon_helpers import wait_for
-from weightcache.node import serve
-from weightcache.node.daemon import HTTP_LIMITS, TEXT
+from weightcache.daemon.daemon import HTTP_LIMITS, TEXT
+from weightcache.listeners import http as serve
 
 ANSWER_TIMEOUT = 20.0  # seconds; only a refused or starved probe comes near it
 

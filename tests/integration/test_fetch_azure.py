@@ -250,7 +250,7 @@ def test_vouches_for_the_content_md5_azure_holds(
 ) -> None:
     """A blob written in one Put Blob has a Content-MD5 (vouched for, as 32 lowercase hex
     digits); one committed from blocks has none (absent)."""
-    from weightcache.transfer.azure import AzureRevision
+    from weightcache.transfer.backends.azure import AzureRevision
 
     single, blocks = b"one put" * 1000, [b"a" * 70_000, b"b" * 5]
     container.upload_blob(f"{uniq}/m/r1/single.bin", single)

@@ -185,7 +185,7 @@ def test_vouches_gives_each_objects_crc32c(
     """What GCS vouches for, from the listing, equals the checksums of the bytes uploaded."""
     import google_crc32c
 
-    from weightcache.transfer.gcs import GcsClient, GcsRevision, listed_checksums
+    from weightcache.transfer.backends.gcs import GcsClient, GcsRevision, listed_checksums
 
     url, model = gput([300_000, 0], extra_files={"sub/a.bin": b"abc"})
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
@@ -206,7 +206,7 @@ def test_vouches_gives_each_objects_crc32c(
 
 
 def test_listed_checksums_decode_base64_big_endian() -> None:
-    from weightcache.transfer.gcs import listed_checksums
+    from weightcache.transfer.backends.gcs import listed_checksums
 
     crc = base64.b64encode((0x89C8ECC3).to_bytes(4, "big")).decode()
     md5 = base64.b64encode(hashlib.md5(b"x").digest()).decode()

@@ -65,7 +65,7 @@ AT_FIRST_GET = (
 #: state.db while the store answers: before the first GET, but off its path.
 NOT_BEFORE_FIRST_GET = (
     "weightcache.cli.admin", "weightcache.cli.node", "weightcache.fetch.vouched", "ctypes",
-    "xml.dom", "weightcache.node.daemon", "weightcache.ops", "s3transfer",
+    "xml.dom", "weightcache.daemon.daemon", "weightcache.ops", "s3transfer",
     "concurrent.futures", "weightcache.cache.marker", "encodings.idna", "stringprep",
     "unicodedata", "xml.etree", "queue",
 )  # fmt: skip
@@ -191,7 +191,7 @@ def _miss_modules(wc: CLI, source: str, cache: Path, env: dict[str, str | None])
     args = wc.fetch_args(source, cache, endpoint=wc.store.endpoint_url)
     miss, loaded = measured(wc, WITH_MODULES, args, env)
     assert miss.returncode == 0, describe(miss)
-    assert "weightcache.transfer.ranged" in loaded, loaded  # the measurement saw a miss
+    assert "weightcache.transfer.downloader" in loaded, loaded  # the measurement saw a miss
     return {m.split(".")[0] for m in loaded}
 
 
@@ -207,7 +207,7 @@ def test_a_cold_fetch_loads_only_what_its_first_get_needs(
     miss, modules = measured(wc, AT_FIRST_GET, args)
     assert_ok_path(miss, pub.local_path(cache_dir))
     loaded = set(modules)
-    assert "weightcache.transfer.ranged" in loaded, sorted(loaded)  # it saw the first GET
+    assert "weightcache.transfer.downloader" in loaded, sorted(loaded)  # it saw the first GET
     early = sorted(m for m in loaded for n in (*NOT_BEFORE_FIRST_GET, *HEAVY)
                    if m == n or m.startswith(f"{n}."))  # fmt: skip
     assert early == [], f"loaded before the first data GET: {early}"
@@ -221,8 +221,13 @@ def test_a_cold_fetch_loads_only_what_its_first_get_needs(
 def test_the_way_to_the_first_get_imports_no_sqlite3(tmp_path: Path) -> None:
     """sqlite3 is imported where it is used: by a cold fetch, in the thread that creates
     state.db while the store answers (design §4), not by the modules it imports first."""
-    path = ("weightcache.cli.fetching", "weightcache.fetch", "weightcache.cache.alone",
-            "weightcache.transfer.s3", "weightcache.transfer.ranged")  # fmt: skip
+    path = (
+        "weightcache.cli.fetching",
+        "weightcache.fetch",
+        "weightcache.cache.alone",
+        "weightcache.transfer.backends.s3.client",
+        "weightcache.transfer.downloader",
+    )
     code = f"import sys, {', '.join(path)}; print('sqlite3' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path)  # fmt: skip

@@ -223,7 +223,7 @@ def test_part_sizes_are_read_through_every_page_of_get_object_attributes(
 ) -> None:
     from boto3.s3.transfer import TransferConfig
 
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
 
     path = tmp_path / "big.bin"
     path.write_bytes(b"x" * (15 * MiB + 3))  # parts of 5, 5, 5 MiB and 3 bytes

@@ -19,8 +19,8 @@ from tests.support.checks import (
     markers,
 )
 from tests.support.faultproxy import FaultProxy
+from weightcache.transfer.downloader import BUFFER
 from weightcache.transfer.partial import SAVE_INTERVAL
-from weightcache.transfer.ranged import BUFFER
 
 MiB = 1024 * 1024
 PART = 1 * MiB

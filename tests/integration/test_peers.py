@@ -45,14 +45,16 @@ from tests.support.checks import (
 from tests.support.faultproxy import FaultProxy
 from weightcache.cache.layout import Layout
 from weightcache.config import PeerSettings
-from weightcache.node import peerserver
-from weightcache.node.admission import Limits
-from weightcache.node.peerpieces import encode_pieces
-from weightcache.node.peers import HELD_ONLY, PIECE_SIZE, PIECES, STREAMING, Peers
-from weightcache.node.peerserver import PeerServer
-from weightcache.node.pieces import Bitmap
-from weightcache.node.serve import LoopThread
+from weightcache.listeners.admission import ConnectionLimits
+from weightcache.listeners.http import LoopThread
 from weightcache.ops.devstore import free_port
+from weightcache.swarm import server as peerserver
+from weightcache.swarm.client import Peers
+from weightcache.swarm.entry import NodeSwarm
+from weightcache.swarm.peerpieces import encode_pieces
+from weightcache.swarm.pieces import Bitmap
+from weightcache.swarm.server import PeerServer
+from weightcache.swarm.wire import HELD_ONLY, PIECE_SIZE, PIECES, STREAMING
 from weightcache.transfer.parts import PartState
 
 TOKEN = "peer-token-for-tests-0123456789"
@@ -511,7 +513,7 @@ def test_a_burst_of_heads_is_answered_without_backlog_timeouts(
 
     def head() -> None:
         barrier.wait(timeout=60)
-        # The timeout the daemons use between themselves (peers.HEAD_TIMEOUT is 1 s), with
+        # The timeout the daemons use between themselves (client.HEAD_TIMEOUT is 1 s), with
         # room for a loaded test machine; a SYN dropped by a full backlog costs 1 s, then 3 s.
         conn = http.client.HTTPConnection("127.0.0.1", node.peer_port, timeout=3.0)
         try:
@@ -565,10 +567,12 @@ class Served:
 @pytest.fixture
 def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     """A peer server on loopback with a 1 s idle timeout (the daemon's is a minute)."""
-    monkeypatch.setattr(peerserver, "PEER_LIMITS", Limits(connections=8, idle=1.0, header=1.0))
+    monkeypatch.setattr(
+        peerserver, "PEER_LIMITS", ConnectionLimits(connections=8, idle=1.0, header=1.0)
+    )
     settings = PeerSettings(("127.0.0.1", 0), TOKEN, upload_limit=None)
     layout, counted = Layout.open(tmp_path / "cache"), Counted()
-    peers = Peers(settings)
+    peers = NodeSwarm(settings)
     server = PeerServer(settings, layout, peers, counted)
     loop = LoopThread("peer-test")
     try:
@@ -804,7 +808,7 @@ def test_two_range_headers_are_refused_not_read_as_the_first(served: Served) -> 
 
 
 class Streaming:
-    """A swarm download as the peer server sees it (`peers.Live`): piece 1 of 4 arriving
+    """A swarm download as the peer server sees it (`client.Live`): piece 1 of 4 arriving
     from the store (`arrive` moves its received bytes on), the others not held; `land`
     writes it to the partial and marks it held, `fail` ends its request unwritten."""
 

@@ -107,8 +107,8 @@ def aws_env(store: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[OriginSetti
 def _fetcher(settings: OriginSettings) -> Callable[[Path, Source, FileOps], None]:
     """fetch(cache_dir, source, ops), sharing one downloader (one boto3 client) between
     the many fetches of a test."""
-    from weightcache.transfer.ranged import RangedDownloader
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
+    from weightcache.transfer.downloader import RangedDownloader
 
     downloader, origin = RangedDownloader(settings), Origin(settings)
 

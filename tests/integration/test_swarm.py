@@ -42,9 +42,9 @@ from tests.integration.test_peers import (
 from tests.support.faultproxy import FaultProxy
 from tests.support.hostilepeer import HostilePeer
 from weightcache.cache.layout import Layout
-from weightcache.node.peers import STREAMING
-from weightcache.node.pieces import Bitmap, piece_size_for
-from weightcache.node.swarm import Limits
+from weightcache.swarm.choice import RequestLimits
+from weightcache.swarm.pieces import Bitmap, piece_size_for
+from weightcache.swarm.wire import STREAMING
 
 STREAMED = "weightcache_peer_streamed_bytes_total"
 SUMMARY = re.compile(
@@ -409,11 +409,11 @@ def test_peers_cutting_or_trickling_every_piece_are_left_for_the_store(
         # Once its pieces are given up, their pace shows that the store (fast here) has room,
         # and the store takes what is left. On a loaded host the store may have no piece
         # measured by then, and a first failure's leave ends at the peer's next answer (a
-        # busy host's timeout, swarmviews.py): one more round. A second failure's leave
+        # busy host's timeout, views.py): one more round. A second failure's leave
         # is not ended by answers and doubles; asked for ever, the trickler would get a
         # round every PEER_TIMEOUT.
         trickled = trickles.stats().ranged_gets
-        assert trickled <= 2 * Limits().per_peer, f"{trickled} pieces asked of the trickler"
+        assert trickled <= 2 * RequestLimits().per_peer, f"{trickled} pieces asked of the trickler"
     assert_node_ok(cold, pub)
     print(f"failing peers: {took:.1f}s, store {proxy.stats().bytes_for(label)} bytes, "
           f"{trickled} pieces asked of the trickler")  # fmt: skip

@@ -24,11 +24,11 @@ from tests.integration.test_peers import assert_node_ok, fetch_all, make_nodes, 
 from tests.integration.test_swarm import one_blob, summary
 from tests.support.faultproxy import FaultProxy
 from tests.support.hostilepeer import HostilePeer
-from weightcache.node.swarm import Limits
+from weightcache.swarm.choice import RequestLimits
 
 #: GETs a bad peer may get: a round of requests before each leave (SHUN_SECONDS, doubling)
 #: over a download that, from the store alone, takes a few of them.
-BAD_PEER_GETS = 5 * Limits().fill
+BAD_PEER_GETS = 5 * RequestLimits().fill
 
 
 @pytest.mark.timeout(150)
@@ -80,7 +80,7 @@ def test_a_peer_failing_every_piece_it_advertises_does_not_close_the_store_windo
     print(f"failing disk: {gets} piece requests to the peer, store window {window}, {s}")
     assert 1 <= gets <= BAD_PEER_GETS, gets
     assert s["store"] == s["pieces"], s
-    assert window > Limits().per_origin // 2, f"the store window closed to {window}"
+    assert window > RequestLimits().per_origin // 2, f"the store window closed to {window}"
 
 
 @pytest.mark.timeout(200)

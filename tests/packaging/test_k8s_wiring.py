@@ -468,7 +468,7 @@ def _comment_before(text: str, key: str) -> str:
 def test_the_daemonset_comments_say_what_the_code_does() -> None:
     """/readyz does not wait for pinned revisions (Daemon.serving), and with the Pods'
     read-only mount a miss without a daemon fails (exit 2) rather than fetching alone."""
-    from weightcache.node.daemon import Daemon
+    from weightcache.daemon.daemon import Daemon
 
     assert "Waiting for pinned" in (Daemon.serving.__doc__ or "")
     text = (REPO / "daemonset" / "daemonset.yaml").read_text()

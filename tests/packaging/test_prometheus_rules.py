@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from weightcache.node.metrics import Metrics
+from weightcache.daemon.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "daemonset" / "grafana-dashboard.json"
@@ -137,7 +137,7 @@ def test_rules_and_dashboard_use_only_known_metrics(daemonset: Any) -> None:
 
 
 def test_metrics_match_what_the_daemon_exports(daemonset: Any) -> None:
-    """Every raw metric the rules and dashboard read is registered by weightcache.node.metrics."""
+    """Every raw metric the rules and dashboard read is registered by weightcache.daemon.metrics."""
     exported: set[str] = set()
     for family in Metrics().registry.collect():
         suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}

@@ -1,4 +1,4 @@
-"""A peer that speaks the peer protocol (weightcache/node/peers.py) but never keeps its word.
+"""A peer that speaks the peer protocol (weightcache/swarm/client.py) but never keeps its word.
 
 It answers every HEAD and GET of any blob with an advertisement, and no GET with a piece:
 
@@ -21,8 +21,8 @@ from types import TracebackType
 from typing import Any
 
 from tests.support.proxy_handler import reset_connection
-from weightcache.node.peers import FETCHING, PIECE_SIZE, PIECES, STREAMING
-from weightcache.node.pieces import Bitmap, piece_count, piece_size_for
+from weightcache.swarm.pieces import Bitmap, piece_count, piece_size_for
+from weightcache.swarm.wire import FETCHING, PIECE_SIZE, PIECES, STREAMING
 
 FAILURES = ("416", "503", "reset", "range")
 

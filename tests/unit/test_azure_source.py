@@ -1,4 +1,4 @@
-"""az:// and abfs:// sources: parsing, and the pure decisions of transfer/azure.py (where a
+"""az:// and abfs:// sources: parsing, and the pure decisions of transfer/backends/azure.py (where a
 source's account comes from, which refusal is retried, throttled or final)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from weightcache.errors import IntegrityError, SourceError, TransientError, UsageError
 from weightcache.sourceurl import Source, SourcePrefix
-from weightcache.transfer import azure
-from weightcache.transfer.azure import (
+from weightcache.transfer.backends import azure
+from weightcache.transfer.backends.azure import (
     _AzureRange,
     connection_string_account,
     refused,

@@ -23,9 +23,10 @@ from weightcache.config import OriginSettings
 from weightcache.errors import IntegrityError, Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch, NodePeers, SwarmMembers
 from weightcache.sourceurl import Source
+from weightcache.transfer.backends.file import FileBlob
+from weightcache.transfer.downloader import RangedDownloader
 from weightcache.transfer.pacing import Backoff
-from weightcache.transfer.ranged import RangedDownloader
-from weightcache.transfer.sources import BlobSource, FileBlob
+from weightcache.transfer.sources import BlobSource
 
 KiB = 1 << 10
 SOURCE = Source.parse("s3://bucket/models/m/r1")

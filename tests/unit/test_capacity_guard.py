@@ -11,9 +11,9 @@ from weightcache.cache.index import Index, for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
 from weightcache.config import Capacity
+from weightcache.daemon.capacity import CapacityGuard
+from weightcache.daemon.metrics import Metrics
 from weightcache.errors import NoSpaceError
-from weightcache.node.capacity import CapacityGuard
-from weightcache.node.metrics import Metrics
 
 POD = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
 BIG_DISK = (10**12, 10**12)  # (size, free): only --capacity binds

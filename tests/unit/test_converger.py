@@ -13,11 +13,11 @@ from tests.support.cached import add_revision
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
+from weightcache.daemon import models
+from weightcache.daemon.converger import Converger
+from weightcache.daemon.metrics import Metrics
+from weightcache.daemon.models import DesiredState
 from weightcache.errors import Interrupted, SourceError, UsageError
-from weightcache.node import models
-from weightcache.node.converger import Converger
-from weightcache.node.metrics import Metrics
-from weightcache.node.models import DesiredState
 from weightcache.sourceurl import Source
 
 MODELS = """

@@ -16,11 +16,11 @@ from tests.support.cached import add_revision
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
 from weightcache.cache.store import Cache
+from weightcache.daemon.coordinator import Coordinator, FetchSocketHandler
+from weightcache.daemon.metrics import Metrics
+from weightcache.daemon.models import DesiredState, ModelSpec
 from weightcache.errors import NoSpaceError, UsageError
 from weightcache.fetch import FetchResult
-from weightcache.node.coordinator import Coordinator, FetchSocketHandler
-from weightcache.node.metrics import Metrics
-from weightcache.node.models import DesiredState, ModelSpec
 from weightcache.sourceurl import Source, SourcePrefix
 
 POD = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"

@@ -48,7 +48,7 @@ def test_gcsfs_errors_map_to_exit_codes() -> None:
     from gcsfs.retry import HttpError
 
     from weightcache.errors import SourceError, TransientError
-    from weightcache.transfer.gcs import _error
+    from weightcache.transfer.backends.gcs import _error
 
     where = "gs://models/team/llama/v1"
     missing = _error(FileNotFoundError("b/models/o"), where)

@@ -1,4 +1,4 @@
-"""Reading ranged GETs' bodies (transfer/httprange.py) from a small local server: a body
+"""Reading ranged GETs' bodies (transfer/httpclient.py) from a small local server: a body
 that trickles in is read in few large reads, not one per packet, and a kept connection's
 next response is not held back by the previous body's read size. And how S3Revision asks
 for the part sizes of composite checksums, with an Origin that counts the calls."""
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from weightcache.errors import TransientError
-from weightcache.transfer.httprange import HttpRanges
-from weightcache.transfer.s3revision import S3Revision
+from weightcache.transfer.backends.s3.revision import S3Revision
+from weightcache.transfer.httpclient import HttpRanges
 
 SLOW = 1 << 20  # bytes of /slow, sent 2 KiB every 2 ms (about 1 MB/s)
 FAST = 200 << 10  # bytes of /fast, sent at once

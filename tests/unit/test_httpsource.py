@@ -15,9 +15,9 @@ import pytest
 from tests.support.pauses import interrupted_in_pause, long_backoff
 from tests.support.webservers import silent_server
 from weightcache.errors import IntegrityError, Interrupted, SourceError, TransientError, UsageError
-from weightcache.transfer import httprange
-from weightcache.transfer.httprange import HttpRanges, check_status
-from weightcache.transfer.httpsource import (
+from weightcache.transfer import httpclient
+from weightcache.transfer.backends.file import FileBlob
+from weightcache.transfer.backends.http import (
     TOKEN_ENV,
     HttpBlob,
     HttpRevision,
@@ -25,8 +25,9 @@ from weightcache.transfer.httpsource import (
     check_http_status,
     manifest_paths,
 )
+from weightcache.transfer.httpclient import HttpRanges, check_status
 from weightcache.transfer.pacing import Retries
-from weightcache.transfer.sources import FileBlob, RetryRange, part_size_for
+from weightcache.transfer.sources import RetryRange, part_size_for
 
 URL = "http://h/m/v1/model.bin"
 
@@ -108,26 +109,26 @@ def test_a_small_answer_over_its_bound_is_refused_not_read_to_its_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A SHA256SUMS (or a listing page) that never ends grew a fetch to 12 GB."""
-    monkeypatch.setattr(httprange, "SMALL_BODY_MAX", 1000)
+    monkeypatch.setattr(httpclient, "SMALL_BODY_MAX", 1000)
     endless = _Endless()
     with pytest.raises(SourceError, match="GET x: the answer is over"):
-        httprange.read_small_body(cast(http.client.HTTPResponse, endless), "GET x")
+        httpclient.read_small_body(cast(http.client.HTTPResponse, endless), "GET x")
     assert endless.asked == [1001]
     huge = _Endless(Content_Length=str(50 << 30))
     with pytest.raises(SourceError, match="GET x: the answer is over"):
-        httprange.read_small_body(cast(http.client.HTTPResponse, huge), "GET x")
+        httpclient.read_small_body(cast(http.client.HTTPResponse, huge), "GET x")
     assert huge.asked == []  # refused by its length, unread
     parts = [b"01234", b"56789", b""]
     small = _Endless(Content_Length="10")
     small.read1 = lambda n=-1: parts.pop(0)  # type: ignore[method-assign]
-    assert httprange.read_small_body(cast(http.client.HTTPResponse, small), "GET x") == (
+    assert httpclient.read_small_body(cast(http.client.HTTPResponse, small), "GET x") == (
         b"0123456789"
     )
     cut = [b"01234", b""]  # the connection closed half way: read1 returns b"" as at the end
     short = _Endless(Content_Length="10")
     short.read1 = lambda n=-1: cut.pop(0)  # type: ignore[method-assign]
     with pytest.raises(http.client.IncompleteRead, match="5 more expected"):
-        httprange.read_small_body(cast(http.client.HTTPResponse, short), "GET x")
+        httpclient.read_small_body(cast(http.client.HTTPResponse, short), "GET x")
 
 
 def test_a_small_answer_that_trickles_is_cut_as_a_stall() -> None:
@@ -135,11 +136,11 @@ def test_a_small_answer_that_trickles_is_cut_as_a_stall() -> None:
     trickle = _Endless()
     trickle.read1 = lambda n=-1: b"x"  # type: ignore[method-assign]
     with pytest.raises(TimeoutError, match="a trickle"):
-        httprange.read_small_body(cast(http.client.HTTPResponse, trickle), "GET x", stall=0.0)
+        httpclient.read_small_body(cast(http.client.HTTPResponse, trickle), "GET x", stall=0.0)
     steady = [b"y" * 2048] * 3 + [b""]
     flowing = _Endless()
     flowing.read1 = lambda n=-1: steady.pop(0)  # type: ignore[method-assign]
-    body = httprange.read_small_body(cast(http.client.HTTPResponse, flowing), "GET x", stall=0.0)
+    body = httpclient.read_small_body(cast(http.client.HTTPResponse, flowing), "GET x", stall=0.0)
     assert body == b"y" * 6144
 
 
@@ -208,7 +209,7 @@ def test_a_missing_file_ends_the_listing_within_a_few_windows_of_heads(
 ) -> None:
     """A manifest of a million lines whose first file is missing sent 71,042 HEADs (every
     one queued at once) before it failed."""
-    from weightcache.transfer.httpsource import HEADS_IN_FLIGHT, HttpRevision
+    from weightcache.transfer.backends.http import HEADS_IN_FLIGHT, HttpRevision
 
     revision = HttpRevision(cast(HttpRanges, None), "http://127.0.0.1:1/m/r", 30.0)
     h = "ab" * 32

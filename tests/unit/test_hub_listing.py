@@ -1,4 +1,5 @@
-"""The Hub's model info and tree listing read as untrusted answers (transfer/hubinfo.py):
+"""The Hub's model info and tree listing read as untrusted answers
+(transfer/backends/hub/listing.py):
 whatever HF_ENDPOINT answers (wrong types, huge numbers, non-ASCII, missing fields, deep
 nesting, not JSON at all) is a listing or a SourceError, nothing else."""
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightcache.errors import SourceError
-from weightcache.transfer.hubinfo import MAX_FILE_SIZE, HubFile, parse_info, parse_tree
+from weightcache.transfer.backends.hub.listing import MAX_FILE_SIZE, HubFile, parse_info, parse_tree
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 SHA = "ab" * 32

@@ -12,11 +12,11 @@ from typing import cast
 import pytest
 
 from weightcache.cache.manifest import parse
+from weightcache.daemon.models import parse_entry
 from weightcache.errors import Interrupted, SourceError, UsageError
 from weightcache.fetch.vouched import vouched_manifest
-from weightcache.node.models import parse_entry
 from weightcache.sourceurl import Source, SourcePrefix
-from weightcache.transfer.hub import HubBlob, read_whole
+from weightcache.transfer.backends.hub.revision import HubBlob, read_whole
 from weightcache.transfer.pacing import Backoff, Retries
 from weightcache.transfer.sources import RetryRange
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from weightcache.node.labels import PREFIX, label_safe, merge_patch, node_labels
+from weightcache.daemon.labels import PREFIX, label_safe, merge_patch, node_labels
 
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 

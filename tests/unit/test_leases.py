@@ -11,7 +11,7 @@ import pytest
 from weightcache.cache.index import Index, for_cache
 from weightcache.cache.layout import Layout
 from weightcache.config import KUBELET_PODS_DIR
-from weightcache.node.leases import LeaseReaper
+from weightcache.daemon.leases import LeaseReaper
 
 LIVE = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
 GONE = "1f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
@@ -132,7 +132,7 @@ def test_the_leases_it_ends_are_logged_with_holders_that_are_no_pod_cut_short(
     pods = tmp_path / "pods"
     (pods / LIVE).mkdir(parents=True)
     reaper = LeaseReaper(index, pods, max_age=24 * HOUR)
-    with caplog.at_level("INFO", logger="weightcache.node.leases"):
+    with caplog.at_level("INFO", logger="weightcache.daemon.leases"):
         reaper.reap()
         assert [r.getMessage() for r in caplog.records] == [
             f"ending 2 lease(s) not held by a Pod UID: 'by-hand', {'x' * 40!r}",

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from weightcache.config import OriginSettings
-from weightcache.node.metrics import BAD_PEER_REASONS, Metrics
-from weightcache.transfer.ranged import BlobJob, RangedDownloader
-from weightcache.transfer.sources import FileBlob
+from weightcache.daemon.metrics import BAD_PEER_REASONS, Metrics
+from weightcache.transfer.backends.file import FileBlob
+from weightcache.transfer.downloader import BlobJob, RangedDownloader
 
 PART = 256 << 10
 

@@ -1,4 +1,4 @@
-"""The models file parser (weightcache/node/models.py, design §2.3): a file that cannot be
+"""The models file parser (weightcache/daemon/models.py, design §2.3): a file that cannot be
 read or is not a mapping with a `models` list is a UsageError (exit 2); a bad entry becomes
 one problem sentence and is skipped while the valid ones are kept; pins and the digest."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from weightcache.daemon.models import DesiredState, ModelSpec, load, parse_entry
 from weightcache.errors import UsageError
-from weightcache.node.models import DesiredState, ModelSpec, load, parse_entry
 
 SRC = "s3://models/team/llama/v1"
 

@@ -1,4 +1,4 @@
-"""The models file is untrusted input (weightcache/node/models.py): whatever it holds, `load`
+"""The models file is untrusted input (weightcache/daemon/models.py): whatever it holds, `load`
 ends in a valid desired state or one short UsageError, without following aliases, recursing
 without bound, waiting on a FIFO, or quoting back what it parsed."""
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from weightcache.daemon.models import DesiredState, load
 from weightcache.errors import UsageError
-from weightcache.node.models import DesiredState, load
 
 SRC = "s3://models/team/llama/v1"
 #: What a one-line error may take: a path, a reason, a place in the file.

@@ -17,8 +17,8 @@ from weightcache.config import (
     parse_duration,
     parse_size,
 )
+from weightcache.daemon.daemon import DaemonSettings
 from weightcache.errors import UsageError
-from weightcache.node.daemon import DaemonSettings
 from weightcache.options import daemon_settings, origin_settings
 
 BASE = ["--cache-dir", "/tmp/c", "--models", "/tmp/m.yaml", "--capacity", "1G"]

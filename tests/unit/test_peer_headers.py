@@ -15,20 +15,14 @@ from hypothesis import strategies as st
 
 from weightcache.config import PeerSettings
 from weightcache.errors import WeightcacheError
-from weightcache.node.peers import (
-    FETCHING,
-    LOAD,
-    PIECE_SIZE,
-    PIECES,
-    REFUSAL_REASONS,
-    STREAMING,
-    Peers,
-)
-from weightcache.node.peerserver import parse_range, refusal
-from weightcache.node.pieces import Bitmap, piece_count, piece_size_for
-from weightcache.node.swarm import Limits, Local, StoreView, choose
-from weightcache.node.swarmviews import PeerViews
-from weightcache.transfer.httprange import check_status
+from weightcache.swarm.choice import Local, RequestLimits, StoreView, choose
+from weightcache.swarm.client import Peers
+from weightcache.swarm.entry import NodeSwarm
+from weightcache.swarm.pieces import Bitmap, piece_count, piece_size_for
+from weightcache.swarm.server import parse_range, refusal
+from weightcache.swarm.views import PeerViews
+from weightcache.swarm.wire import FETCHING, LOAD, PIECE_SIZE, PIECES, REFUSAL_REASONS, STREAMING
+from weightcache.transfer.httpclient import check_status
 from weightcache.transfer.sources import RetryRange
 
 MiB = 1 << 20
@@ -48,7 +42,7 @@ sizes = st.integers(0, 64 * MiB)
 
 @pytest.fixture(scope="module")
 def peers() -> Iterator[Peers]:
-    p = Peers(PeerSettings(("127.0.0.1", 9401), TOKEN))
+    p = NodeSwarm(PeerSettings(("127.0.0.1", 9401), TOKEN))
     yield p
     p.close()
 
@@ -68,7 +62,7 @@ def test_any_advertisement_is_a_view_or_none_and_the_choice_goes_on(
         assert {view.have.count, view.fetching.count} == {count} and view.load >= 0
         assert view.streaming is None or view.streaming.count == count
     local = Local(Bitmap(count), {}, rank, members)
-    for request in choose(local, seen, StoreView(), Limits(), random.Random(0)):
+    for request in choose(local, seen, StoreView(), RequestLimits(), random.Random(0)):
         assert 0 <= request.piece < count
 
 

@@ -16,32 +16,32 @@ import pytest
 
 from weightcache import cli
 from weightcache.config import PeerSettings, format_hostport, parse_hostport
+from weightcache.daemon.metrics import BAD_PEER_REASONS
 from weightcache.errors import UsageError
-from weightcache.node.metrics import BAD_PEER_REASONS
-from weightcache.node.peerpieces import (
+from weightcache.options import env, peer_settings
+from weightcache.swarm.client import BAD_PEER_SECONDS
+from weightcache.swarm.discovery import Discovery
+from weightcache.swarm.entry import NodeSwarm
+from weightcache.swarm.peerpieces import (
     Pieces,
     encode_pieces,
     parse_pieces,
     partial_pieces,
     partial_prefix,
 )
-from weightcache.node.peers import (
-    BAD_PEER_SECONDS,
+from weightcache.swarm.pieces import Bitmap
+from weightcache.swarm.server import parse_range, refusal
+from weightcache.swarm.wire import (
     BLOB_PATH,
     FETCHING,
     LOAD,
     PIECE_SIZE,
     PIECES,
     STREAMING,
-    Discovery,
-    Peers,
     parse_view,
     peer_url,
     regrid,
 )
-from weightcache.node.peerserver import parse_range, refusal
-from weightcache.node.pieces import Bitmap
-from weightcache.options import env, peer_settings
 from weightcache.transfer.parts import PartState
 
 if TYPE_CHECKING:
@@ -343,7 +343,7 @@ def test_a_peer_naming_itself_is_checked_without_a_lookup(clock: FakeClock) -> N
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.2", port))]
 
     s = settings(listen=("10.0.0.1", 9401), service=("weightcache.ns.svc", 9401))
-    peers = Peers(s, discovery=Discovery(s, resolve=resolve, clock=clock, own={"10.0.0.1"}))
+    peers = NodeSwarm(s, discovery=Discovery(s, resolve=resolve, clock=clock, own={"10.0.0.1"}))
     joined: list[str] = []
 
     class Download:
@@ -384,7 +384,7 @@ class _NoDiscovery(Discovery):
 
 
 def test_a_bad_peer_is_avoided_for_a_while(clock: FakeClock) -> None:
-    peers = Peers(settings(), discovery=_NoDiscovery(["http://a", "http://b"]), clock=clock)
+    peers = NodeSwarm(settings(), discovery=_NoDiscovery(["http://a", "http://b"]), clock=clock)
     try:
         peers.mark_bad("http://a", "it served wrong bytes")
         assert peers._skipped("http://a") and not peers._skipped("http://b")
@@ -398,7 +398,7 @@ def test_a_bad_peer_is_avoided_for_a_while(clock: FakeClock) -> None:
 
 def test_every_peer_avoided_is_told_with_its_reason(clock: FakeClock) -> None:
     reasons: list[str] = []
-    peers = Peers(settings(), discovery=_NoDiscovery(["http://a"]), clock=clock,
+    peers = NodeSwarm(settings(), discovery=_NoDiscovery(["http://a"]), clock=clock,
                   on_bad=reasons.append)  # fmt: skip
     try:
         peers.mark_bad("http://a", "it served wrong bytes")
@@ -410,7 +410,7 @@ def test_every_peer_avoided_is_told_with_its_reason(clock: FakeClock) -> None:
 
 
 def test_claims_are_released_only_by_their_owner(tmp_path: Path) -> None:
-    peers = Peers(settings(), discovery=_NoDiscovery([]))
+    peers = NodeSwarm(settings(), discovery=_NoDiscovery([]))
     try:
         first = peers.claim(HEX, tmp_path / "p", 10)
         second = peers.claim(HEX, tmp_path / "p", 10)
@@ -429,7 +429,7 @@ def test_claims_are_released_only_by_their_owner(tmp_path: Path) -> None:
 
 
 def test_piece_size_gives_enough_pieces_within_bounds() -> None:
-    from weightcache.node.pieces import piece_size_for
+    from weightcache.swarm.pieces import piece_size_for
 
     assert piece_size_for(512 << 20) == 4 << 20  # 128 pieces
     assert piece_size_for(256 << 20) == 4 << 20  # 64 pieces
@@ -521,7 +521,7 @@ def head_server() -> Iterator[_CountingServer]:
 
 def test_probes_reuse_one_connection_per_peer(head_server: _CountingServer) -> None:
     peer = peer_url(*head_server.server_address[:2])  # type: ignore[misc]
-    peers = Peers(settings(), discovery=_NoDiscovery([peer]))
+    peers = NodeSwarm(settings(), discovery=_NoDiscovery([peer]))
     try:
         for _ in range(3):
             answer = peers.probe_all("ab" * 32)[peer]
@@ -539,7 +539,7 @@ def test_probes_reuse_one_connection_per_peer(head_server: _CountingServer) -> N
 def test_a_probe_round_within_a_view_asks_only_those_peers(head_server: _CountingServer) -> None:
     peer = peer_url(*head_server.server_address[:2])  # type: ignore[misc]
     other = peer_url("127.0.0.1", 9)  # discovered, not in the view: never asked
-    peers = Peers(settings(), discovery=_NoDiscovery([peer, other]))
+    peers = NodeSwarm(settings(), discovery=_NoDiscovery([peer, other]))
     try:
         answers = peers.probe_all("ab" * 32, within=frozenset([peer]))
         assert list(answers) == [peer] and answers[peer] is not None

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from weightcache.node.pieces import Bitmap, BitmapError, piece_count, piece_ranges
+from weightcache.swarm.pieces import Bitmap, BitmapError, piece_count, piece_ranges
 
 
 @pytest.mark.parametrize(

@@ -29,14 +29,15 @@ from weightcache.errors import (
     TransientError,
     WeightcacheError,
 )
-from weightcache.node.peerserver import PARTIAL_WAIT
+from weightcache.swarm.server import PARTIAL_WAIT
+from weightcache.transfer import downloader as ranged
 from weightcache.transfer import partial as partial_module
-from weightcache.transfer import ranged
+from weightcache.transfer.backends.file import FileBlob
+from weightcache.transfer.downloader import BlobJob, RangedDownloader
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile, state_path
 from weightcache.transfer.parts import PartState, plan_parts
-from weightcache.transfer.ranged import BlobJob, RangedDownloader
-from weightcache.transfer.sources import READ_TIMEOUT, BlobSource, FileBlob, RangeReader, RetryRange
+from weightcache.transfer.sources import READ_TIMEOUT, BlobSource, RangeReader, RetryRange
 
 KiB = 1 << 10
 PART = 256 * KiB  # the smallest part size the settings accept

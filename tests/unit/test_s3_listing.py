@@ -1,4 +1,4 @@
-"""The signed path's ListObjectsV2 reader (weightcache.transfer.s3wire.listing_page): what
+"""The signed path's ListObjectsV2 reader (weightcache.transfer.backends.s3.wire.listing_page): what
 ElementTree read from the same pages, in any element order and namespace."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from weightcache.transfer.s3wire import listing_page
+from weightcache.transfer.backends.s3.wire import listing_page
 
 NS = "http://s3.amazonaws.com/doc/2006-03-01/"
 #: AWS's order: the objects first, EncodingType and the token after them; nested Owner

@@ -1,4 +1,5 @@
-"""The control plane's own SigV4 signing (weightcache.transfer.sigv4): the URLs it presigns
+"""The control plane's own SigV4 signing (weightcache.transfer.backends.s3.sigv4): the URLs it
+presigns
 are botocore's, byte for byte in every signed part, and it is used only where botocore
 would have used the same static credentials."""
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from weightcache.errors import UsageError
-from weightcache.transfer.sigv4 import SigV4, check_credentials, static_signer
+from weightcache.transfer.backends.s3.sigv4 import SigV4, check_credentials, static_signer
 
 NOW = dt.datetime(2026, 12, 1, 3, 4, 5, tzinfo=dt.UTC)
 KEY, SECRET = "AKIDEXAMPLE", "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"
@@ -71,7 +72,7 @@ def test_presigned_urls_are_botocores(
     monkeypatch: pytest.MonkeyPatch, endpoint: str, key: str, token: str | None, region: str
 ) -> None:
     from weightcache.config import OriginSettings
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
 
     env = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": region}
     if token:
@@ -157,7 +158,7 @@ def test_a_keep_alive_connection_the_store_closed_is_replaced_without_an_attempt
     """botocore's pool reconnects silently; so must the signed path: no backoff, no
     'attempt 1/N failed' warning for a connection the store closed while idle."""
     from weightcache.config import OriginSettings
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
 
     store = _ClosingStore(b"sha256  file\n")
     for name, value in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
@@ -202,7 +203,7 @@ def test_interrupt_ends_the_pause_between_two_attempts_of_a_call(
     from tests.support.pauses import interrupted_in_pause, long_backoff
     from weightcache.config import OriginSettings
     from weightcache.errors import Interrupted
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
 
     for name, value in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():  # fmt: skip

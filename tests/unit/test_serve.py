@@ -1,5 +1,6 @@
-"""The connection and request books of the daemon's listeners (weightcache/node/admission.py)
-and the fetch socket's request check (weightcache/node/coord.py): pure, with literal clocks."""
+"""The connection and request books of the daemon's listeners (weightcache/listeners/admission.py)
+and the fetch socket's request check (weightcache/daemon/fetchsocket.py): pure, with literal
+clocks."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import json
 
 import pytest
 
-from weightcache.node.admission import Conn, Connections, Limits, Requests
-from weightcache.node.coord import parse_request
+from weightcache.daemon import coordinator
+from weightcache.daemon.fetchsocket import parse_request
+from weightcache.listeners.admission import Conn, ConnectionLimits, Connections, Requests
 
-LIMITS = Limits(connections=3, idle=30.0, header=10.0)
+LIMITS = ConnectionLimits(connections=3, idle=30.0, header=10.0)
 
 
 def conn(since: float = 0.0) -> Conn:
@@ -49,7 +51,7 @@ def test_at_the_cap_with_every_connection_busy_the_new_one_is_refused() -> None:
 def test_scrapes_at_their_cap_are_refused_and_probes_still_taken() -> None:
     """Admission by request, not by connection: a connection's path is unknown until its
     request is read, so only then can a scraper be told from the kubelet's probe."""
-    reqs = Requests(Limits(connections=8, idle=30.0, header=10.0, requests=2, probes=1))
+    reqs = Requests(ConnectionLimits(connections=8, idle=30.0, header=10.0, requests=2, probes=1))
     assert [reqs.take("/metrics") for _ in range(3)] == [True, True, False]
     assert reqs.take("/healthz") and not reqs.take("/readyz"), "one probe at once"
     reqs.done("/healthz")
@@ -59,7 +61,7 @@ def test_scrapes_at_their_cap_are_refused_and_probes_still_taken() -> None:
 
 
 def test_without_probe_slots_probes_count_with_the_other_requests() -> None:
-    reqs = Requests(Limits(connections=8, idle=30.0, header=10.0, requests=1))
+    reqs = Requests(ConnectionLimits(connections=8, idle=30.0, header=10.0, requests=1))
     assert reqs.take("/healthz") and not reqs.take("/metrics")
     reqs.done("/healthz")
     unbounded = Requests(LIMITS)  # requests=0: only the connection cap bounds them
@@ -140,16 +142,17 @@ def test_a_socket_replaced_while_it_is_made_is_one_usage_error(tmp_path, monkeyp
     import asyncio
 
     from weightcache.errors import UsageError
-    from weightcache.node import serve
 
     def swapped(path, mode, kind):  # type: ignore[no-untyped-def]
         path.unlink()
         path.write_text("planted")
         return real(path, mode, kind)
 
-    real = serve.chmod_own
-    monkeypatch.setattr(serve, "chmod_own", swapped)
-    server = serve.SocketServer(tmp_path / "s", lambda line, send: None, Limits(4, 1.0, 1.0), 4096)
+    real = coordinator.chmod_own
+    monkeypatch.setattr(coordinator, "chmod_own", swapped)
+    server = coordinator.SocketServer(
+        tmp_path / "s", lambda line, send: None, ConnectionLimits(4, 1.0, 1.0), 4096
+    )
     with pytest.raises(UsageError, match="was replaced"):
         asyncio.run(server.start())
     assert (tmp_path / "s").stat().st_mode & 0o777 != 0o666

@@ -1,4 +1,4 @@
-"""The fetch socket's messages (weightcache/node/coord.py, design §5 "The fetch socket"):
+"""The fetch socket's messages (weightcache/daemon/fetchsocket.py, design §5 "The fetch socket"):
 the request line a Pod sends and the daemon's check of it, the event lines the daemon
 answers, and the client's verdicts: a result, a DaemonError, or None (fetch alone).
 
@@ -22,8 +22,14 @@ from typing import Any
 
 import pytest
 
-from weightcache.node import coord
-from weightcache.node.coord import DaemonError, ask_daemon, notify_hit, parse_request, request
+from weightcache.daemon import fetchsocket
+from weightcache.daemon.fetchsocket import (
+    DaemonError,
+    ask_daemon,
+    notify_hit,
+    parse_request,
+    request,
+)
 from weightcache.sourceurl import Source
 
 UID = "0f6c2a4e-5b1d-4c3e-9a7f-2d8e6b1c0a94"
@@ -176,7 +182,7 @@ def test_an_unknown_op_is_quoted_at_most_40_characters() -> None:
     ],
 )
 def test_an_event_line_reads_as_its_object(raw: bytes, event: dict[str, Any]) -> None:
-    assert coord._read_event(io.BytesIO(raw)) == event
+    assert fetchsocket._read_event(io.BytesIO(raw)) == event
 
 
 @pytest.mark.parametrize(
@@ -195,13 +201,13 @@ def test_an_event_line_reads_as_its_object(raw: bytes, event: dict[str, Any]) ->
 )
 def test_an_unreadable_event_line_is_a_value_error(raw: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):
-        coord._read_event(io.BytesIO(raw))
+        fetchsocket._read_event(io.BytesIO(raw))
 
 
 def test_an_event_line_is_read_at_most_64_kib_at_a_time() -> None:
     reader = io.BytesIO(b"[" + b" " * (1 << 20) + b"]\n")
     with pytest.raises(ValueError):
-        coord._read_event(reader)
+        fetchsocket._read_event(reader)
     assert reader.tell() == 65536
 
 
@@ -483,7 +489,7 @@ def test_falling_back_says_why_in_one_line(
     says: str,
 ) -> None:
     daemon.script = script
-    with caplog.at_level(logging.INFO, logger=coord.__name__):
+    with caplog.at_level(logging.INFO, logger=fetchsocket.__name__):
         assert ask(daemon) is None
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(level, says)]
 
@@ -495,7 +501,7 @@ def test_an_unreachable_daemon_is_named_in_the_log(
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(str(path))
     s.close()
-    with caplog.at_level(logging.INFO, logger=coord.__name__):
+    with caplog.at_level(logging.INFO, logger=fetchsocket.__name__):
         assert ask_daemon(path, SRC, UID) is None
     (record,) = caplog.records
     assert record.levelno == logging.INFO

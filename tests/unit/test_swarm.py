@@ -8,18 +8,18 @@ from collections.abc import Iterable
 
 import pytest
 
-from weightcache.node.pieces import Bitmap, BitmapError
-from weightcache.node.swarm import (
+from weightcache.swarm.choice import (
     ORIGIN,
-    Limits,
     Local,
     PeerView,
     Request,
+    RequestLimits,
     StoreView,
     choose,
     next_window,
     stripe,
 )
+from weightcache.swarm.pieces import Bitmap, BitmapError
 
 # -- stripes ---------------------------------------------------------------------------------------
 
@@ -84,14 +84,14 @@ def pick(
     me: Local,
     peers: list[PeerView],
     room: bool = False,
-    limits: Limits | None = None,
+    limits: RequestLimits | None = None,
     seed: int = 1,
     window: int = 8,
     ahead: int | None = 1,
 ) -> list[Request]:
     """The choice, by default with a store window as wide as the default limits allow."""
     store = StoreView(room, window, ahead)
-    return choose(me, peers, store, limits or Limits(), random.Random(seed))
+    return choose(me, peers, store, limits or RequestLimits(), random.Random(seed))
 
 
 def test_start_alone_takes_the_own_stripe_one_claim_at_a_time() -> None:
@@ -162,7 +162,7 @@ def test_a_partial_view_takes_no_laggard_piece() -> None:
     [(1, True, 2), (2, True, 3), (8, True, 8), (7, False, 3), (2, False, 1), (1, False, 1)],
 )
 def test_store_window_grows_by_one_and_halves(window: int, room: bool, expected: int) -> None:
-    assert next_window(window, room, Limits(claims=1, per_origin=8)) == expected
+    assert next_window(window, room, RequestLimits(claims=1, per_origin=8)) == expected
 
 
 def test_start_with_room_fills_the_store_slots_own_stripe_first_then_the_ring() -> None:
@@ -185,7 +185,7 @@ def test_a_piece_a_peer_holds_or_fetches_is_not_a_claim() -> None:
 def test_rarest_first_from_free_holders() -> None:
     have = range(3, N)
     peers = [peer("a", [0, 1, 2]), peer("b", [1, 2]), peer("c", [2])]
-    got = pick(local(have), peers, limits=Limits(per_peer=1))
+    got = pick(local(have), peers, limits=RequestLimits(per_peer=1))
     assert got == [Request(0, "a"), Request(1, "b"), Request(2, "c")]
 
 
@@ -199,14 +199,14 @@ def test_rarest_first_is_random_among_equals() -> None:
 def test_least_busy_holder_is_asked() -> None:
     peers = [peer("a", range(N)), peer("b", range(N)), peer("c", range(N), load=5)]
     me = local(inflight={0: {"a"}, 1: {"a"}})
-    got = pick(me, peers, limits=Limits(total=3))
+    got = pick(me, peers, limits=RequestLimits(total=3))
     assert got == [Request(got[0].piece, "b")]
 
 
 def test_one_request_per_peer_first_then_more_only_until_the_link_is_full() -> None:
     def spread(holders: int, **limits: int) -> list[int]:
         peers = [peer(f"p{k}", range(N)) for k in range(holders)]
-        got = pick(local(), peers, limits=Limits(per_peer=4, total=16, **limits))
+        got = pick(local(), peers, limits=RequestLimits(per_peer=4, total=16, **limits))
         assert len({r.piece for r in got}) == len(got)
         return sorted(Counter(r.source for r in got).values())
 
@@ -222,14 +222,14 @@ def test_one_request_per_peer_first_then_more_only_until_the_link_is_full() -> N
 def test_a_peer_gets_a_second_request_only_when_fewer_than_fill_are_with_peers() -> None:
     peers = [peer("a", range(N)), peer("b", range(N))]
     me = local(inflight={0: {"a"}, 1: {"c"}, 2: {"d"}, 3: {ORIGIN}})  # three with peers
-    got = pick(me, peers, limits=Limits(per_peer=4, fill=4, total=16))
+    got = pick(me, peers, limits=RequestLimits(per_peer=4, fill=4, total=16))
     assert Counter(r.source for r in got) == {"b": 1}  # "b" had none; "a" a second: no
-    assert pick(me, peers, limits=Limits(per_peer=4, fill=5, total=16)) != got
+    assert pick(me, peers, limits=RequestLimits(per_peer=4, fill=5, total=16)) != got
 
 
 def test_saturated_peers_and_a_store_with_room_bring_in_the_store() -> None:
     peers = [peer("a", range(N))]
-    limits = Limits(per_peer=2, per_origin=3, total=8)
+    limits = RequestLimits(per_peer=2, per_origin=3, total=8)
     got = pick(local(), peers, room=True, limits=limits)
     assert Counter(r.source for r in got) == {"a": 2, ORIGIN: 3}
     # the same without room: the store is left alone (nobody's claim is in question here)
@@ -239,14 +239,14 @@ def test_saturated_peers_and_a_store_with_room_bring_in_the_store() -> None:
 
 def test_busy_node_with_a_full_link_leaves_a_store_with_room_alone() -> None:
     peers = [peer("a", range(N))]
-    limits = Limits(per_peer=2, per_origin=3, total=8)
+    limits = RequestLimits(per_peer=2, per_origin=3, total=8)
     got = pick(local(spare=False), peers, room=True, limits=limits)
     assert Counter(r.source for r in got) == {"a": 2}
 
 
 def test_idle_node_uses_a_store_with_room_even_for_a_claimed_piece() -> None:
     peers = [peer("a", fetching=list(range(N)))]  # all claimed, nothing held
-    got = pick(local(spare=False), peers, room=True, limits=Limits(per_origin=2))
+    got = pick(local(spare=False), peers, room=True, limits=RequestLimits(per_origin=2))
     assert [r.source for r in got] == [ORIGIN]
     assert pick(local(spare=False), peers, room=False) == []
 
@@ -261,13 +261,13 @@ def test_a_partial_view_leaves_pieces_out_of_view_to_their_owners_while_busy() -
     # 8 nodes, 2 peers in view; this node (rank 0) owns pieces 0, 1; it fetches 2 from "a".
     peers = [peer("a", have=[2]), peer("b", fetching=[3])]
     me = local(have=[0, 1], inflight={2: {"a"}}, rank=0, nodes=8)
-    got = pick(me, peers, room=True, limits=Limits(per_origin=2))
+    got = pick(me, peers, room=True, limits=RequestLimits(per_origin=2))
     # pieces 4.. are unseen, not unclaimed: most likely their owners' or spread to nodes out
     # of view. Asking the store would cost it another copy; the claim on 3 is left alone too.
     assert got == []
     # with every node in view, the same pieces are really unclaimed: the store's, with room
     full = [*peers, *(peer(u) for u in "cdefg")]
-    assert pick(me, full, room=True, limits=Limits(per_origin=2)) == [
+    assert pick(me, full, room=True, limits=RequestLimits(per_origin=2)) == [
         Request(4, ORIGIN),
         Request(5, ORIGIN),
     ]
@@ -275,7 +275,7 @@ def test_a_partial_view_leaves_pieces_out_of_view_to_their_owners_while_busy() -
 
 def test_a_partial_view_still_never_leaves_a_node_idle_while_the_store_has_room() -> None:
     peers = [peer("a", fetching=[3])]
-    me, limits = local(have=[0, 1], rank=0, nodes=8), Limits(per_origin=4)
+    me, limits = local(have=[0, 1], rank=0, nodes=8), RequestLimits(per_origin=4)
     # one unseen piece at a time: more would likely be copies of pieces held out of view
     assert pick(me, peers, room=True, limits=limits) == [Request(2, ORIGIN)]
     full = [*peers, *(peer(u) for u in "bcdefg")]  # really unclaimed: the whole window
@@ -304,15 +304,15 @@ def test_endgame_asks_only_an_idle_holder() -> None:
 def test_no_endgame_while_pieces_remain_or_too_many_are_missing() -> None:
     peers = [peer("a", range(N)), peer("b", range(N))]
     inflight = {k: {"a"} for k in range(4, N)}
-    assert pick(local(range(4), inflight), peers, limits=Limits(endgame=8)) == []
-    endgame = pick(local(range(4), inflight), peers, limits=Limits(endgame=12))
+    assert pick(local(range(4), inflight), peers, limits=RequestLimits(endgame=8)) == []
+    endgame = pick(local(range(4), inflight), peers, limits=RequestLimits(endgame=12))
     assert {r.source for r in endgame} == {"b"}
 
 
 def test_bounds_already_used_up() -> None:
     peers = [peer("a", range(N))]
     full = local(inflight={k: {"a"} for k in range(4)})
-    assert pick(full, peers, room=True, limits=Limits(per_peer=4, total=4)) == []
+    assert pick(full, peers, room=True, limits=RequestLimits(per_peer=4, total=4)) == []
 
 
 def test_complete_node_asks_nothing() -> None:
@@ -343,13 +343,13 @@ def test_a_streamed_piece_comes_from_a_holder_when_one_is_free() -> None:
     peers = [peer("a", fetching=[0], streaming=[0], load=0), peer("b", have=[0], load=3)]
     assert pick(local(range(1, N)), peers) == [Request(0, "b")]
     busy = local(range(1, N - 1), inflight={N - 1: {"b"}})
-    assert pick(busy, peers, limits=Limits(per_peer=1)) == [Request(0, "a")]
+    assert pick(busy, peers, limits=RequestLimits(per_peer=1)) == [Request(0, "a")]
 
 
 # -- the choice: properties over random situations ------------------------------------------------
 
 
-def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreView, Limits]:
+def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreView, RequestLimits]:
     count = rng.randrange(1, 80)
     nodes = rng.randrange(1, 12)
     sources = [f"http://p{i}" for i in range(nodes - 1)]
@@ -373,7 +373,7 @@ def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreVi
         if not have >> piece & 1 and rng.random() < 0.15:
             inflight[piece] = frozenset(rng.sample([ORIGIN, *sources], 1))
     me = Local(Bitmap(count, have), inflight, rng.randrange(nodes), nodes, rng.random() < 0.5)
-    limits = Limits(
+    limits = RequestLimits(
         per_peer=rng.randrange(1, 5),
         fill=rng.randrange(1, 9),
         per_origin=rng.randrange(1, 9),
@@ -386,7 +386,7 @@ def random_situation(rng: random.Random) -> tuple[Local, list[PeerView], StoreVi
 
 
 SEEDS = range(1500)
-Situation = tuple[Local, list[PeerView], StoreView, Limits, list[Request]]
+Situation = tuple[Local, list[PeerView], StoreView, RequestLimits, list[Request]]
 
 
 @pytest.fixture(scope="module")

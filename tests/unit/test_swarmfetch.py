@@ -1,4 +1,4 @@
-"""The swarm's data plane in-process (weightcache/node/swarmfetch.py), on a node whose peers
+"""The swarm's data plane in-process (weightcache/swarm/download.py), on a node whose peers
 hold nothing, so that every piece comes from the store (a local file) through the swarm's
 loop: what ends a download that cannot make progress; and, from a view of a peer, when the
 next blob may start. Peers serving pieces are tested with real daemons in
@@ -23,19 +23,20 @@ from weightcache.cache.store import Cache
 from weightcache.config import OriginSettings, PeerSettings
 from weightcache.errors import Interrupted, NoSpaceError, TransientError
 from weightcache.fetch.blobs import BlobFetch
-from weightcache.node import swarmchoice
-from weightcache.node.bitsets import iter_bits
-from weightcache.node.peers import Peers
-from weightcache.node.pieces import Bitmap, piece_size_for
-from weightcache.node.swarm import ORIGIN, PeerView, stripe
-from weightcache.node.swarmfetch import SwarmDownload, SwarmJob
-from weightcache.node.swarmpace import CLAIM_GRACE, Rates
 from weightcache.sourceurl import Source
+from weightcache.swarm import chooser
+from weightcache.swarm.bitsets import iter_bits
+from weightcache.swarm.choice import ORIGIN, PeerView, stripe
+from weightcache.swarm.download import SwarmDownload, SwarmJob
+from weightcache.swarm.entry import NodeSwarm
+from weightcache.swarm.pace import CLAIM_GRACE, Rates
+from weightcache.swarm.pieces import Bitmap, piece_size_for
+from weightcache.transfer.backends.file import FileBlob
+from weightcache.transfer.downloader import RangedDownloader
 from weightcache.transfer.pacing import Backoff
 from weightcache.transfer.partial import PartialFile
 from weightcache.transfer.parts import PartState
-from weightcache.transfer.ranged import RangedDownloader
-from weightcache.transfer.sources import BlobSource, FileBlob, RangeReader
+from weightcache.transfer.sources import BlobSource, RangeReader
 
 SOURCE = Source.parse("s3://bucket/models/m/r1")
 
@@ -85,7 +86,7 @@ def bring_alone(
         OriginSettings(part_size=256 << 10, max_concurrency=4, timeout=600),
         backoff=Backoff(base=0.0, cap=0.0),
     )
-    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+    peers = NodeSwarm(PeerSettings(("127.0.0.1", 9401), "t" * 16))
 
     def blob(source: Source, entry: ManifestEntry) -> BlobSource:
         path = tmp_path / entry.path
@@ -239,14 +240,14 @@ def test_an_empty_file_identical_files_and_a_complete_partial_go_through_the_swa
 def test_a_peer_s_piece_is_judged_slow_against_this_node_s_share_of_its_link(
     tmp_path: Path,
 ) -> None:
-    """The rate below which a peer's piece is given up (swarmpace.slow_floor): 64 KiB/s
+    """The rate below which a peer's piece is given up (pace.slow_floor): 64 KiB/s
     where the node's link has far more to share; on a slow or crowded link a quarter of
     its rate per request in flight (honest peers were cut at 95-98% of their pieces at
     12.5 mbit, 16 nodes); for a streamed piece at most a quarter of the store's rate per
     request; and never below 8 KiB/s, so that a trickle is still given up when every
     source trickles."""
     downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
-    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+    peers = NodeSwarm(PeerSettings(("127.0.0.1", 9401), "t" * 16))
     job = SwarmJob("0" * 64, 64 << 20, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"))
     swarm = SwarmDownload(job, peers, downloader)
     try:
@@ -280,7 +281,7 @@ def test_the_next_blob_may_start_once_a_peer_claims_what_this_node_has_not_asked
     here: the store's last pieces are then on their way to their claimants, and the next
     blob's claims keep it busy. With pieces nobody has asked for, it is not set."""
     downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
-    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+    peers = NodeSwarm(PeerSettings(("127.0.0.1", 9401), "t" * 16))
     size = 64 << 20
     event = threading.Event()
     job = SwarmJob("0" * 64, size, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"),
@@ -307,13 +308,13 @@ def test_a_peer_s_claims_that_do_not_become_pieces_expire_and_the_store_is_asked
     claims are left to it for CLAIM_GRACE, then expire, and this node asks the store for
     its own stripe."""
     downloader = RangedDownloader(OriginSettings(part_size=256 << 10, max_concurrency=4))
-    peers = Peers(PeerSettings(("127.0.0.1", 9401), "t" * 16))
+    peers = NodeSwarm(PeerSettings(("127.0.0.1", 9401), "t" * 16))
     size = 64 << 20
     job = SwarmJob("0" * 64, size, tmp_path / "partial", "a.bin", FileBlob(tmp_path / "a.bin"))
     swarm = SwarmDownload(job, peers, downloader)
     swarm.file = PartialFile.open(tmp_path / "partial", "a.bin", size, swarm.piece_size)
     now = [time.monotonic()]
-    monkeypatch.setattr(swarmchoice.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(chooser.time, "monotonic", lambda: now[0])
     try:
         count = swarm.count
         view = PeerView("http://peer", Bitmap(count), Bitmap.full(count))

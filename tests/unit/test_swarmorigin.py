@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from weightcache.errors import SourceError, TransientError
-from weightcache.node import swarmorigin
-from weightcache.node.swarm import Limits
-from weightcache.node.swarmorigin import StoreGate
+from weightcache.swarm import storegate
+from weightcache.swarm.choice import RequestLimits
+from weightcache.swarm.storegate import StoreGate
 from weightcache.transfer.sources import RetryRange
 
 MiB = 1 << 20
-LIMITS = Limits(per_origin=8, claims=1)
+LIMITS = RequestLimits(per_origin=8, claims=1)
 
 
 class Clock:
@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(swarmorigin.time, "monotonic", c)
+    monkeypatch.setattr(storegate.time, "monotonic", c)
     return c
 
 
@@ -65,7 +65,7 @@ def test_alone_grows_the_window_only_after_the_grace(clock: Clock) -> None:
     g, _ = gate()
     g.measured("origin", 1e6, alone=True)
     assert room_window(g) == (False, 1)
-    clock.now += swarmorigin.ALONE_GRACE
+    clock.now += storegate.ALONE_GRACE
     g.measured("origin", 1e6, alone=True)
     assert room_window(g) == (True, 2)
 
@@ -79,7 +79,7 @@ def test_a_throttle_halves_the_window_and_denies_room_for_a_while(clock: Clock) 
     assert g.failed(RetryRange("503 SlowDown", throttle=True)) is None
     assert room_window(g) == (False, 3) and seen == ["throttled"]
     assert g.paused()
-    clock.now += swarmorigin.THROTTLE_MEMORY - 0.1
+    clock.now += storegate.THROTTLE_MEMORY - 0.1
     g.measured("origin", 50e6, alone=False)  # fast, but too soon after the throttle
     assert room_window(g) == (False, 1)
     clock.now += 0.1

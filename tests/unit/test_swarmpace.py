@@ -1,11 +1,11 @@
-"""When a peer's piece is too slow (weightcache/node/swarmpace.py), and the rates behind it."""
+"""When a peer's piece is too slow (weightcache/swarm/pace.py), and the rates behind it."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightcache.node import swarmpace
-from weightcache.node.swarmpace import (
+from weightcache.swarm import pace
+from weightcache.swarm.pace import (
     CLAIM_FACTOR,
     CLAIM_GRACE,
     PEER_MIN_RATE,
@@ -18,20 +18,20 @@ from weightcache.node.swarmpace import (
 
 def test_rates_count_the_last_window_only(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
-    monkeypatch.setattr(swarmpace.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(pace.time, "monotonic", lambda: now[0])
     rates = Rates()
-    now[0] += 2 * swarmpace.RATE_WINDOW
+    now[0] += 2 * pace.RATE_WINDOW
     rates.note(1000)
-    now[0] += swarmpace.RATE_WINDOW / 2
+    now[0] += pace.RATE_WINDOW / 2
     rates.note(3000)
-    assert rates.rate() == 4000 / swarmpace.RATE_WINDOW
-    now[0] += swarmpace.RATE_WINDOW * 0.75  # the first note is now out of the window
-    assert rates.rate() == 3000 / swarmpace.RATE_WINDOW
-    assert rates.best == 4000 / swarmpace.RATE_WINDOW
+    assert rates.rate() == 4000 / pace.RATE_WINDOW
+    now[0] += pace.RATE_WINDOW * 0.75  # the first note is now out of the window
+    assert rates.rate() == 3000 / pace.RATE_WINDOW
+    assert rates.best == 4000 / pace.RATE_WINDOW
 
 
 def test_the_floor_is_a_quarter_of_the_link_s_share_between_a_trickle_and_the_fixed_rate() -> None:
-    floor = swarmpace.slow_floor
+    floor = pace.slow_floor
     assert floor(8 << 20, 4, None, streamed=False) == PEER_MIN_RATE  # a fast link
     assert floor(1_600_000, 16, None, streamed=False) == pytest.approx(25_000)
     assert floor(100_000, 0, None, streamed=False) == pytest.approx(25_000)  # none in flight: 1
@@ -45,11 +45,11 @@ def test_the_floor_is_a_quarter_of_the_link_s_share_between_a_trickle_and_the_fi
 
 def test_a_piece_is_too_slow_after_the_timeout_and_past_its_size_at_the_floor() -> None:
     size = 2 << 20
-    assert not swarmpace.too_slow(PEER_TIMEOUT, 1, 1e9)  # the timeout, at least
-    assert swarmpace.too_slow(PEER_TIMEOUT + 0.1, 1, 1e9)
+    assert not pace.too_slow(PEER_TIMEOUT, 1, 1e9)  # the timeout, at least
+    assert pace.too_slow(PEER_TIMEOUT + 0.1, 1, 1e9)
     at_floor = size / 25_000  # 84 s for 2 MiB at 25 kB/s
-    assert not swarmpace.too_slow(at_floor, size, 25_000)
-    assert swarmpace.too_slow(at_floor + 0.1, size, 25_000)
+    assert not pace.too_slow(at_floor, size, 25_000)
+    assert pace.too_slow(at_floor + 0.1, size, 25_000)
 
 
 def test_a_claim_lasts_a_few_store_pieces_times_and_a_grace_at_least() -> None:

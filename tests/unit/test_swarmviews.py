@@ -1,4 +1,4 @@
-"""swarmviews: the bounded view of a blob's swarm (which peers a node watches) and the idle
+"""swarm.views: the bounded view of a blob's swarm (which peers a node watches) and the idle
 rule's scope with a partial view (pure decisions, and `PeerViews` over a fixed list)."""
 
 from __future__ import annotations
@@ -12,12 +12,20 @@ import pytest
 
 from weightcache.config import PeerSettings
 from weightcache.fetch.blobs import SwarmMembers
-from weightcache.node import swarmviews
-from weightcache.node.bitsets import iter_bits
-from weightcache.node.peers import PIECES, Peers
-from weightcache.node.pieces import Bitmap
-from weightcache.node.swarm import ORIGIN, Limits, Local, PeerView, Request, StoreView, stripe
-from weightcache.node.swarmviews import (
+from weightcache.swarm import views as swarmviews
+from weightcache.swarm.bitsets import iter_bits
+from weightcache.swarm.choice import (
+    ORIGIN,
+    Local,
+    PeerView,
+    Request,
+    RequestLimits,
+    StoreView,
+    stripe,
+)
+from weightcache.swarm.client import Peers
+from weightcache.swarm.pieces import Bitmap
+from weightcache.swarm.views import (
     LATE_FACTOR,
     LATE_GRACE,
     MEMBER_TTL,
@@ -30,6 +38,7 @@ from weightcache.node.swarmviews import (
     unclaim,
     watch,
 )
+from weightcache.swarm.wire import PIECES
 
 N = 16  # pieces
 
@@ -112,9 +121,9 @@ def test_unclaimed_views_neither_fetch_nor_stream_their_expired_claims() -> None
     assert out[1] is b
     # the store's again: a node whose stripe a claimed asks for it
     local = Local(Bitmap(N), {}, rank=0, nodes=3)
-    asked = swarmviews.choose(local, out, StoreView(), Limits(), random.Random(0))
+    asked = swarmviews.choose(local, out, StoreView(), RequestLimits(), random.Random(0))
     assert Request(0, "a") in asked and Request(1, ORIGIN) not in asked  # b still claims 1
-    asked = swarmviews.choose(local, unclaim(out, {"b": bits([1])}), StoreView(), Limits(),
+    asked = swarmviews.choose(local, unclaim(out, {"b": bits([1])}), StoreView(), RequestLimits(),
                               random.Random(0))  # fmt: skip
     assert Request(1, ORIGIN) in asked
 
@@ -174,7 +183,7 @@ def test_an_idle_node_with_a_partial_view_asks_the_store_only_for_its_scope() ->
     # 8 nodes, this one (rank 0, pieces 0-1) holds its stripe; "a" holds 2, "b" fetches 3
     views = [peer("a", have=[2]), peer("b", fetching=[3])]
     me = Local(Bitmap.of(N, [0, 1]), {}, rank=0, nodes=8)
-    store, limits, rng = StoreView(False, 2), Limits(), random.Random(1)
+    store, limits, rng = StoreView(False, 2), RequestLimits(), random.Random(1)
     # before: any piece nobody in view claims (one at a time: `choose`'s partial view rule);
     # 4.. are most likely claimed out of view
     assert idle_requests(me, views, store, limits, rng, -1) == [Request(4, ORIGIN)]

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from weightcache.node.worker import Worker, backoff
+from weightcache.daemon.worker import Worker, backoff
 
 
 def wait_until(what: str, predicate: Callable[[], object], timeout: float = 30.0) -> None:
@@ -114,7 +114,7 @@ def test_a_step_running_past_stuck_after_is_a_health_problem_until_it_returns() 
 def test_an_index_that_keeps_refusing_leases_is_a_health_problem() -> None:
     from types import SimpleNamespace
 
-    from weightcache.node.daemon import UNRECORDED_UNHEALTHY, Daemon
+    from weightcache.daemon.daemon import UNRECORDED_UNHEALTHY, Daemon
 
     index = SimpleNamespace(unrecorded=UNRECORDED_UNHEALTHY - 1, path="state.db",
                             unrecorded_error="database is locked")  # fmt: skip

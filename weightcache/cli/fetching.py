@@ -156,7 +156,7 @@ def _ready(
     layout = Layout.open(cache_dir)
     result = check_hit(layout, src, pod_uid)
     if result is not None and use_daemon and layout.socket.exists():
-        from weightcache.node.coord import notify_hit  # imports socket: only on this path
+        from weightcache.daemon.fetchsocket import notify_hit  # imports socket: only on this path
 
         notify_hit(layout.socket, src, pod_uid)
     if result is None:
@@ -180,8 +180,8 @@ def _fetch_miss(
     require_sha256: bool,
 ) -> FetchResult:
     from weightcache.cache.alone import registered
+    from weightcache.daemon.fetchsocket import ask_daemon
     from weightcache.fetch import Fetcher, FetchResult
-    from weightcache.node.coord import ask_daemon
     from weightcache.progress import Progress
 
     if use_daemon:

@@ -24,7 +24,7 @@ from weightcache.options import (
 from weightcache.sourceurl import parse_allow_sources
 
 if TYPE_CHECKING:
-    from weightcache.node.daemon import Daemon
+    from weightcache.daemon.daemon import Daemon
 
 log = logging.getLogger("weightcache")
 
@@ -32,7 +32,7 @@ log = logging.getLogger("weightcache")
 def _daemon(cache_dir: Path, kw: dict[str, Any]) -> Daemon:
     """The daemon of the cache at `cache_dir`, its settings built from the options `kw`."""
     from weightcache.cache.layout import Layout
-    from weightcache.node.daemon import Daemon
+    from weightcache.daemon.daemon import Daemon
 
     origin, settings = origin_settings(kw), daemon_settings(kw)
     return Daemon(Layout.open(cache_dir), origin, settings)

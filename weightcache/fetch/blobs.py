@@ -2,8 +2,8 @@
 
 Each blob is claimed by its lock (one download per node; a blob another process is
 downloading is waited for, bounded by that process's progress, then re-checked). In the
-daemon, each blob is downloaded by the node's swarm (`NodePeers.swarm`, weightcache/node/
-swarmfetch.py: pieces from several peers and the origin at once), two blobs at once at
+daemon, each blob is downloaded by the node's swarm (`NodePeers.swarm`, weightcache/swarm/
+download.py: pieces from several peers and the origin at once), two blobs at once at
 most: the next starts once every piece of the one before is held or asked for, here or by
 a peer (all claimed), so that the store and the links do not idle between blobs; without
 peers, or for a private partial, by the ranged downloader from the origin alone. Every
@@ -35,7 +35,7 @@ from weightcache.transfer.sources import BlobSource
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from weightcache.transfer.ranged import BlobJob, Downloaded, RangedDownloader
+    from weightcache.transfer.downloader import BlobJob, Downloaded, RangedDownloader
 
 log = logging.getLogger(__name__)
 #: Blob locks (one fd each) held at once by one fetch.
@@ -67,7 +67,7 @@ class SwarmMembers:
 
 
 class Swarmed(Protocol):
-    """What the swarm did for one blob (weightcache/node/swarmfetch.py, `Outcome`)."""
+    """What the swarm did for one blob (weightcache/swarm/download.py, `Outcome`)."""
 
     @property
     def digest(self) -> str:
@@ -83,7 +83,7 @@ class Swarmed(Protocol):
 
 
 class NodePeers(Protocol[ClaimT]):
-    """What a fetch asks of the node's peers (the daemon's `weightcache.node.peers.Peers`),
+    """What a fetch asks of the node's peers (the daemon's `weightcache.swarm.client.Peers`),
     stated here so that the fetch path imports nothing of the daemon. A claim is opaque to
     the fetch: it is handed back as it came."""
 
@@ -417,7 +417,7 @@ class BlobFetch:
     def _from_origin(self, source: Source, todo: list[Wanted], struck: Iterable[str] = ()) -> int:
         """Download from the origin, verify, publish (`verify_from_origin`; `struck`: the
         blobs whose origin bytes already did not verify once)."""
-        from weightcache.transfer.ranged import BlobJob
+        from weightcache.transfer.downloader import BlobJob
 
         def check(w: Wanted) -> Check:
             job = BlobJob(self._origin_blob(source, w.entry), w.entry.size, w.partial, w.entry.path)

@@ -38,9 +38,9 @@ from weightcache.sourceurl import Source
 if TYPE_CHECKING:
     from weightcache.cache.marker import Marker
     from weightcache.fetch.vouched import VouchedFetch
-    from weightcache.transfer.httprange import HttpRanges
-    from weightcache.transfer.ranged import RangedDownloader, TransferObserver
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
+    from weightcache.transfer.downloader import RangedDownloader, TransferObserver
+    from weightcache.transfer.httpclient import HttpRanges
     from weightcache.transfer.sources import BlobSource, RevisionSource
 
 log = logging.getLogger(__name__)
@@ -115,26 +115,26 @@ def open_revision(
     to the control plane is retried within `timeout` seconds (`--timeout`; s3's by
     `origin()`, built with the same settings)."""
     if source.scheme == "file":
-        from weightcache.transfer.sources import DirectoryRevision
+        from weightcache.transfer.backends.file import DirectoryRevision
 
         return DirectoryRevision(Path("/", source.prefix))
     if source.scheme == "gs":
-        from weightcache.transfer.gcs import GcsRevision
+        from weightcache.transfer.backends.gcs import GcsRevision
 
         return GcsRevision(source.bucket, source.prefix, timeout)
     if source.scheme in ("az", "abfs"):
-        from weightcache.transfer.azure import AzureRevision
+        from weightcache.transfer.backends.azure import AzureRevision
 
         return AzureRevision(source.url, source.bucket, source.prefix, timeout)
-    from weightcache.transfer.httprange import HttpRanges
-    from weightcache.transfer.s3revision import S3Revision
+    from weightcache.transfer.backends.s3.revision import S3Revision
+    from weightcache.transfer.httpclient import HttpRanges
 
     if source.scheme == "hf":
-        from weightcache.transfer.hub import HubRevision
+        from weightcache.transfer.backends.hub.revision import HubRevision
 
         return HubRevision(http or HttpRanges(), source.prefix, source.revision, timeout)
     if source.scheme in ("http", "https"):
-        from weightcache.transfer.httpsource import HttpRevision
+        from weightcache.transfer.backends.http import HttpRevision
 
         return HttpRevision(http or HttpRanges(), source.url, timeout)
 
@@ -149,8 +149,8 @@ def resolve(source: Source, timeout: float) -> Source:
     TransientError (after `timeout` seconds of trying)."""
     if source.pinned:
         return source
-    from weightcache.transfer.httprange import HttpRanges
-    from weightcache.transfer.hub import HubRevision
+    from weightcache.transfer.backends.hub.revision import HubRevision
+    from weightcache.transfer.httpclient import HttpRanges
 
     commit = HubRevision(HttpRanges(), source.prefix, source.revision, timeout).commit
     log.info("%s is commit %s", source.url, commit)
@@ -230,7 +230,7 @@ class Fetcher:
         `interrupt()`, it is interrupted at once."""
         with self._build_lock:
             if self._downloader is None:
-                from weightcache.transfer.ranged import RangedDownloader
+                from weightcache.transfer.downloader import RangedDownloader
 
                 self._downloader = RangedDownloader(self.settings, self._observer)
                 if self._interrupted:
@@ -257,7 +257,7 @@ class Fetcher:
         """The origin store's client (boto3: imported on first use, never on a hit)."""
         with self._build_lock:
             if self._origin is None:
-                from weightcache.transfer.s3 import Origin
+                from weightcache.transfer.backends.s3.client import Origin
 
                 self._origin = Origin(self.settings)
                 if self._interrupted:
@@ -271,7 +271,7 @@ class Fetcher:
         GCS and Azure through their own."""
         if source.scheme in ("file", "gs", "az", "abfs"):
             return open_revision(source, lambda: self.origin, None, self.settings.timeout)
-        from weightcache.transfer.httprange import HttpRanges
+        from weightcache.transfer.httpclient import HttpRanges
 
         with self._build_lock:
             if self._http is None:

@@ -52,7 +52,7 @@ from weightcache.transfer.checksums import COMPOSITE_SUFFIX, Vouch, available, c
 from weightcache.transfer.sources import BlobSource
 
 if TYPE_CHECKING:
-    from weightcache.transfer.ranged import Downloaded, RangedDownloader
+    from weightcache.transfer.downloader import Downloaded, RangedDownloader
     from weightcache.transfer.sources import RevisionSource
 
 log = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class VouchedFetch:
         """({key: sha256}, bytes from the origin) of `todo`, each verified by the checksum
         its store vouches for (`verify_from_origin`); a mismatch of an ambiguous checksum
         is exit 3 at once."""
-        from weightcache.transfer.ranged import BlobJob
+        from weightcache.transfer.downloader import BlobJob
 
         sha256s: dict[str, str] = {}
         partials = {v.key: self.layout.vouched_partial(v.key, private[v.key]) for v in todo}

@@ -159,7 +159,7 @@ def gc(
     """Remove orphaned blobs (no revision links them, no running fetch wants them), then
     plan (and unless dry_run, execute) LRU eviction down to `capacity`, and further if
     needed to leave `min_free` free on the disk (other files count)."""
-    from weightcache.node.models import load
+    from weightcache.daemon.models import load
 
     layout = Layout.open(cache_dir, create=False)
     if layout.read_only and not dry_run:

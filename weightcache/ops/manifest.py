@@ -25,10 +25,10 @@ from weightcache.config import OriginSettings
 from weightcache.errors import UsageError
 from weightcache.progress import Progress, human
 from weightcache.sourceurl import Source
-from weightcache.transfer.ranged import TransferObserver
+from weightcache.transfer.downloader import TransferObserver
 
 if TYPE_CHECKING:
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ class RevisionPrefix:
         self.revision = open_revision(source, self._client, None, settings.timeout)
 
     def _client(self) -> Origin:
-        from weightcache.transfer.s3 import Origin  # boto3 only if the source is s3://
+        from weightcache.transfer.backends.s3.client import (
+            Origin,  # boto3 only if the source is s3://
+        )
 
         if self._origin is None:
             self._origin = Origin(self.settings)
@@ -114,7 +116,7 @@ class RevisionPrefix:
     def write(self, path: str, data: bytes) -> None:
         self.check_writable()
         if self.source.scheme == "gs":
-            from weightcache.transfer.gcs import GcsRevision
+            from weightcache.transfer.backends.gcs import GcsRevision
 
             assert isinstance(self.revision, GcsRevision)
             self.revision.put_bytes(path, data)

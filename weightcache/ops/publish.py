@@ -16,7 +16,7 @@ from weightcache.errors import AccessDenied, SourceError, UsageError
 from weightcache.sourceurl import Source
 
 if TYPE_CHECKING:
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def publish(local_dir: Path, dest: Source, settings: OriginSettings, force: bool
     other content is refused (UsageError) unless `force`: the nodes that cached it would
     go on serving its old bytes. One published with this content is left as it is.
     """
-    from weightcache.transfer.s3 import Origin
+    from weightcache.transfer.backends.s3.client import Origin
 
     if dest.scheme != "s3":
         raise UsageError(

@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 from weightcache.config import OriginSettings
 from weightcache.errors import Interrupted, TransientError
-from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
-from weightcache.transfer.parts import plan_parts
-from weightcache.transfer.ranged import (
+from weightcache.transfer.downloader import (
     BUFFER,
     PROGRESS_BYTES,
     NullObserver,
     Run,
     TransferObserver,
 )
+from weightcache.transfer.pacing import AIMDGate, Backoff, TokenBucket
+from weightcache.transfer.parts import plan_parts
 from weightcache.transfer.sources import (
     READ_TIMEOUT,
     BlobSource,
