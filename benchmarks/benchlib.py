@@ -456,7 +456,7 @@ def s3_client(endpoint_url: str, store_env: dict[str, str]) -> Any:
     """A boto3 S3 client for the store (the harness's own uploads, never measured)."""
     import boto3
 
-    from weightcache.transfer.backends.s3.client import without_expect_continue
+    from weightcache.transfer.backends.s3.transport import without_expect_continue
 
     client = boto3.client(
         "s3",

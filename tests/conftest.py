@@ -57,7 +57,7 @@ def s3(store: Any) -> Any:
     import boto3
     from botocore.config import Config
 
-    from weightcache.transfer.backends.s3.client import without_expect_continue
+    from weightcache.transfer.backends.s3.transport import without_expect_continue
 
     env = store.env
     client = boto3.client(

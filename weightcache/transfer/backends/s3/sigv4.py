@@ -1,6 +1,6 @@
 """AWS Signature Version 4 query signing for S3, stdlib only: the presigned URLs of the
-control plane's signed path (backends/s3/client.py), for static credentials at an explicit
-endpoint."""
+control plane's signed transport (backends/s3/transport.py), for static credentials at an
+explicit endpoint."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What an S3 store answers, read: its error codes and error documents as weightcache errors
 (`translate`, for boto3's calls and the signed ones alike) and a ListObjectsV2 page
-(`listing_page`) for the signed path of `s3.Origin`."""
+(`listing_page`) for the signed transport of `s3.Origin`."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def listing_page(body: bytes) -> tuple[list[tuple[str, int]], dict[str, str]]:
 
 
 class StoreError(Exception):
-    """An error response to a request signed here: the signed path's botocore ClientError."""
+    """An error response to a signed request: the signed transport's botocore ClientError."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"{status} {code}: {message}")
