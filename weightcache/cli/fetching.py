@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from weightcache.cli.reporting import reports_errors
-from weightcache.config import Capacity, OriginSettings, format_duration, parse_pod_uid
+from weightcache.config import Capacity, format_duration, parse_pod_uid
 from weightcache.errors import UsageError
+from weightcache.ops.fetching import FetchSettings, ready
 from weightcache.options import (
     cache_dir_option,
     converter,
@@ -24,13 +25,12 @@ from weightcache.options import (
     require_sha256_option,
     store_options,
 )
-from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL, human
+from weightcache.progress import LOG_INTERVAL, TTY_INTERVAL
 from weightcache.sourceurl import Source
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from weightcache.fetch import FetchResult
+    from contextlib import AbstractContextManager
 
 log = logging.getLogger("weightcache")
 
@@ -101,8 +101,17 @@ def fetch(
     # that frozen, once the download starts (`_collect_again`).
     gc.disable()
     try:
-        result = _ready(source, cache_dir, name, revision, pod_uid, use_daemon, min_free,
-                        progress_interval, require_sha256, store)  # fmt: skip
+        src = Source.parse(source, name, revision)
+        settings = FetchSettings(
+            cache_dir=cache_dir,
+            origin=origin_settings(store),
+            pod_uid=pod_uid,
+            use_daemon=use_daemon,
+            min_free=min_free,
+            progress_interval=progress_interval,
+            require_sha256=require_sha256,
+        )
+        result = ready(src, settings, started=_collect_again, interrupts=_on_sigterm)
         if as_json:
             click.echo(json.dumps(result.to_dict()))
         else:
@@ -129,129 +138,14 @@ def _collect_again() -> None:
     gc.enable()
 
 
-def _ready(
-    source: str,
-    cache_dir: Path,
-    name: str | None,
-    revision: str | None,
-    pod_uid: str | None,
-    use_daemon: bool,
-    min_free: Capacity,
-    progress_interval: float | None,
-    require_sha256: bool,
-    store: dict[str, Any],
-) -> FetchResult:
-    """The revision made ready (a hit, or a miss fetched): its FetchResult. With
-    `require_sha256`, SourceError unless a sha256 verified every file, however it came."""
-    from weightcache.cache.layout import Layout, check_revision
-    from weightcache.fetch import check_hit
-
-    src = Source.parse(source, name, revision)
-    settings = origin_settings(store)
-    if not src.pinned:  # an hf:// branch or tag: its commit is the cache's revision
-        from weightcache.fetch import resolve
-
-        src = resolve(src, settings.timeout)
-    check_revision(src.name, src.revision)
-    layout = Layout.open(cache_dir)
-    result = check_hit(layout, src, pod_uid)
-    if result is not None and use_daemon and layout.socket.exists():
-        from weightcache.daemon.fetchsocket import notify_hit  # imports socket: only on this path
-
-        notify_hit(layout.socket, src, pod_uid)
-    if result is None:
-        result = _fetch_miss(layout, settings, src, pod_uid, use_daemon, min_free,
-                             progress_interval, require_sha256)  # fmt: skip
-    if require_sha256:  # a hit, or the daemon's fetch, knew nothing of this policy
-        from weightcache.fetch import refuse_unless_sha256
-
-        refuse_unless_sha256(layout, src)
-    return result
-
-
-def _fetch_miss(
-    layout: Any,
-    settings: OriginSettings,
-    src: Source,
-    pod_uid: str | None,
-    use_daemon: bool,
-    min_free: Capacity,
-    progress_interval: float | None,
-    require_sha256: bool,
-) -> FetchResult:
-    from weightcache.cache.alone import registered
-    from weightcache.daemon.fetchsocket import ask_daemon
-    from weightcache.fetch import Fetcher, FetchResult
-    from weightcache.progress import Progress
-
-    if use_daemon:
-        answer = ask_daemon(layout.socket, src, pod_uid)
-        if answer is not None:
-            answer.pop("throughput", None)
-            # Our mount of the cache, not the daemon's: they may differ (initcontainer/).
-            answer["path"] = str(layout.revision_dir(src.name, src.revision))
-            return FetchResult(**answer)
-    if layout.read_only:
-        raise _read_only_miss(layout, src, use_daemon)
-    progress = Progress(src.label, 0, interval=progress_interval, started=_collect_again)
-    # No peers: every GET is origin.
-    fetcher = Fetcher(
-        layout, settings, observer=progress, reserve=_keep_free(layout, src, min_free)
-    )
-    # SIGTERM (the kubelet deleting the Pod): the downloads stop after their current read,
-    # the part states are saved, and the fetch says so on its way out (exit 143).
+def _on_sigterm(stop: Callable[[], None]) -> AbstractContextManager[object]:
+    """SIGTERM (the kubelet deleting the Pod): the downloads stop after their current read,
+    the part states are saved, and the fetch says so on its way out (exit 143)."""
     import signal
 
     from weightcache.cli.signals import calling_on
 
-    # Fetching alone: the node daemon counts us through the cache dir (design §6).
-    try:
-        with (
-            calling_on((signal.SIGTERM,), fetcher.interrupt),
-            registered(
-                layout,
-                src.name,
-                src.revision,
-                lambda: progress.inflight,
-                lambda: progress.throttles,
-            ),
-        ):
-            return fetcher.fetch(src, pod_uid, require_sha256)
-    finally:
-        progress.close()
-
-
-def _keep_free(layout: Any, src: Source, min_free: Capacity) -> Callable[[int], None]:
-    """The Fetcher's `reserve` for a fetch alone: nothing evicts for it, so a download
-    that would leave less than --min-free free on the cache disk is NoSpaceError (exit 5)
-    before its first byte."""
-    from weightcache.errors import NoSpaceError
-
-    def reserve(need: int) -> None:
-        size, free = layout.disk_space()
-        floor = min_free.resolve(size)
-        if floor and free - need < floor:
-            raise NoSpaceError(
-                f"{src.label} needs {human(need)} but the cache disk at {layout.root} has "
-                f"{human(free)} free and --min-free keeps {human(floor)} of it free; nothing "
-                "evicts for a fetch alone: free space on the disk (weightcache gc), lower "
-                "--min-free, or let the node daemon fetch it"
-            )
-
-    return reserve
-
-
-def _read_only_miss(layout: Any, src: Source, use_daemon: bool) -> UsageError:
-    """A miss on a read-only cache (the Pods' mount, initcontainer/): only the node daemon
-    can bring the revision in."""
-    why = "--no-daemon was given" if not use_daemon else (
-        f"no node daemon answers on {layout.socket}")  # fmt: skip
-    return UsageError(
-        f"{src.label} is not in the cache at {layout.root}, which is mounted read-only, and "
-        f"{why}: a read-only cache fetches only through the daemon; start the weightcache "
-        "DaemonSet on this node, or mount the cache read-write (initcontainer/components/"
-        "read-write)"
-    )
+    return calling_on((signal.SIGTERM,), stop)
 
 
 @click.command()
