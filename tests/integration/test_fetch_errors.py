@@ -3,10 +3,12 @@ directory (design §2.2 exit codes 2 and 3, §2.1 manifest, §3 invariant 5)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import itertools
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from tests.conftest import BUCKET, CLI, MANIFEST, Published, dead_endpoint, put_
 from tests.support import modelgen
 from tests.support.checks import assert_fails, describe, markers, snapshot
 from tests.support.faultproxy import FaultProxy
-from tests.support.webservers import silent_server
+from tests.support.proxy_handler import SLOWDOWN_BODY
+from tests.support.webservers import serving, silent_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,32 +186,33 @@ ENDLESS_PAGE = b"""<ListBucketResult><IsTruncated>true</IsTruncated>
 <NextContinuationToken>again</NextContinuationToken></ListBucketResult>"""
 
 
+class _Answering(http.server.BaseHTTPRequestHandler):
+    """A store on loopback whose `do_GET` answers with `answer`, quietly."""
+
+    def answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
 @pytest.fixture
 def hostile_store() -> Iterator[Callable[[bytes], str]]:
     """`answer(body)`: the URL of a server on loopback that answers every request 200 with
     `body`: a broken store, or something else at the endpoint."""
-    servers: list[http.server.ThreadingHTTPServer] = []
+    with contextlib.ExitStack() as servers:
 
-    def answer(body: bytes) -> str:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def answer(body: bytes) -> str:
+            class Handler(_Answering):
+                def do_GET(self) -> None:
+                    self.answer(200, body)
 
-            def log_message(self, *_: object) -> None:
-                pass
+            return servers.enter_context(serving(Handler))
 
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        servers.append(server)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{server.server_address[1]}"
-
-    yield answer
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+        yield answer
 
 
 @pytest.mark.parametrize(
@@ -252,28 +256,16 @@ def test_a_listing_of_empty_pages_each_with_a_new_token_ends(
     times in 30 s and never ended."""
     pages = itertools.count()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(_Answering):
         def do_GET(self) -> None:
-            body = (b"<ListBucketResult><IsTruncated>true</IsTruncated><NextContinuationToken>"
-                    b"%d</NextContinuationToken></ListBucketResult>" % next(pages))  # fmt: skip
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.answer(200, b"<ListBucketResult><IsTruncated>true</IsTruncated>"
+                        b"<NextContinuationToken>%d</NextContinuationToken>"
+                        b"</ListBucketResult>" % next(pages))  # fmt: skip
 
-        def log_message(self, *_: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    with serving(Handler) as endpoint:
         message = assert_fails(
             wc.fetch("s3://models/m/r", cache_dir, endpoint=endpoint, env=guarded), 3
         )
-    finally:
-        server.shutdown()
-        server.server_close()
     assert "pages without a key" in message, message
     assert next(pages) <= 20
 
@@ -466,3 +458,36 @@ def test_sigterm_ends_a_listing_waiting_on_a_silent_store(wc: CLI, cache_dir: Pa
         assert seconds < 5, describe(done)
     assert "interrupted" in assert_fails(done, 143)
     assert markers(cache_dir) == []
+
+
+def test_a_failed_listing_stops_the_sha256sums_request_in_the_background(
+    wc: CLI, cache_dir: Path, guarded: dict[str, str]
+) -> None:
+    """SHA256SUMS is requested beside the listing; once the listing's error ends the fetch,
+    that request is abandoned, not retried: a wrong endpoint printed its error line and
+    then kept the process alive for its retries. The store holds each SHA256SUMS GET
+    until the error line is out, then answers it 503 SlowDown: no GET may follow."""
+    released, late = threading.Event(), []
+
+    class Handler(_Answering):
+        def do_GET(self) -> None:
+            if not self.path.split("?")[0].endswith("/SHA256SUMS"):
+                self.answer(200, b"<html>not a listing</html>")  # a SourceError at once
+                return
+            if released.is_set():
+                late.append(self.path)
+            released.wait(60)
+            self.answer(503, SLOWDOWN_BODY)
+
+    with serving(Handler) as endpoint:
+        running = wc.fetch_popen("s3://models/m/r", cache_dir, "--no-daemon", "--timeout",
+                                 "60s", endpoint=endpoint, env=guarded)  # fmt: skip
+        try:
+            while "weightcache: error:" not in running.stderr_path.read_text(errors="replace"):
+                assert running.poll() is None, describe(running.finish())
+                time.sleep(0.05)
+        finally:
+            released.set()
+        done = running.finish()
+    assert "not ListObjectsV2" in assert_fails(done, 3)
+    assert not late, f"SHA256SUMS requested {len(late)} more time(s) after the listing failed"

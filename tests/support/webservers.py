@@ -185,7 +185,15 @@ class _WebPage(http.server.BaseHTTPRequestHandler):
 @contextmanager
 def web_page() -> Iterator[str]:
     """The URL of a `_WebPage` server on loopback, for the block's duration."""
-    server = _Server(("127.0.0.1", 0), _WebPage)
+    with serving(_WebPage) as url:
+        yield url
+
+
+@contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """The URL of a server of `handler` on loopback, for the block's duration; its handlers
+    still running at the end are not waited for."""
+    server = _Server(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"

@@ -16,6 +16,7 @@ from weightcache.transfer.pacing import (
     Retries,
     TokenBucket,
     Verdict,
+    abandoned_on,
     retrying,
     tries,
 )
@@ -423,3 +424,22 @@ def test_retrying_stops_when_interrupted_between_attempts(clock: FakeClock) -> N
 
     with pytest.raises(Interrupted):
         retrying("GET x", interrupted_attempt, _classify, _retries(clock), "try again", other)
+
+
+def test_retrying_stops_once_its_thread_is_abandoned_not_others(clock: FakeClock) -> None:
+    """A request in the background whose caller gave up tries nothing more, even during a
+    long pause, while the client's `stop` (the main download's) stays unset; after it, the
+    thread's calls retry again."""
+    abandoned, stop = threading.Event(), _Stop(clock)
+    call = _Flaky(TimeoutError("a"), TimeoutError("b"))
+
+    def abandoning() -> str:
+        threading.Timer(0.05, abandoned.set).start()  # set during the attempt or the pause
+        return call()
+
+    with abandoned_on(abandoned), pytest.raises(Interrupted):
+        retrying("GET x", abandoning, _classify, _retries(clock, wait=30.0), "", stop)
+    assert call.calls == 1 and not stop.is_set()
+    again = _Flaky(TimeoutError("a"))
+    assert retrying("GET x", again, _classify, _retries(clock), "", stop) == "done"
+    assert again.calls == 2

@@ -158,23 +158,32 @@ def resolve(source: Source, timeout: float) -> Source:
 
 
 class _Background(Generic[T]):
-    """`fn()` run in a thread; `result()` waits and returns or raises what it did. Left
-    unread, it finishes on its own (the control plane's calls are bounded by --timeout), and
-    the interpreter waits for it before it exits: a daemon thread still in a TLS handshake
-    while the interpreter finalizes crashed the process (SIGSEGV after the error line)."""
+    """`fn()` run in a thread; `result()` waits and returns or raises what it did. The
+    interpreter waits for it before it exits: a daemon thread still in a TLS handshake while
+    the interpreter finalizes crashed the process (SIGSEGV after the error line). So a
+    caller that gives up on it calls `abandon()`: its control-plane calls try nothing more
+    (pacing.abandoned_on), and the attempt in flight is its last."""
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self._fn = fn
         self._value: T | None = None
         self._error: Exception | None = None
+        self._abandoned = threading.Event()
         self._thread = threading.Thread(target=self._run)
         self._thread.start()
 
     def _run(self) -> None:
+        from weightcache.transfer.pacing import abandoned_on
+
         try:
-            self._value = self._fn()
+            with abandoned_on(self._abandoned):
+                self._value = self._fn()
         except Exception as e:  # re-raised in the caller's thread by result()
             self._error = e
+
+    def abandon(self) -> None:
+        """Nobody reads the result: stop retrying (what it raises then is never read)."""
+        self._abandoned.set()
 
     def result(self) -> T:
         self._thread.join()
@@ -425,13 +434,17 @@ class Fetcher:
         # The listing first: its answer is awaited first, and the store takes longer over it.
         listing = _Background(revision.list_sizes)
         content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
-        self.downloader  # noqa: B018 - built (its modules imported) while the store answers
-        # A new cache's state.db too (in a thread of its own): while the store answers and
-        # the blobs download, not after them, nor between the manifest and the first GET.
-        self.index.create_aside()
-        sizes = _checked(listing.result(), revision.url)
-        if MANIFEST_NAME in sizes:
-            return self._parsed(source, revision, content, sizes), {}, 0
+        try:
+            self.downloader  # noqa: B018 - built (its modules imported) while the store answers
+            # A new cache's state.db too (in a thread of its own): while the store answers and
+            # the blobs download, not after them, nor between the manifest and the first GET.
+            self.index.create_aside()
+            sizes = _checked(listing.result(), revision.url)
+            if MANIFEST_NAME in sizes:
+                return self._parsed(source, revision, content, sizes), {}, 0
+        finally:  # read, or of no more use (a failure, no manifest): neither is retried now
+            listing.abandon()
+            content.abandon()
         if not sizes:  # not a revision without a manifest: nothing at all, a wrong URL
             raise SourceError(
                 f"nothing under {revision.url}/ (no {MANIFEST_NAME}, no files); check the "

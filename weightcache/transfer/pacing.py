@@ -10,7 +10,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -18,6 +19,7 @@ from weightcache.errors import Interrupted, TransientError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_thread = threading.local()  # `abandoned_on`'s Event of this thread, if any
 Clock = Callable[[], float]
 Sleep = Callable[[float], None]
 
@@ -171,6 +173,18 @@ def tries(n: int) -> str:
 Verdict = str | Exception
 
 
+@contextmanager
+def abandoned_on(event: threading.Event) -> Iterator[None]:
+    """Within it, every `retrying` of this thread stops as its `stop` would once `event` is
+    set: a request made in the background that its caller no longer waits for, stopped
+    without stopping the client (the main download) it shares."""
+    _thread.abandoned = event
+    try:
+        yield
+    finally:
+        _thread.abandoned = None
+
+
 def retrying(
     what: str,
     attempt: Callable[[], T],
@@ -185,18 +199,20 @@ def retrying(
     the attempts are spent.
 
     Raises what `classify` returns for a failure no retry fixes (chained to it); Interrupted
-    once `stop` is set (before an attempt, after a failure, or during the pause);
+    once `stop` (or `abandoned_on`'s Event) is set (before an attempt, after a failure, or
+    during the pause);
     TransientError "giving up on <what> after N attempts in Ts, last: <cause>; <advice>"
     when the attempts or the budget are spent, chained to the last failure."""
+    stops = [s for s in (stop, getattr(_thread, "abandoned", None)) if s is not None]
     began, n = retries.clock(), 0
     while True:
         n += 1
-        if stop is not None and stop.is_set():
+        if any(s.is_set() for s in stops):
             raise Interrupted()
         try:
             return attempt()
         except Exception as e:
-            if stop is not None and stop.is_set():  # a connection shut down by interrupt()
+            if any(s.is_set() for s in stops):  # a connection shut down by interrupt()
                 raise Interrupted() from e
             verdict = classify(e)
             if isinstance(verdict, Exception):
@@ -211,7 +227,21 @@ def retrying(
                 ) from e
             log.log(retry_level(n), "%s: attempt %d/%d failed (%s); retrying in %.1fs",
                     what, n, retries.attempts, verdict, delay)  # fmt: skip
-            if stop is None:
-                retries.sleep(delay)
-            elif stop.wait(delay):
+            if _pause(stops, delay, retries.sleep):
                 raise Interrupted() from e
+
+
+def _pause(stops: list[threading.Event], delay: float, sleep: Sleep) -> bool:
+    """Wait `delay` seconds, or less if one of `stops` is set (then True)."""
+    if not stops:
+        sleep(delay)
+        return False
+    if len(stops) == 1:
+        return stops[0].wait(delay)
+    end = time.monotonic() + delay
+    while not any(s.is_set() for s in stops):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        stops[0].wait(min(left, 0.1))  # the others are polled: one wait cannot watch two
+    return True
