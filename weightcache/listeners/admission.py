@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SWEEP = 0.5  # seconds between checks of the idle and header deadlines
-#: The kubelet's probes: requests admitted on slots of their own (`Limits.probes`).
+#: The kubelet's probes: requests admitted on slots of their own (`ConnectionLimits.probes`).
 PROBES = frozenset({"/healthz", "/readyz"})
 
 

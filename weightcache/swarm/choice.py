@@ -5,7 +5,7 @@ piece and a source (a peer's URL, or `ORIGIN`: the object store), from this node
 the blob (`Local`: pieces held, requests in flight, its rank in the membership), its possibly
 stale view of its peers (`PeerView`: the pieces each holds, fetches and streams, its uploads),
 the store as this node sees it (`StoreView`: room and window, kept with `next_window`) and
-the bounds (`Limits`). It remembers nothing between calls: the caller calls it again
+the bounds (`RequestLimits`). It remembers nothing between calls: the caller calls it again
 whenever something changes, and a stale or wrong view costs at most duplicate or idle
 requests, never wrong data (the data plane verifies every piece).
 
@@ -253,7 +253,7 @@ class _Plan:
         the store as it arrives), each from its least busy holder, else from its streamer.
 
         One request per peer first, as many peers as offer something; a peer gets a second
-        (up to `Limits.per_peer`) only while fewer than `Limits.fill` are in flight to
+        (up to `RequestLimits.per_peer`) only while fewer than `RequestLimits.fill` are in flight to
         peers: enough requests to fill this node's link, over as many uplinks as possible
         (design §8, One request per peer first).
         """
@@ -262,7 +262,7 @@ class _Plan:
 
     def _peers_up_to(self, bound: int, rng: random.Random) -> None:
         """Rule 2 with at most `bound` requests per peer (after the first round, until
-        `Limits.fill` are in flight to peers)."""
+        `RequestLimits.fill` are in flight to peers)."""
         while bound == 1 or self._to_peers() < self.limits.fill:
             free = [p for p in self.peers if self._free(p.url, bound) and p.offers() & self.wanted]
             available = 0
