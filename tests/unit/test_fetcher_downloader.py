@@ -86,8 +86,8 @@ def test_a_background_request_is_waited_for_before_the_process_exits(tmp_path: P
     done = tmp_path / "done"
     script = (
         "import sys, time\n"
-        "from weightcache.fetch.revision import _Background\n"
-        f"_Background(lambda: time.sleep(0.3) or open({str(done)!r}, 'w').close())\n"
+        "from weightcache.transfer.pacing import Background\n"
+        f"Background(lambda: time.sleep(0.3) or open({str(done)!r}, 'w').close())\n"
         "sys.exit(3)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], timeout=30)

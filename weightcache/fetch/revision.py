@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from weightcache.cache.index import for_cache
 from weightcache.cache.layout import Layout
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from weightcache.transfer.backends.s3.client import Origin
     from weightcache.transfer.downloader import RangedDownloader, TransferObserver
     from weightcache.transfer.httpclient import HttpRanges
+    from weightcache.transfer.pacing import Background
     from weightcache.transfer.sources import BlobSource, RevisionSource
 
 log = logging.getLogger(__name__)
@@ -155,42 +156,6 @@ def resolve(source: Source, timeout: float) -> Source:
     commit = HubRevision(HttpRanges(), source.prefix, source.revision, timeout).commit
     log.info("%s is commit %s", source.url, commit)
     return dataclasses.replace(source, revision=commit)
-
-
-class _Background(Generic[T]):
-    """`fn()` run in a thread; `result()` waits and returns or raises what it did. The
-    interpreter waits for it before it exits: a daemon thread still in a TLS handshake while
-    the interpreter finalizes crashed the process (SIGSEGV after the error line). So a
-    caller that gives up on it calls `abandon()`: its control-plane calls try nothing more
-    (pacing.abandoned_on), and the attempt in flight is its last."""
-
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self._fn = fn
-        self._value: T | None = None
-        self._error: Exception | None = None
-        self._abandoned = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from weightcache.transfer.pacing import abandoned_on
-
-        try:
-            with abandoned_on(self._abandoned):
-                self._value = self._fn()
-        except Exception as e:  # re-raised in the caller's thread by result()
-            self._error = e
-
-    def abandon(self) -> None:
-        """Nobody reads the result: stop retrying (what it raises then is never read)."""
-        self._abandoned.set()
-
-    def result(self) -> T:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value
 
 
 class Fetcher:
@@ -432,8 +397,10 @@ class Fetcher:
         revision's `lock`."""
         revision = self.revision_source(source)
         # The listing first: its answer is awaited first, and the store takes longer over it.
-        listing = _Background(revision.list_sizes)
-        content = _Background(lambda: revision.read_bytes(MANIFEST_NAME))
+        from weightcache.transfer.pacing import Background
+
+        listing = Background(revision.list_sizes)
+        content = Background(lambda: revision.read_bytes(MANIFEST_NAME))
         try:
             self.downloader  # noqa: B018 - built (its modules imported) while the store answers
             # A new cache's state.db too (in a thread of its own): while the store answers and
@@ -463,7 +430,7 @@ class Fetcher:
         return plan.manifest(sha256s), plan.verified, fetched
 
     def _parsed(
-        self, source: Source, revision: RevisionSource, content: _Background[bytes],
+        self, source: Source, revision: RevisionSource, content: Background[bytes],
         sizes: dict[str, int],
     ) -> Manifest:  # fmt: skip
         """The SHA256SUMS `content` parsed, validated against the listing `sizes`."""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from weightcache.errors import Interrupted, TransientError
 
@@ -245,3 +245,37 @@ def _pause(stops: list[threading.Event], delay: float, sleep: Sleep) -> bool:
             return False
         stops[0].wait(min(left, 0.1))  # the others are polled: one wait cannot watch two
     return True
+
+
+class Background(Generic[T]):
+    """`fn()` run in a thread; `result()` waits and returns or raises what it did. The
+    interpreter waits for it before it exits: a daemon thread still in a TLS handshake while
+    the interpreter finalizes crashed the process (SIGSEGV after the error line). So a
+    caller that gives up on it calls `abandon()`: its control-plane calls try nothing more
+    (`abandoned_on`), and the attempt in flight is its last."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._value: T | None = None
+        self._error: Exception | None = None
+        self._abandoned = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with abandoned_on(self._abandoned):
+                self._value = self._fn()
+        except Exception as e:  # re-raised in the caller's thread by result()
+            self._error = e
+
+    def abandon(self) -> None:
+        """Nobody reads the result: stop retrying (what it raises then is never read)."""
+        self._abandoned.set()
+
+    def result(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
